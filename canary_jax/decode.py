@@ -1,0 +1,167 @@
+"""Violation ring rows to records and SGLang's report text (SPEC 9; SGLang ``violation_reporter.py``).
+
+Host-side only: these read device arrays back (a device-to-host copy) and must stay off the hot path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from canary_jax import constants as C
+from canary_jax import ints
+
+_WRITE_BITS = int(C.FailReason.WRITE_TOKEN_MISMATCH | C.FailReason.WRITE_POSITION_MISMATCH)
+_TOKEN_BITS = int(C.FailReason.WRITE_TOKEN_MISMATCH | C.FailReason.VERIFY_TOKEN_MISMATCH)
+
+
+def reason_label(flag: C.FailReason) -> str:
+    """``VERIFY_CHAIN_HASH_MISMATCH`` -> ``verify_chain_hash`` (member name, lower case, minus ``_mismatch``)."""
+    name = flag.name.lower()
+    return name[: -len("_mismatch")] if name.endswith("_mismatch") else name
+
+
+def reason_labels(bits: int) -> list[str]:
+    """Labels of the set bits, in bit order."""
+    return [reason_label(f) for f in C.FailReason if int(bits) & int(f)]
+
+
+def tag_label(kernel_kind: int) -> str:
+    """Tag name, or ``unknown(n)`` for a value outside CanaryLaunchTag."""
+    try:
+        return C.CanaryLaunchTag(int(kernel_kind)).name
+    except ValueError:
+        return f"unknown({int(kernel_kind)})"
+
+
+def canary_kind_label(kernel_kind: int) -> str:
+    """``per_forward_<tag lower>`` for HEAD/TAIL tags, ``sweep_*`` for sweep tags, else the tag label."""
+    try:
+        tag = C.CanaryLaunchTag(int(kernel_kind))
+    except ValueError:
+        return tag_label(kernel_kind)
+    return tag.name.lower() if tag.is_sweep else f"per_forward_{tag.name.lower()}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ViolationRecord:
+    """One ring row, decoded. Integer fields are signed int64 as stored; hashes print as uint64."""
+
+    index: int
+    kernel_kind: int
+    slot_idx: int
+    position: int
+    stored_token: int
+    expected_token: int
+    stored_chain_hash: int
+    expected_aux: int
+    fail_reason_bits: int
+
+    @property
+    def tag(self) -> str:
+        return tag_label(self.kernel_kind)
+
+    @property
+    def reasons(self) -> list[str]:
+        return reason_labels(self.fail_reason_bits)
+
+    @property
+    def is_write(self) -> bool:
+        """Rows of the write kernel carry write bits (8 / 16)."""
+        return bool(self.fail_reason_bits & _WRITE_BITS)
+
+    @classmethod
+    def from_row(cls, index: int, row: Sequence[int]) -> "ViolationRecord":
+        return cls(index, *(int(v) for v in row))
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["tag"] = self.tag
+        d["reasons"] = self.reasons
+        return d
+
+
+def _ring_and_index(log_or_ring: Any, write_index: Any | None) -> tuple[np.ndarray, int]:
+    if write_index is None:
+        ring, wi = log_or_ring.ring, log_or_ring.write_index
+    else:
+        ring, wi = log_or_ring, write_index
+    ring = np.asarray(ring)
+    if ring.ndim == 3:
+        ring = ints.pairs_to_int64_np(ring)
+    elif ring.ndim != 2 or ring.shape[1] != C.VIOLATION_FIELDS or ring.dtype != np.int64:
+        raise ValueError(
+            f"kv-canary: violation ring must be int64[R, 8] or uint32[R, 8, 2], got shape {ring.shape} dtype {ring.dtype}"
+        )
+    wi_arr = np.asarray(wi).reshape(-1)
+    if wi_arr.size != 1:
+        raise ValueError(f"kv-canary: violation_write_index must hold one value, got shape {np.shape(wi)}")
+    return ring, int(wi_arr[0])
+
+
+def decode_violations(log_or_ring: Any, write_index: Any | None = None, *, start: int = 0) -> list[ViolationRecord]:
+    """Decodes recorded rows ``[start, min(write_index, R))``.
+
+    Args:
+      log_or_ring: a :class:`~canary_jax.layout.ViolationLog`, or a ring as ``int64[R, 8]`` (numpy, e.g. saved
+        from SGLang) or ``uint32[R, 8, 2]``; then ``write_index`` must be given.
+      write_index: ``int32[1]`` (or an int) when a bare ring is passed.
+      start: first row to decode (SGLang's ``last_logged`` cursor).
+
+    Raises:
+      ValueError: a ring of the wrong shape.
+    """
+    ring, wi = _ring_and_index(log_or_ring, write_index)
+    n = max(0, min(wi, ring.shape[0]))
+    return [ViolationRecord.from_row(i, ring[i]) for i in range(max(0, start), n)]
+
+
+def format_violation(record: ViolationRecord, *, total: int, ring_overflow: bool, step_when_pumped: int) -> str:
+    """SGLang's multi-line violation text (first line is the frozen key=value summary)."""
+    mask = C.U64_MASK
+    reasons = record.reasons
+    label = record.tag
+    structured = (
+        f"kv_canary violation: launch_tag={label} "
+        f"fail_reason={'+'.join(reasons) if reasons else 'none'} "
+        f"slot_idx={record.slot_idx} position={record.position} "
+        f"stored_token={record.stored_token} expected_token={record.expected_token} "
+        f"stored_chain_hash={record.stored_chain_hash & mask:#018x} "
+        f"expected_aux={record.expected_aux & mask:#018x}"
+    )
+    header = (
+        f"KV cache canary violation detected (kernel_kind={label}, slot_idx={record.slot_idx}, "
+        f"position={record.position})"
+    )
+    kind_line = f"canary_kind:       {canary_kind_label(record.kernel_kind)}"
+    reasons_line = f"  fail_reasons: {' '.join(reasons) if reasons else 'none'}"
+    if record.is_write:
+        body = [
+            f"  actual:   token_id={record.stored_token}   position={record.position} "
+            f"prev_hash={record.stored_chain_hash & mask:#018x}",
+            f"  expected: token_id={record.expected_token}   position={record.expected_aux}",
+        ]
+    else:
+        exp = record.expected_aux & mask
+        body = [
+            f"  stored:   token_id={record.stored_token}   position={record.position} "
+            f"prev_hash={record.stored_chain_hash & mask:#018x}",
+            f"  expected: token_id={record.expected_token} prev_hash={exp:#018x}"
+            if record.fail_reason_bits & _TOKEN_BITS
+            else f"  expected: prev_hash={exp:#018x}",
+        ]
+    footer = f"  total_violations={total} ring_overflow={ring_overflow} step_when_pumped={step_when_pumped}"
+    return "\n".join([structured, header, kind_line, reasons_line, *body, footer])
+
+
+def format_violations(log_or_ring: Any, write_index: Any | None = None, *, start: int = 0,
+                      step_when_pumped: int = 0) -> list[str]:
+    """One formatted message per recorded row from ``start`` (what SGLang's reporter logs or raises)."""
+    ring, wi = _ring_and_index(log_or_ring, write_index)
+    overflow = wi > ring.shape[0]
+    return [
+        format_violation(r, total=wi, ring_overflow=overflow, step_when_pumped=step_when_pumped)
+        for r in decode_violations(ring, np.array([wi]), start=start)
+    ]

@@ -1,0 +1,204 @@
+"""Public verify / write entry points: validate before tracing, normalise int64 inputs, pick a backend.
+
+``verify(...)`` and ``write(...)`` are what serving code calls. They
+
+1. run every static check (dtypes, shapes, stride, sources <= 4, write-input-assert presence) and raise a
+   clear ``TypeError`` / ``ValueError`` before anything is traced or mutated;
+2. turn int64-valued inputs into uint32 pairs losslessly (:mod:`canary_jax.ints`);
+3. dispatch to the ``reference`` (pure jnp) or ``pallas`` backend. ``backend=None`` reads the environment
+   variable ``CANARY_JAX_BACKEND`` and otherwise picks ``pallas`` on GPU and ``reference`` elsewhere
+   (``pallas`` on CPU runs the same kernels in interpret mode).
+
+Outside ``jit`` the canary buffer (write only) and the violation log are donated to the launch, so the update
+happens in place; do not reuse the arrays you passed in, use the returned context. Inside a caller's ``jit``
+the calls trace inline and XLA updates in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import jax
+
+from canary_jax import ints
+from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan, check_context
+from canary_jax import reference as R
+
+BACKENDS = ("reference", "pallas")
+BACKEND_ENV = "CANARY_JAX_BACKEND"
+
+
+def resolve_backend(backend: str | None = None) -> str:
+    """``backend`` if given, else ``$CANARY_JAX_BACKEND``, else ``pallas`` on GPU and ``reference`` elsewhere.
+
+    Raises:
+      ValueError: an unknown backend name.
+    """
+    name = backend if backend is not None else os.environ.get(BACKEND_ENV) or None
+    if name is None:
+        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
+    name = str(name).lower()
+    if name not in BACKENDS:
+        raise ValueError(f"kv-canary: backend must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+def _is_tracing(*xs: Any) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(xs))
+
+
+def _impl(backend: str, op: str):
+    if backend == "reference":
+        return R.verify_reference if op == "verify" else R.write_reference
+    from pallas_kernels import verify as pv, write as pw  # lazy: pallas_kernels builds on canary_jax
+
+    return pv.verify_pallas if op == "verify" else pw.write_pallas
+
+
+# --- verify ----------------------------------------------------------------------------------------------
+def verify(
+    context: VerifyOrWriteContext,
+    plan: VerifyPlan,
+    *,
+    check_verify_expected_token: bool = False,
+    backend: str | None = None,
+) -> VerifyOrWriteContext:
+    """Runs one verify launch; semantics of :func:`canary_jax.reference.verify_reference`.
+
+    Returns:
+      The context with the new violation log (the canary buffer is read-only for verify).
+
+    Raises:
+      TypeError / ValueError: any static check (before tracing; nothing is mutated).
+    """
+    check_context(context)
+    if not isinstance(plan, VerifyPlan):
+        raise TypeError(f"kv-canary: plan must be a VerifyPlan, got {type(plan).__name__}")
+    plan.check()
+    backend = resolve_backend(backend)
+    fn = _impl(backend, "verify")
+    if _is_tracing(context, plan):
+        return fn(context, plan, check_verify_expected_token=bool(check_verify_expected_token))
+    log = _verify_donating(fn, context, plan, bool(check_verify_expected_token))
+    return context.replace(log=log)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
+def _verify_jit(fn, canary_buf, log, rest, check):
+    sources, plan, kind, mode = rest[0], rest[1], rest[2], rest[3]
+    ctx = VerifyOrWriteContext(canary_buf=canary_buf, kernel_kind=kind, log=log, real_kv_sources=sources,
+                               real_kv_hash_mode=mode)
+    return fn(ctx, plan, check_verify_expected_token=check).log
+
+
+def _verify_donating(fn, context, plan, check):
+    rest = _Rest(context.real_kv_sources, plan, context.kernel_kind, context.real_kv_hash_mode)
+    return _verify_jit(fn, context.canary_buf, context.log, rest, check)
+
+
+# --- write -----------------------------------------------------------------------------------------------
+def normalize_write_inputs(
+    input_ids,
+    positions,
+    out_cache_loc,
+    *,
+    enable_write_input_assert: bool,
+    expected_input_tokens=None,
+    expected_input_positions=None,
+):
+    """Checks the token arrays and converts them to int64 pairs ``uint32[T, 2]``.
+
+    Raises:
+      ValueError: expected tensors present/absent against the flag (SGLang's messages), or lengths differ.
+      TypeError: non-integer data.
+    """
+    if enable_write_input_assert:
+        if expected_input_tokens is None or expected_input_positions is None:
+            raise ValueError(
+                "kv-canary: expected input tensors are required when enable_write_input_assert=True"
+            )
+    elif expected_input_tokens is not None or expected_input_positions is not None:
+        raise ValueError(
+            "kv-canary: expected input tensors must be None when enable_write_input_assert=False"
+        )
+    ids = ints.as_int64_pairs(input_ids, name="input_ids", shape=(None,))
+    t = ids.shape[0]
+    pos = ints.as_int64_pairs(positions, name="positions", shape=(t,))
+    loc = ints.as_int64_pairs(out_cache_loc, name="out_cache_loc", shape=(t,))
+    if enable_write_input_assert:
+        et = ints.as_int64_pairs(expected_input_tokens, name="expected_input_tokens", shape=(t,))
+        ep = ints.as_int64_pairs(expected_input_positions, name="expected_input_positions", shape=(t,))
+    else:
+        et = ep = None
+    return ids, pos, loc, et, ep
+
+
+def write(
+    context: VerifyOrWriteContext,
+    plan: WritePlan,
+    input_ids,
+    positions,
+    out_cache_loc,
+    *,
+    enable_write_input_assert: bool = False,
+    expected_input_tokens=None,
+    expected_input_positions=None,
+    backend: str | None = None,
+) -> VerifyOrWriteContext:
+    """Runs one write launch; semantics of :func:`canary_jax.reference.write_reference`.
+
+    Args:
+      input_ids, positions, out_cache_loc: int64-valued ``[T]`` arrays in any lossless form accepted by
+        :func:`canary_jax.ints.as_int64_pairs` (int32, int64 with x64 on or numpy, or ``uint32[T, 2]``).
+      expected_input_tokens, expected_input_positions: same forms, required iff
+        ``enable_write_input_assert``.
+
+    Returns:
+      The context with the new canary buffer and violation log.
+
+    Raises:
+      TypeError / ValueError: any static check (before tracing; nothing is mutated).
+    """
+    check_context(context)
+    if not isinstance(plan, WritePlan):
+        raise TypeError(f"kv-canary: plan must be a WritePlan, got {type(plan).__name__}")
+    plan.check()
+    ids, pos, loc, et, ep = normalize_write_inputs(
+        input_ids, positions, out_cache_loc, enable_write_input_assert=enable_write_input_assert,
+        expected_input_tokens=expected_input_tokens, expected_input_positions=expected_input_positions)
+    backend = resolve_backend(backend)
+    fn = _impl(backend, "write")
+    flag = bool(enable_write_input_assert)
+    if _is_tracing(context, plan, ids, pos, loc, et, ep):
+        return fn(context, plan, ids, pos, loc, enable_write_input_assert=flag,
+                  expected_input_tokens=et, expected_input_positions=ep)
+    rest = _Rest(context.real_kv_sources, plan, context.kernel_kind, context.real_kv_hash_mode)
+    buf, log = _write_jit(fn, context.canary_buf, context.log, rest, (ids, pos, loc, et, ep), flag)
+    return context.replace(canary_buf=buf, log=log)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(1, 2))
+def _write_jit(fn, canary_buf, log, rest, arrays, flag):
+    sources, plan, kind, mode = rest[0], rest[1], rest[2], rest[3]
+    ids, pos, loc, et, ep = arrays
+    ctx = VerifyOrWriteContext(canary_buf=canary_buf, kernel_kind=kind, log=log, real_kv_sources=sources,
+                               real_kv_hash_mode=mode)
+    out = fn(ctx, plan, ids, pos, loc, enable_write_input_assert=flag, expected_input_tokens=et,
+             expected_input_positions=ep)
+    return out.canary_buf, out.log
+
+
+class _Rest(tuple):
+    """(sources, plan, kernel_kind, mode) with the last two static, as a pytree."""
+
+    def __new__(cls, sources, plan, kind, mode):
+        return super().__new__(cls, (tuple(sources), plan, kind, mode))
+
+
+jax.tree_util.register_pytree_node(
+    _Rest,
+    lambda r: ((r[0], r[1]), (r[2], r[3])),
+    lambda aux, ch: _Rest(ch[0], ch[1], aux[0], aux[1]),
+)

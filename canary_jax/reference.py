@@ -1,0 +1,333 @@
+"""Pure-jnp references of the verify and write kernels: the byte-level contract every backend matches.
+
+They follow SGLang's torch references (``verify_ref.py``: ``launch_canary_verify_kernel_torch_reference``,
+``write_ref.py``: ``launch_canary_write_kernel_torch_reference``) and SPEC sections 5 and 6, but are
+functional (state in, new state out), jit-able with fixed capacities, free of host syncs and of Python loops
+over entries, and identical with ``jax_enable_x64`` off and on (64-bit values are uint32 pairs).
+
+Decisions where SGLang is undefined or backends disagree (SPEC 13; tests pin each):
+
+* Out-of-range indices never touch memory outside a buffer. A verify slot or prev slot outside
+  ``[0, num_slots)`` (other than the skip value 0 and the anchor value < 0 for prev) reads as an all-zero
+  record, so the entry normally fails and the row names the bad slot. A write entry whose slot is negative
+  or ``>= num_slots`` is skipped (no store, no count, no chain advance), like SGLang's ``< 0`` rule. A seed
+  slot ``>= num_slots`` reads as an all-zero record. Real-KV bytes outside a source read as zeros.
+* Write seeds are read from the canary as it was before the launch (SPEC 6.3 and the CUDA kernel); the torch
+  reference would see a seed slot written earlier in the same launch, a racy case on CUDA.
+* Two write entries of one launch storing the same slot: the later entry (request-major order) wins, as in
+  the torch reference; CUDA leaves it to a race.
+* Write offsets must be non-decreasing over the live requests (the plan builders guarantee it); offsets
+  are clamped into ``[0, num_tokens]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from canary_jax import constants as C
+from canary_jax import hashing as H
+from canary_jax import layout
+from canary_jax import sources as S
+from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
+
+_ALL_ONES = 0xFFFFFFFF
+
+
+# --- pair helpers ----------------------------------------------------------------------------------------
+def _pair(p: jax.Array) -> H.U64:
+    return H.U64(p[..., 0], p[..., 1])
+
+
+def _stack(u: H.U64) -> jax.Array:
+    return jnp.stack([u.lo, u.hi], axis=-1)
+
+
+def _is_negative(p: jax.Array) -> jax.Array:
+    return p[..., 1] >= jnp.uint32(0x80000000)
+
+
+def _is_zero(p: jax.Array) -> jax.Array:
+    return (p[..., 0] == 0) & (p[..., 1] == 0)
+
+
+def _in_range(p: jax.Array, n: int) -> jax.Array:
+    """``0 <= value < n`` for int64 pairs and a static ``n < 2**31``."""
+    return (p[..., 1] == 0) & (p[..., 0] < jnp.uint32(n))
+
+
+def _index(p: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """(int32 index clamped to 0 when out of range, in-range mask)."""
+    ok = _in_range(p, n)
+    return jnp.where(ok, p[..., 0], 0).astype(jnp.int32), ok
+
+
+def _clamp_to_int32(p: jax.Array, lo: int, hi: int) -> jax.Array:
+    """int64 pairs clamped into ``[lo, hi]`` (``0 <= lo <= hi < 2**31``) as int32."""
+    neg = _is_negative(p)
+    big = (~neg) & ((p[..., 1] != 0) | (p[..., 0] > jnp.uint32(hi)))
+    v = jnp.where(neg, jnp.uint32(lo), jnp.where(big, jnp.uint32(hi), p[..., 0])).astype(jnp.int32)
+    return jnp.clip(v, lo, hi)
+
+
+def _const_pairs(value: int, shape) -> jax.Array:
+    value &= C.U64_MASK
+    lo = jnp.full(shape, value & 0xFFFFFFFF, jnp.uint32)
+    hi = jnp.full(shape, value >> 32, jnp.uint32)
+    return jnp.stack([lo, hi], axis=-1)
+
+
+def _add_small(p: jax.Array, k: int) -> jax.Array:
+    """int64 pairs + small non-negative Python int, mod 2**64."""
+    lo = p[..., 0] + jnp.uint32(k)
+    carry = (lo < p[..., 0]).astype(jnp.uint32)
+    return jnp.stack([lo, p[..., 1] + carry], axis=-1)
+
+
+def load_records(words: jax.Array, slot: jax.Array, ok: jax.Array) -> jax.Array:
+    """Fields 0..3 of ``slot`` as ``uint32[..., 4, 2]``; zeros where ``~ok``."""
+    rec = words[slot, : 2 * C.CANARY_FIELDS_PER_SLOT]  # [..., 8]
+    rec = jnp.where(ok[..., None], rec, jnp.uint32(0))
+    return rec.reshape(slot.shape + (C.CANARY_FIELDS_PER_SLOT, 2))
+
+
+def chain_hash_of(records: jax.Array) -> H.U64:
+    """``mix3(prev_hash, token, position)`` of records ``uint32[..., 4, 2]`` (SPEC 2.3)."""
+    return H.splitmix64_mix3(
+        _pair(records[..., C.CANARY_FIELD_PREV_HASH, :]),
+        _pair(records[..., C.CANARY_FIELD_TOKEN, :]),
+        _pair(records[..., C.CANARY_FIELD_POSITION, :]),
+    )
+
+
+def _rows(tag: int, cols: list[jax.Array]) -> jax.Array:
+    """Assembles ``uint32[K, 8, 2]`` violation rows from 7 pair columns after the tag."""
+    k = cols[0].shape[0]
+    tag_col = _const_pairs(int(tag), (k,))
+    return jnp.stack([tag_col] + cols, axis=1)
+
+
+# --- verify ----------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("check_verify_expected_token",))
+def verify_reference(
+    context: VerifyOrWriteContext, plan: VerifyPlan, *, check_verify_expected_token: bool = False
+) -> VerifyOrWriteContext:
+    """Verifies ``plan``'s entries against ``context.canary_buf`` and returns the context with its new log.
+
+    For each live entry ``i < min(num_valid, C)`` with ``slot = slot_indices[i] != 0``: load the slot's
+    ``(tok, pos, prev, rkv)``; ``exp_chain = mix3(fields of prev_slot)`` (anchor hash if prev_slot < 0,
+    stored ``prev`` if prev_slot == 0); ``exp_rkv`` = real-KV fingerprint of ``slot``; fail bits
+    chain(1) | position(2) | real_kv(4) | token(32, only with the check flag and expected != -1).
+
+    Calling contract (SGLang ``launch_canary_verify_kernel``; reference ``verify_ref.py``):
+      * ``kernel_run_counters[tag] += 1`` always; if ``enable[0] == 0`` nothing else changes.
+      * ``slot_run_counters[tag] += min(num_valid, C)``: counted before the slot-0 skip.
+      * Each failing entry appends ``[tag, slot, stored pos, stored tok, exp tok | -1, stored prev,
+        exp_chain, bits]`` in ascending entry order to the fill-once ring; ``write_index`` grows by the
+        number of failures even past the ring's capacity.
+      * The canary buffer and the real-KV sources are read-only.
+
+    Args:
+      context: see :class:`~canary_jax.plans.VerifyOrWriteContext`.
+      plan: see :class:`~canary_jax.plans.VerifyPlan`.
+      check_verify_expected_token: static; when False the expected-token array is not consulted and
+        column 4 holds -1.
+
+    Returns:
+      ``context`` with a new ``log`` (the canary buffer is unchanged).
+    """
+    descs = S.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
+    tag = int(context.kernel_kind)
+    words = layout.canary_words(context.canary_buf)
+    n_slots = words.shape[0]
+    cap = plan.verify_slot_indices.shape[0]
+
+    enabled = plan.enable[0] != 0
+    active = jnp.clip(plan.verify_num_valid[0], 0, cap)
+    live = (jnp.arange(cap, dtype=jnp.int32) < active) & enabled
+
+    slot_p = plan.verify_slot_indices
+    considered = live & ~_is_zero(slot_p)
+    slot, slot_ok = _index(slot_p, n_slots)
+    rec = load_records(words, slot, slot_ok & considered)
+    tok, pos, prev, rkv = (rec[..., f, :] for f in range(4))
+
+    prev_p = plan.verify_prev_slot_indices
+    prev_slot, prev_ok = _index(prev_p, n_slots)
+    prev_rec = load_records(words, prev_slot, prev_ok & considered)
+    computed = _stack(chain_hash_of(prev_rec))
+    anchor = _const_pairs(H.ANCHOR_HASH, (cap,))
+    reachable = ~_is_zero(prev_p)
+    exp_chain = jnp.where(_is_negative(prev_p)[..., None], anchor, computed)
+    exp_chain = jnp.where(reachable[..., None], exp_chain, prev)
+
+    if check_verify_expected_token:
+        exp_tok = plan.verify_expected_tokens
+        tok_fail = ~(_pair(exp_tok).lo == _ALL_ONES) | ~(_pair(exp_tok).hi == _ALL_ONES)
+        tok_fail = tok_fail & H.u64_ne(_pair(tok), _pair(exp_tok))
+    else:
+        exp_tok = _const_pairs(-1, (cap,))
+        tok_fail = jnp.zeros((cap,), bool)
+
+    tensors = [s.tensor for s in context.real_kv_sources]
+    exp_rkv = _stack(S.real_kv_hash_reference(tensors, descs, jnp.where(slot_ok, slot, -1)))
+
+    bits = (
+        jnp.where(reachable & H.u64_ne(_pair(prev), _pair(exp_chain)), C.FailReason.VERIFY_CHAIN_HASH_MISMATCH, 0)
+        | jnp.where(H.u64_ne(_pair(pos), _pair(plan.verify_expected_positions)),
+                    C.FailReason.VERIFY_POSITION_MISMATCH, 0)
+        | jnp.where(H.u64_ne(_pair(rkv), _pair(exp_rkv)), C.FailReason.VERIFY_REAL_KV_HASH_MISMATCH, 0)
+        | jnp.where(tok_fail, C.FailReason.VERIFY_TOKEN_MISMATCH, 0)
+    ).astype(jnp.uint32)
+    record = considered & (bits != 0)
+    bits_p = jnp.stack([bits, jnp.zeros_like(bits)], axis=-1)
+    rows = _rows(tag, [slot_p, pos, tok, exp_tok, prev, exp_chain, bits_p])
+
+    log = layout.append_violation_rows(context.log, rows, record)
+    log = layout.bump_counters(log, tag, jnp.where(enabled, active, 0).astype(jnp.uint32))
+    return context.replace(log=log)
+
+
+# --- write -----------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("enable_write_input_assert",))
+def write_reference(
+    context: VerifyOrWriteContext,
+    plan: WritePlan,
+    input_ids: jax.Array,
+    positions: jax.Array,
+    out_cache_loc: jax.Array,
+    *,
+    enable_write_input_assert: bool = False,
+    expected_input_tokens: jax.Array | None = None,
+    expected_input_positions: jax.Array | None = None,
+) -> VerifyOrWriteContext:
+    """Stamps ``(token, position, chain prev_hash, real_kv_hash)`` into every written slot.
+
+    One serial chain per request row ``r < min(write_num_valid_reqs, Cw)`` over entries
+    ``[off[r], off[r+1])``: ``running = compute_slot_hash(seed)`` (anchor if seed < 0); for each entry with
+    ``slot >= 0``: optional input-assert row (bits 8 / 16), optional chain-position row (bit 16, when
+    ``seed >= 0`` and ``enable_chain_position_assert``), store ``(tok, pos, running, rkv)``, then
+    ``running = mix3(running, tok, pos)`` on the actual values.
+
+    Calling contract (SGLang ``launch_canary_write_kernel``; reference ``write_ref.py``):
+      * ``kernel_run_counters[tag] += 1`` always; ``slot_run_counters[tag] += `` entries stored.
+      * Rows go to the fill-once ring request-major, in entry order, an entry's input-assert row before its
+        chain-position row.
+      * Only the first 32 bytes of written slots change; the sources are read-only.
+
+    Args:
+      context: see :class:`~canary_jax.plans.VerifyOrWriteContext`.
+      plan: see :class:`~canary_jax.plans.WritePlan`.
+      input_ids, positions, out_cache_loc: ``uint32[T, 2]`` int64 pairs (see :mod:`canary_jax.ints`);
+        ``out_cache_loc`` already SWA-translated, negative = skip.
+      enable_write_input_assert: static; compare against the expected tensors.
+      expected_input_tokens, expected_input_positions: ``uint32[T, 2]`` pairs iff the assert is on.
+
+    Returns:
+      ``context`` with the new canary buffer and log.
+    """
+    descs = S.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
+    tag = int(context.kernel_kind)
+    words = layout.canary_words(context.canary_buf)
+    n_slots = words.shape[0]
+    num_tokens = input_ids.shape[0]
+    cw = plan.write_seed_slot_indices.shape[0]
+
+    active_reqs = jnp.clip(plan.write_num_valid_reqs[0], 0, cw)
+    off = _clamp_to_int32(plan.write_offsets, 0, num_tokens)
+    start, end = off[:-1], off[1:]
+    req_live = jnp.arange(cw, dtype=jnp.int32) < active_reqs
+    count = jnp.where(req_live, jnp.maximum(end - start, 0), 0)
+
+    # Seeds, read before anything is written.
+    seed_p = plan.write_seed_slot_indices
+    seed_neg = _is_negative(seed_p)
+    seed_slot, seed_ok = _index(seed_p, n_slots)
+    seed_rec = load_records(words, seed_slot, seed_ok & ~seed_neg)
+    running0 = jnp.where(seed_neg[..., None], _const_pairs(H.ANCHOR_HASH, (cw,)), _stack(chain_hash_of(seed_rec)))
+    gate = (~seed_neg) & (context.log.enable_chain_position_assert[0] != 0)
+    run_pos0 = jnp.where(gate[..., None], seed_rec[:, C.CANARY_FIELD_POSITION, :], jnp.uint32(0))
+
+    # Serial chain: step j handles entry start[r] + j of every request r in parallel.
+    slot_all_p = out_cache_loc
+    entry_ok = (~_is_negative(slot_all_p)) & _in_range(slot_all_p, n_slots)
+    max_count = jnp.max(count, initial=0)
+
+    def body(state):
+        j, running, run_pos, prev_at, chain_fail, chain_exp, written = state
+        step_live = j < count
+        i = jnp.where(step_live, start + j, 0)
+        ok = step_live & entry_ok[i]
+        tok = input_ids[i]
+        pos = positions[i]
+        want = _add_small(run_pos, 1)
+        cfail = ok & gate & H.u64_ne(_pair(pos), _pair(want))
+        dest = jnp.where(ok, i, num_tokens)  # num_tokens is out of bounds -> dropped
+        prev_at = prev_at.at[dest].set(running, mode="drop")
+        chain_fail = chain_fail.at[dest].set(cfail, mode="drop")
+        chain_exp = chain_exp.at[dest].set(want, mode="drop")
+        written = written.at[dest].set(True, mode="drop")
+        nxt = _stack(H.splitmix64_mix3(_pair(running), _pair(tok), _pair(pos)))
+        running = jnp.where(ok[..., None], nxt, running)
+        run_pos = jnp.where((ok & gate)[..., None], pos, run_pos)
+        return j + 1, running, run_pos, prev_at, chain_fail, chain_exp, written
+
+    init = (
+        jnp.int32(0),
+        running0,
+        run_pos0,
+        jnp.zeros((num_tokens, 2), jnp.uint32),
+        jnp.zeros((num_tokens,), bool),
+        jnp.zeros((num_tokens, 2), jnp.uint32),
+        jnp.zeros((num_tokens,), bool),
+    )
+    _, _, _, prev_at, chain_fail, chain_exp, written = jax.lax.while_loop(
+        lambda s: s[0] < max_count, body, init
+    )
+
+    # Real-KV fingerprints of every written slot: parallel, off the serial path.
+    slot_idx, _ = _index(slot_all_p, n_slots)
+    tensors = [s.tensor for s in context.real_kv_sources]
+    rkv = _stack(S.real_kv_hash_reference(tensors, descs, jnp.where(written, slot_idx, -1)))
+
+    # Violation rows: per entry [input-assert row, chain-position row].
+    if enable_write_input_assert:
+        tfail = H.u64_ne(_pair(input_ids), _pair(expected_input_tokens))
+        pfail = H.u64_ne(_pair(positions), _pair(expected_input_positions))
+        in_bits = (jnp.where(tfail, C.FailReason.WRITE_TOKEN_MISMATCH, 0)
+                   | jnp.where(pfail, C.FailReason.WRITE_POSITION_MISMATCH, 0)).astype(jnp.uint32)
+        in_rec = written & (in_bits != 0)
+        in_rows = _rows(tag, [slot_all_p, positions, input_ids, expected_input_tokens, prev_at,
+                              expected_input_positions, jnp.stack([in_bits, jnp.zeros_like(in_bits)], -1)])
+    else:
+        in_rec = jnp.zeros((num_tokens,), bool)
+        in_rows = jnp.zeros((num_tokens, C.VIOLATION_FIELDS, 2), jnp.uint32)
+    ch_bits = _const_pairs(int(C.FailReason.WRITE_POSITION_MISMATCH), (num_tokens,))
+    ch_rows = _rows(tag, [slot_all_p, positions, input_ids, input_ids, prev_at, chain_exp, ch_bits])
+    rows = jnp.stack([in_rows, ch_rows], axis=1).reshape(2 * num_tokens, C.VIOLATION_FIELDS, 2)
+    record = jnp.stack([in_rec, chain_fail & written], axis=1).reshape(2 * num_tokens)
+    log = layout.append_violation_rows(context.log, rows, record)
+    log = layout.bump_counters(log, tag, jnp.sum(written).astype(jnp.uint32))
+
+    # Stores: the last entry writing a slot wins.
+    winner = last_writer_mask(slot_idx, written, n_slots)
+    fields = jnp.stack([input_ids, positions, prev_at, rkv], axis=1).reshape(num_tokens, 2 * C.CANARY_FIELDS_PER_SLOT)
+    dest = jnp.where(winner, slot_idx, n_slots)
+    words = words.at[dest, : 2 * C.CANARY_FIELDS_PER_SLOT].set(fields, mode="drop")
+    return context.replace(canary_buf=layout.canary_bytes(words), log=log)
+
+
+def last_writer_mask(slot: jax.Array, written: jax.Array, n_slots: int) -> jax.Array:
+    """``bool[T]``: entry ``i`` is written and no later written entry has the same slot."""
+    t = slot.shape[0]
+    if t == 0:
+        return written
+    key = jnp.where(written, slot, n_slots)
+    idx = jnp.arange(t, dtype=jnp.int32)
+    skey, sidx = jax.lax.sort((key, idx), num_keys=2)
+    last = jnp.concatenate([skey[1:] != skey[:-1], jnp.ones((1,), bool)])
+    win_sorted = last & (skey < n_slots)
+    return jnp.zeros((t,), bool).at[sidx].set(win_sorted)

@@ -1,0 +1,225 @@
+"""Real-KV sources: which bytes of the live KV pool feed each slot's ``real_kv_hash`` (SPEC 2.5, 3).
+
+A :class:`RealKvSource` names a 2-D view of a KV pool buffer and how slots map onto it: slot ``idx`` owns
+``tensor_u8[idx // page_size, (idx % page_size) * num_bytes_per_token : + num_bytes_per_token]``, of which the
+first ``read_bytes`` (ALL) or 16 (PARTIAL) are hashed. Row bytes beyond ``page_size * num_bytes_per_token``
+are ignored. The validation order and messages are SGLang's (``verify.py``: ``RealKvSource.__post_init__``
+and ``_build_real_kv_source_abi``; ``verify_ref.py``: the row-too-narrow check).
+
+JAX arrays are always dense and row-major, so the row stride of a source is its uint8 row width; numpy
+sources are checked by their real ``strides[0]``. Launches see sources as a *static descriptor array* of at
+most 4 :class:`SourceDescriptor` (hashable; baked into the traced program) plus the tensors as data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from canary_jax import constants as C
+from canary_jax import hashing as H
+
+
+def _row_stride_bytes(tensor: Any) -> int:
+    if isinstance(tensor, np.ndarray):
+        return int(tensor.strides[0])
+    shape = tuple(tensor.shape)
+    return int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(tensor.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RealKvSource:
+    """One piece of real KV folded into the fingerprint.
+
+    Fields:
+      tensor: the KV buffer (any dtype, at least 2-D; a launch needs it 2-D once viewed as uint8, i.e. 2-D).
+        A JAX array, or a numpy array for host-side tests.
+      page_size: slots per row of dim 0, ``>= 1``.
+      num_bytes_per_token: bytes each slot owns in its row, a positive multiple of 16.
+      read_bytes: leading bytes of each slot hashed in ALL mode, a positive multiple of 16,
+        ``<= num_bytes_per_token``.
+
+    Raises (``__post_init__``, SGLang's order and messages, all ``ValueError``):
+      page_size < 1; bad num_bytes_per_token; bad read_bytes; tensor below 2-D; row stride not a multiple of 16.
+    """
+
+    tensor: Any
+    page_size: int
+    num_bytes_per_token: int
+    read_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"kv-canary: RealKvSource.page_size must be >= 1, got {self.page_size}")
+        if self.num_bytes_per_token <= 0 or self.num_bytes_per_token % 16 != 0:
+            raise ValueError(
+                "kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of 16, "
+                f"got {self.num_bytes_per_token}"
+            )
+        if self.read_bytes <= 0 or self.read_bytes > self.num_bytes_per_token or self.read_bytes % 16 != 0:
+            raise ValueError(
+                "kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in "
+                f"(0, num_bytes_per_token={self.num_bytes_per_token}], got {self.read_bytes}"
+            )
+        ndim = len(tuple(self.tensor.shape))
+        if ndim < 2:
+            raise ValueError(
+                f"kv-canary: RealKvSource.tensor must be at least 2-D, got shape {tuple(self.tensor.shape)}"
+            )
+        stride = _row_stride_bytes(self.tensor)
+        if stride % 16 != 0:
+            strides = (
+                tuple(s // self.tensor.itemsize for s in self.tensor.strides)
+                if isinstance(self.tensor, np.ndarray)
+                else _dense_strides(tuple(self.tensor.shape))
+            )
+            raise ValueError(
+                "kv-canary: RealKvSource.tensor row stride must be a multiple of 16 bytes, "
+                f"got {stride} bytes (shape={tuple(self.tensor.shape)}, strides={strides}, dtype={self.tensor.dtype})"
+            )
+
+
+def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
+
+
+jax.tree_util.register_pytree_node(
+    RealKvSource,
+    lambda s: ((s.tensor,), (s.page_size, s.num_bytes_per_token, s.read_bytes)),
+    lambda aux, ch: _unflatten_source(aux, ch),
+)
+
+
+def _unflatten_source(aux, children) -> RealKvSource:
+    # Bypass __post_init__: unflattening happens inside transformations where ``tensor`` may be a sentinel.
+    obj = object.__new__(RealKvSource)
+    object.__setattr__(obj, "tensor", children[0])
+    object.__setattr__(obj, "page_size", aux[0])
+    object.__setattr__(obj, "num_bytes_per_token", aux[1])
+    object.__setattr__(obj, "read_bytes", aux[2])
+    return obj
+
+
+class SourceDescriptor(NamedTuple):
+    """Static description of one source for a launch (one row of SGLang's ``int32[4, 3]`` params table,
+    plus the derived sizes a kernel needs)."""
+
+    page_size: int
+    num_bytes_per_token: int
+    read_bytes: int
+    effective_read_bytes: int  # 16 in PARTIAL, read_bytes in ALL
+    row_bytes: int  # uint8 width of one row (== row stride for dense arrays)
+    num_rows: int
+
+
+def _uint8_view_shape(tensor: Any) -> tuple[int, ...]:
+    shape = tuple(int(d) for d in tensor.shape)
+    return shape[:-1] + (shape[-1] * np.dtype(tensor.dtype).itemsize,)
+
+
+def check_real_kv_sources(
+    sources: Sequence[RealKvSource], mode: C.RealKvHashMode | int
+) -> tuple[SourceDescriptor, ...]:
+    """Launch-time checks and the static descriptor array (SGLang ``_build_real_kv_source_abi``).
+
+    Returns an empty tuple when ``mode`` is NONE or there are no sources (nothing is hashed then; the
+    tensors are never read).
+
+    Raises:
+      ValueError: more than 4 sources (checked first, for every mode), a source that is not 2-D viewed as
+        uint8, or a row narrower than ``page_size * num_bytes_per_token``.
+      TypeError: an entry that is not a RealKvSource.
+    """
+    sources = tuple(sources)
+    if len(sources) > C.MAX_REAL_KV_SOURCES:
+        raise ValueError(
+            f"kv-canary: at most {C.MAX_REAL_KV_SOURCES} RealKvSource entries supported by the CUDA ABI, "
+            f"got {len(sources)}"
+        )
+    for i, s in enumerate(sources):
+        if not isinstance(s, RealKvSource):
+            raise TypeError(f"kv-canary: real_kv_sources[{i}] must be a RealKvSource, got {type(s).__name__}")
+    mode = C.RealKvHashMode(int(mode))
+    descs = []
+    for i, s in enumerate(sources):
+        if isinstance(s.tensor, np.ndarray) and not s.tensor.flags.c_contiguous:
+            raise ValueError(f"kv-canary: real_kv_sources[{i}].tensor must be contiguous")
+        u8_shape = _uint8_view_shape(s.tensor)
+        if len(u8_shape) != 2:
+            raise ValueError(
+                f"kv-canary: real_kv_sources[{i}].tensor (viewed as uint8) must be 2-D, got {len(u8_shape)}-D"
+            )
+        row_bytes = u8_shape[1]
+        need = s.page_size * s.num_bytes_per_token
+        if row_bytes < need:
+            raise ValueError(
+                "kv-canary: RealKvSource row is too narrow for its slot layout: "
+                f"dim-1 is {row_bytes} bytes but page_size={s.page_size} x "
+                f"num_bytes_per_token={s.num_bytes_per_token} needs {need}"
+            )
+        eff = C.PARTIAL_READ_BYTES if mode == C.RealKvHashMode.PARTIAL else s.read_bytes
+        descs.append(
+            SourceDescriptor(
+                page_size=int(s.page_size),
+                num_bytes_per_token=int(s.num_bytes_per_token),
+                read_bytes=int(s.read_bytes),
+                effective_read_bytes=int(eff),
+                row_bytes=int(row_bytes),
+                num_rows=int(u8_shape[0]),
+            )
+        )
+    if mode == C.RealKvHashMode.NONE or not sources:
+        return ()
+    return tuple(descs)
+
+
+def source_words(tensor: jax.Array) -> jax.Array:
+    """A 2-D source of any dtype as ``uint32[rows, row_bytes // 4]`` (bitcast; row_bytes % 16 == 0)."""
+    tensor = jnp.asarray(tensor)
+    rows = tensor.shape[0]
+    itemsize = np.dtype(tensor.dtype).itemsize
+    if itemsize == 4:
+        return jax.lax.bitcast_convert_type(tensor, jnp.uint32).reshape(rows, -1)
+    if itemsize < 4:
+        per = 4 // itemsize
+        t = tensor.reshape(rows, -1, per)
+        return jax.lax.bitcast_convert_type(t, jnp.uint32)
+    # itemsize 8 (x64 on): each element becomes two words
+    return jax.lax.bitcast_convert_type(tensor, jnp.uint32).reshape(rows, -1)
+
+
+def real_kv_hash_reference(
+    tensors: Sequence[jax.Array], descs: Sequence[SourceDescriptor], slots: jax.Array
+) -> H.U64:
+    """Combined real-KV fingerprint of ``slots`` (int32, any shape), pure jnp (SPEC 2.5).
+
+    Slots whose row lies outside a source read as zero bytes there (canary-jax never reads outside a
+    buffer); negative slots likewise. With no descriptors the result is 0.
+
+    Returns:
+      U64 of ``slots.shape``.
+    """
+    if not descs:
+        z = jnp.zeros(slots.shape, jnp.uint32)
+        return H.U64(z, z)
+    per_source = []
+    for tensor, d in zip(tensors, descs):
+        words = source_words(tensor)  # u32[rows, row_bytes/4]
+        row = slots // d.page_size
+        col0 = (slots % d.page_size) * (d.num_bytes_per_token // 4)
+        nw = d.effective_read_bytes // 4
+        ok = (slots >= 0) & (row < d.num_rows)
+        row_c = jnp.where(ok, row, 0)
+        cols = col0[..., None] + jnp.arange(nw, dtype=jnp.int32)
+        gathered = words[row_c[..., None], jnp.where(ok[..., None], cols, 0)]
+        gathered = jnp.where(ok[..., None], gathered, jnp.uint32(0))
+        per_source.append(H.fold_words(gathered, nw // 2))
+    return H.combine_sources(per_source)
