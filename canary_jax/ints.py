@@ -88,7 +88,7 @@ def as_int64_pairs(x: Any, *, name: str, shape: Sequence[int | None] | None = No
       TypeError: wrong dtype (floats, complex, unknown objects).
       ValueError: wrong rank or shape, or Python ints outside int64.
     """
-    if isinstance(x, (jax.Array, jax.core.Tracer)):
+    if isinstance(x, jax.Array):  # concrete arrays and tracers
         dt = np.dtype(x.dtype)
         logical_ndim = None if shape is None else len(shape)
         if dt in (np.dtype(np.int64), np.dtype(np.uint64)):
@@ -141,7 +141,7 @@ def as_int32(x: Any, *, name: str, shape: Sequence[int | None] | None = None) ->
       TypeError: wrong dtype.
       ValueError: wrong shape, or numpy values outside int32.
     """
-    if isinstance(x, (jax.Array, jax.core.Tracer)):
+    if isinstance(x, jax.Array):  # concrete arrays and tracers
         if np.dtype(x.dtype) != np.dtype(np.int32):
             raise TypeError(f"kv-canary: {name} must have dtype int32, got {x.dtype}")
         out = x

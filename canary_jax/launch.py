@@ -45,8 +45,14 @@ def resolve_backend(backend: str | None = None) -> str:
     return name
 
 
+try:  # public alias in the jax versions we support; fall back for safety
+    _Tracer = jax.core.Tracer
+except AttributeError:  # pragma: no cover
+    from jax._src.core import Tracer as _Tracer
+
+
 def _is_tracing(*xs: Any) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(xs))
+    return any(isinstance(x, _Tracer) for x in jax.tree_util.tree_leaves(xs))
 
 
 def _impl(backend: str, op: str):
