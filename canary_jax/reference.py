@@ -166,7 +166,8 @@ def verify_reference(
 
     if check_verify_expected_token:
         exp_tok = plan.verify_expected_tokens
-        tok_fail = ~(_pair(exp_tok).lo == _ALL_ONES) | ~(_pair(exp_tok).hi == _ALL_ONES)
+        all_ones = jnp.uint32(_ALL_ONES)  # a bare Python int would overflow JAX's weak int32
+        tok_fail = (_pair(exp_tok).lo != all_ones) | (_pair(exp_tok).hi != all_ones)
         tok_fail = tok_fail & H.u64_ne(_pair(tok), _pair(exp_tok))
     else:
         exp_tok = _const_pairs(-1, (cap,))
