@@ -1,0 +1,489 @@
+"""Per-forward plan building: batch metadata -> VerifyPlan + WritePlan (SPEC 7), and the expected-token scatter.
+
+``build_plans`` is SGLang's ``launch_canary_plan_kernels`` (reference ``plan_ref.py``:
+``launch_canary_plan_kernels_torch_reference``) as one jit-able jnp function with fixed capacities. No host
+sync and no Python loop over requests or entries: per-request counts go through a scan, each verify entry
+finds its request with ``searchsorted`` and gathers from ``req_to_token``.
+
+Semantics, for request row ``r`` with ``rpi = req_pool_indices[r]``, ``P = prefix_lens[r]``,
+``E = extend_seq_lens[r]`` and the window ``W = swa_window_size``::
+
+    verify:  skip r if rpi == 0 (padding row); ws = max(0, P - W) if W > 0 else 0
+             for p in [ws, P): slot = T(req_to_token[rpi, p]); prev = -1 if p == 0 else T(req_to_token[rpi, p-1])
+                               position = p; token = pool[rpi, p + k] if 0 <= p + k < valid_lens[r] else -1
+             total = sum of entries; total > C -> enable = 0, num_valid = C (entries not written)
+                                     otherwise   enable = 1, num_valid = total
+    write:   wlen[r] = E if rpi != 0 and E > 0 else 0; write_offsets = exclusive cumsum (tail zero)
+             seed[r] = -1 if rpi == 0 or E <= 0 or P <= 0 else T(req_to_token[rpi, min(P - 1, max(L - 1, 0))])
+             write_num_valid_reqs = bs
+
+``T`` is the SWA translation ``x -> x if x < 0 else LUT[x]`` (identity without a LUT). SWA windows do not
+reset the chain: the window's first entry points at its real predecessor.
+
+Decisions where SGLang's reference and kernels differ or are undefined (SPEC 13 b, c; tests pin each):
+
+* SWA slot ``x >= len(LUT)``: the reference raises, the Triton/CUDA kernels clamp. canary-jax clamps to
+  ``LUT[len - 1]`` like the kernels SGLang runs in production (an error is impossible inside ``jit``), so the
+  LUT is never read outside its bounds; in-range inputs are byte-identical to the reference.
+* Seed column: the reference clamps ``P - 1`` to ``max_seq_len - 1``; canary-jax does the same.
+* ``req_to_token`` reads outside the table (``rpi`` not in ``[0, max_reqs)`` or a column not in
+  ``[0, max_seq_len)``; the reference raises ``IndexError`` or wraps negative rows) read as
+  ``TOKEN_TO_KV_SLOT_PADDING`` (0), then go through the LUT like any slot value. A verify slot 0 is skipped
+  and a prev slot 0 disables the chain check, so such entries stay quiet in the FULL group.
+* Expected-token reads outside the pool (row or column out of range while ``p + k < valid_lens[r]``) give
+  -1 (token check skipped); the pool is never read outside its bounds.
+* ``bs > write_req_capacity`` raises the kernel path's ValueError (the reference silently caps); SGLang's
+  ``bs <= 4096`` limit of the Triton offsets kernel does not apply (there is no block size here).
+* Regions SGLang leaves untouched keep the values of ``verify_plan_out`` / ``write_plan_out`` (fresh
+  ``allocate()`` plans when not given): entries past ``num_valid`` (all of them on overflow) and seeds past
+  ``bs``. ``write_offsets`` past ``bs`` are zero, as in SGLang.
+
+``scatter_req_token_ids`` fills the expected-token pool (SPEC 7.4; SGLang ``scatter_req_token_ids.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from canary_jax import constants as C
+from canary_jax import ints
+from canary_jax.plans import VerifyPlan, WritePlan
+
+_INT32_MAX = 2**31 - 1
+
+__all__ = ["build_plans", "scatter_req_token_ids", "swa_translate"]
+
+
+# --- int64 pair helpers ------------------------------------------------------------------------------------
+def _pair_from_i32(x: jax.Array) -> jax.Array:
+    """int32 -> int64 pairs ``uint32[..., 2]`` (sign-extended)."""
+    lo = x.astype(jnp.uint32)
+    hi = jnp.where(x < 0, jnp.uint32(0xFFFFFFFF), jnp.uint32(0))
+    return jnp.stack([lo, hi], axis=-1)
+
+
+def _pair_const(value: int, shape) -> jax.Array:
+    value &= C.U64_MASK
+    return jnp.stack(
+        [jnp.full(shape, value & 0xFFFFFFFF, jnp.uint32), jnp.full(shape, value >> 32, jnp.uint32)], axis=-1
+    )
+
+
+def _add(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a + b mod 2**64 on pairs."""
+    lo = a[..., 0] + b[..., 0]
+    carry = (lo < a[..., 0]).astype(jnp.uint32)
+    return jnp.stack([lo, a[..., 1] + b[..., 1] + carry], axis=-1)
+
+
+def _sub(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a - b mod 2**64 on pairs."""
+    lo = a[..., 0] - b[..., 0]
+    borrow = (a[..., 0] < b[..., 0]).astype(jnp.uint32)
+    return jnp.stack([lo, a[..., 1] - b[..., 1] - borrow], axis=-1)
+
+
+def _is_neg(p: jax.Array) -> jax.Array:
+    return p[..., 1] >= jnp.uint32(0x80000000)
+
+
+def _is_zero(p: jax.Array) -> jax.Array:
+    return (p[..., 0] == 0) & (p[..., 1] == 0)
+
+
+def _is_pos(p: jax.Array) -> jax.Array:
+    return ~_is_neg(p) & ~_is_zero(p)
+
+
+def _lt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Signed int64 ``a < b`` on pairs."""
+    ah = jax.lax.bitcast_convert_type(a[..., 1], jnp.int32)
+    bh = jax.lax.bitcast_convert_type(b[..., 1], jnp.int32)
+    return (ah < bh) | ((ah == bh) & (a[..., 0] < b[..., 0]))
+
+
+def _in_range(p: jax.Array, n: int) -> jax.Array:
+    """``0 <= p < n`` for pairs and a static ``0 <= n < 2**32``."""
+    return (p[..., 1] == 0) & (p[..., 0] < jnp.uint32(n))
+
+
+def _clamp_nonneg(p: jax.Array, hi: int) -> jax.Array:
+    """int64 pairs clamped into ``[0, hi]`` (static ``0 <= hi < 2**31``) as int32."""
+    big = ~_is_neg(p) & ((p[..., 1] != 0) | (p[..., 0] > jnp.uint32(hi)))
+    v = jnp.where(_is_neg(p), jnp.uint32(0), jnp.where(big, jnp.uint32(hi), p[..., 0]))
+    return v.astype(jnp.int32)
+
+
+def _cumsum_pairs(p: jax.Array) -> jax.Array:
+    """Inclusive int64 cumsum (mod 2**64) of pairs along axis 0."""
+    if p.shape[0] == 0:
+        return p
+    lo, hi = jax.lax.associative_scan(
+        lambda a, b: (a[0] + b[0], a[1] + b[1] + (a[0] + b[0] < a[0]).astype(jnp.uint32)),
+        (p[..., 0], p[..., 1]),
+    )
+    return jnp.stack([lo, hi], axis=-1)
+
+
+def _saturating_cumsum(x: jax.Array, bound: int) -> jax.Array:
+    """Inclusive cumsum of non-negative int32 values, saturating at ``bound`` (``min(a + b, bound)`` is
+    associative for non-negative operands, and ``2 * bound`` fits int32)."""
+    if x.shape[0] == 0:
+        return x
+    return jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, bound), x)
+
+
+def _gather_2d(table: jax.Array, row: jax.Array, col: jax.Array, fill: int) -> tuple[jax.Array, jax.Array]:
+    """``table[row, col]`` for int64-pair ``row`` / ``col``; ``fill`` where either is out of range."""
+    n_rows, n_cols = table.shape
+    ok = _in_range(row, n_rows) & _in_range(col, n_cols)
+    r = jnp.where(ok, row[..., 0], 0).astype(jnp.int32)
+    c = jnp.where(ok, col[..., 0], 0).astype(jnp.int32)
+    if n_rows == 0 or n_cols == 0:
+        return jnp.full(r.shape, fill, table.dtype), ok
+    return jnp.where(ok, table[r, c], jnp.asarray(fill, table.dtype)), ok
+
+
+def swa_translate(slots: jax.Array, lut: jax.Array | None) -> jax.Array:
+    """SWA translation of int64-pair slots: ``x < 0 -> x``, else ``lut[min(x, len(lut) - 1)]``.
+
+    Args:
+      slots: ``uint32[..., 2]`` int64 full-pool slots.
+      lut: ``uint32[L, 2]`` int64 ``full_to_swa_index_mapping`` (``L >= 1``), or None for the identity.
+
+    Returns:
+      ``uint32[..., 2]``: translated slots (0 = evicted from the SWA pool). Never reads outside the LUT: a
+      slot ``>= L`` clamps to the last entry, like SGLang's kernels (its Python reference raises instead).
+    """
+    if lut is None:
+        return slots
+    n = lut.shape[0]
+    neg = _is_neg(slots)
+    idx = jnp.where(neg | ~_in_range(slots, n), n - 1, slots[..., 0].astype(jnp.int32))
+    idx = jnp.where(neg, 0, idx)
+    return jnp.where(neg[..., None], slots, lut[idx])
+
+
+# --- build_plans ------------------------------------------------------------------------------------------
+@functools.partial(
+    jax.jit,
+    static_argnames=("swa_window_size", "kv_token_id_vs_position_offset"),
+)
+def _build_plans_impl(
+    verify_out: VerifyPlan,
+    write_out: WritePlan,
+    rpi: jax.Array,  # u32[bs, 2]
+    prefix: jax.Array,  # u32[bs, 2]
+    extend: jax.Array,  # u32[bs, 2]
+    req_to_token: jax.Array,  # i32[max_reqs, L]
+    lut: jax.Array | None,  # u32[lut_len, 2]
+    pool: jax.Array | None,  # i32[rows, ctx]
+    valid_lens: jax.Array | None,  # u32[bs, 2]
+    *,
+    swa_window_size: int,
+    kv_token_id_vs_position_offset: int,
+) -> tuple[VerifyPlan, WritePlan]:
+    bs = rpi.shape[0]
+    cap = verify_out.verify_slot_indices.shape[0]
+    cw = write_out.write_seed_slot_indices.shape[0]
+    max_seq_len = req_to_token.shape[1]
+    w = int(swa_window_size)
+
+    is_pad = _is_zero(rpi)  # REQ_POOL_IDX_PADDING == 0
+    p_pos = _is_pos(prefix)
+
+    # --- verify counts and overflow -------------------------------------------------------------------
+    # Exact whenever the plan does not overflow: every per-request count is then <= C < C + 1.
+    bound = cap + 1
+    count = _clamp_nonneg(prefix, min(w, bound) if w > 0 else bound)
+    count = jnp.where(is_pad | ~p_pos, 0, count).astype(jnp.int32)
+    incl = _saturating_cumsum(count, bound)
+    total = incl[-1] if bs > 0 else jnp.int32(0)
+    overflow = total > cap
+    enable = jnp.where(overflow, 0, 1).astype(jnp.int32)
+    num_valid = jnp.where(overflow, cap, total).astype(jnp.int32)
+
+    # --- verify entries -------------------------------------------------------------------------------
+    i = jnp.arange(cap, dtype=jnp.int32)
+    live = (i < total) & ~overflow
+    if bs > 0:
+        r = jnp.clip(jnp.searchsorted(incl, i, side="right").astype(jnp.int32), 0, bs - 1)
+        excl = (incl - count)[r]
+        back = count[r] - (i - excl)  # P - p, in [1, count[r]] for live entries
+        pos = _sub(prefix[r], _pair_from_i32(back))  # p as int64
+        row = rpi[r]
+        slot_full, _ = _gather_2d(req_to_token, row, pos, C.TOKEN_TO_KV_SLOT_PADDING)
+        prev_pos = _sub(pos, _pair_const(1, (cap,)))
+        prev_full, _ = _gather_2d(req_to_token, row, prev_pos, C.TOKEN_TO_KV_SLOT_PADDING)
+        slot = swa_translate(_pair_from_i32(slot_full), lut)
+        prev = swa_translate(_pair_from_i32(prev_full), lut)
+        prev = jnp.where(_is_zero(pos)[..., None], _pair_const(-1, (cap,)), prev)
+        if pool is not None:
+            sot = _add(pos, _pair_const(int(kv_token_id_vs_position_offset), (cap,)))
+            want = ~_is_neg(sot) & _lt(sot, valid_lens[r])
+            tok, tok_ok = _gather_2d(pool, row, sot, -1)
+            tok = jnp.where(want & tok_ok, tok, -1)
+            exp_tok = _pair_from_i32(tok)
+        else:
+            exp_tok = _pair_const(-1, (cap,))
+    else:
+        pos = slot = prev = _pair_const(0, (cap,))
+        exp_tok = _pair_const(-1, (cap,))
+
+    keep = lambda new, old: jnp.where(live[..., None], new, old)  # noqa: E731
+    verify = VerifyPlan(
+        verify_slot_indices=keep(slot, verify_out.verify_slot_indices),
+        verify_expected_tokens=keep(exp_tok, verify_out.verify_expected_tokens),
+        verify_expected_positions=keep(pos, verify_out.verify_expected_positions),
+        verify_prev_slot_indices=keep(prev, verify_out.verify_prev_slot_indices),
+        verify_num_valid=num_valid.reshape(1),
+        enable=enable.reshape(1),
+    )
+
+    # --- write metadata -------------------------------------------------------------------------------
+    e_pos = _is_pos(extend)
+    wlen = jnp.where((is_pad | ~e_pos)[..., None], jnp.uint32(0), extend)
+    offsets = jnp.zeros((cw + 1, 2), jnp.uint32)
+    if bs > 0:
+        offsets = offsets.at[1 : bs + 1].set(_cumsum_pairs(wlen))
+        seed_col = _clamp_nonneg(_sub(prefix, _pair_const(1, (bs,))), max(max_seq_len - 1, 0))
+        seed_full, _ = _gather_2d(req_to_token, rpi, _pair_from_i32(seed_col), C.TOKEN_TO_KV_SLOT_PADDING)
+        seed = swa_translate(_pair_from_i32(seed_full), lut)
+        seed = jnp.where((is_pad | ~e_pos | ~p_pos)[..., None], _pair_const(-1, (bs,)), seed)
+        seeds = write_out.write_seed_slot_indices.at[:bs].set(seed)
+    else:
+        seeds = write_out.write_seed_slot_indices
+    write = WritePlan(
+        write_offsets=offsets,
+        write_seed_slot_indices=seeds,
+        write_num_valid_reqs=jnp.full((1,), bs, jnp.int32),
+    )
+    return verify, write
+
+
+def _check_2d_int32(x: Any, name: str) -> jax.Array:
+    if x is None:
+        raise TypeError(f"kv-canary: {name} must be an int32 array, got None")
+    if len(np.shape(x)) != 2:
+        raise ValueError(f"kv-canary: {name} must be 2-D, got shape {tuple(np.shape(x))}")
+    return ints.as_int32(x, name=name, shape=(None, None))
+
+
+def build_plans(
+    *,
+    req_pool_indices: Any,
+    prefix_lens: Any,
+    extend_seq_lens: Any,
+    req_to_token: Any,
+    verify_capacity: int | None = None,
+    write_req_capacity: int | None = None,
+    swa_window_size: int = 0,
+    full_to_swa_index_mapping: Any = None,
+    req_to_verify_expected_tokens: Any = None,
+    req_to_verify_expected_tokens_valid_lens: Any = None,
+    kv_token_id_vs_position_offset: int = 0,
+    verify_plan_out: VerifyPlan | None = None,
+    write_plan_out: WritePlan | None = None,
+) -> tuple[VerifyPlan, WritePlan]:
+    """Builds the per-forward VerifyPlan and WritePlan of one canary group (SPEC 7; see the module docstring).
+
+    Jit-able: call it inside a jitted serving step (capacities and ``bs`` are static shapes), or eagerly
+    (it is jitted internally, one compilation per shape set). Byte-identical with ``jax_enable_x64`` off
+    and on, and to SGLang's plan reference on ``num_valid``, ``enable``, ``entries[:num_valid]`` when
+    enabled, ``write_offsets[:bs + 1]``, ``seeds[:bs]`` and ``write_num_valid_reqs``.
+
+    Args:
+      req_pool_indices: int64-valued ``[bs]`` (int32, int64 or ``uint32[bs, 2]`` pairs; see
+        :func:`canary_jax.ints.as_int64_pairs`); 0 = padding row (must come after the real rows).
+      prefix_lens: int64-valued ``[bs]``: tokens already written before this step.
+      extend_seq_lens: int64-valued ``[bs]``: tokens written this step.
+      req_to_token: ``int32[max_reqs, max_seq_len]``: full-pool slot of each (request row, position).
+      verify_capacity: C, the verify plan length (static). Optional when ``verify_plan_out`` is given; both
+        given must agree.
+      write_req_capacity: Cw, the write plan's request capacity (static; ``bs <= Cw``). Optional when
+        ``write_plan_out`` is given.
+      swa_window_size: W (static); 0 = FULL group, > 0 = SWA group (requires the LUT).
+      full_to_swa_index_mapping: int64-valued ``[full_pool_size + 1]`` LUT (int32 or int64 forms), or None.
+        Applied whenever given (also with W == 0), like SGLang. 0 in the LUT = evicted.
+      req_to_verify_expected_tokens: ``int32[rows, max_context_len]`` expected-token pool, or None (all
+        expected tokens -1).
+      req_to_verify_expected_tokens_valid_lens: int64-valued ``[bs]``; required iff the pool is given.
+      kv_token_id_vs_position_offset: k (static): 0 for target pools, +1 for EAGLE-draft pools.
+      verify_plan_out, write_plan_out: optional plans whose shapes fix the capacities and whose contents
+        survive where SGLang leaves its in-place outputs untouched. Not modified (JAX is functional).
+
+    Returns:
+      ``(VerifyPlan, WritePlan)``.
+
+    Raises:
+      ValueError / TypeError: before tracing, with SGLang's messages: missing LUT for W > 0, capacity
+        mismatch, missing valid lens, ``bs > write_req_capacity``, non-positive capacities, wrong dtypes
+        or shapes.
+    """
+    w = int(swa_window_size)
+    if w < 0:
+        raise ValueError(f"kv-canary: swa_window_size must be non-negative, got {swa_window_size}")
+    if w > _INT32_MAX:
+        raise ValueError(f"kv-canary: swa_window_size must be < 2**31, got {swa_window_size}")
+    if w > 0 and full_to_swa_index_mapping is None:
+        raise ValueError(
+            "kv-canary: launch_canary_plan_kernels requires full_to_swa_index_mapping when swa_window_size > 0"
+        )
+
+    # Capacities.
+    if verify_plan_out is not None:
+        if not isinstance(verify_plan_out, VerifyPlan):
+            raise TypeError(f"kv-canary: verify_plan_out must be a VerifyPlan, got {type(verify_plan_out).__name__}")
+        verify_plan_out.check()
+        plan_cap = int(verify_plan_out.verify_slot_indices.shape[0])
+        if verify_capacity is not None and int(verify_capacity) != plan_cap:
+            raise ValueError(
+                f"kv-canary: launch_canary_plan_kernels verify_capacity={verify_capacity} does not match "
+                f"verify_plan_out.verify_slot_indices.shape[0]={plan_cap}"
+            )
+    else:
+        if verify_capacity is None:
+            raise ValueError("kv-canary: build_plans needs verify_capacity or verify_plan_out")
+        verify_plan_out = VerifyPlan.allocate(verify_capacity=int(verify_capacity))
+    if write_plan_out is not None:
+        if not isinstance(write_plan_out, WritePlan):
+            raise TypeError(f"kv-canary: write_plan_out must be a WritePlan, got {type(write_plan_out).__name__}")
+        write_plan_out.check()
+        out_cw = int(write_plan_out.write_seed_slot_indices.shape[0])
+        if write_req_capacity is not None and int(write_req_capacity) != out_cw:
+            raise ValueError(
+                f"kv-canary: write_req_capacity={write_req_capacity} does not match "
+                f"write_plan_out.write_seed_slot_indices.shape[0]={out_cw}"
+            )
+    else:
+        if write_req_capacity is None:
+            raise ValueError("kv-canary: build_plans needs write_req_capacity or write_plan_out")
+        write_plan_out = WritePlan.allocate(write_req_capacity=int(write_req_capacity))
+    cap = int(verify_plan_out.verify_slot_indices.shape[0])
+    cw = int(write_plan_out.write_seed_slot_indices.shape[0])
+    if cap >= _INT32_MAX:
+        raise ValueError(f"kv-canary: verify_capacity must be < 2**31 - 1, got {cap}")
+
+    # Per-request inputs.
+    rpi = ints.as_int64_pairs(req_pool_indices, name="req_pool_indices", shape=(None,))
+    bs = int(rpi.shape[0])
+    prefix = ints.as_int64_pairs(prefix_lens, name="prefix_lens", shape=(None,))
+    extend = ints.as_int64_pairs(extend_seq_lens, name="extend_seq_lens", shape=(None,))
+    for name, arr in (("prefix_lens", prefix), ("extend_seq_lens", extend)):
+        if arr.shape[0] != bs:
+            raise ValueError(f"kv-canary: {name} length must be {bs}, got {arr.shape[0]}")
+    if bs > cw:
+        raise ValueError(f"kv-canary: bs={bs} exceeds write_req_capacity={cw}")
+    r2t = _check_2d_int32(req_to_token, "req_to_token")
+    if int(r2t.shape[1]) >= _INT32_MAX or int(r2t.shape[0]) >= _INT32_MAX:
+        raise ValueError(f"kv-canary: req_to_token shape {tuple(r2t.shape)} is too large")
+
+    lut = None
+    if full_to_swa_index_mapping is not None:
+        lut = ints.as_int64_pairs(full_to_swa_index_mapping, name="full_to_swa_index_mapping", shape=(None,))
+        if lut.shape[0] < 1:
+            raise ValueError(f"kv-canary: lut_len must be positive when has_swa_lut is True, got {lut.shape[0]}")
+        if lut.shape[0] >= _INT32_MAX:
+            raise ValueError(f"kv-canary: full_to_swa_index_mapping length {lut.shape[0]} is too large")
+
+    pool = valid = None
+    if req_to_verify_expected_tokens is not None:
+        if req_to_verify_expected_tokens_valid_lens is None:
+            raise ValueError(
+                "kv-canary: launch_canary_plan_kernels requires req_to_verify_expected_tokens_valid_lens when "
+                "req_to_verify_expected_tokens is set"
+            )
+        pool = _check_2d_int32(req_to_verify_expected_tokens, "req_to_verify_expected_tokens")
+        valid = ints.as_int64_pairs(
+            req_to_verify_expected_tokens_valid_lens, name="req_to_verify_expected_tokens_valid_lens", shape=(bs,)
+        )
+
+    return _build_plans_impl(
+        verify_plan_out, write_plan_out, rpi, prefix, extend, r2t, lut, pool, valid,
+        swa_window_size=w, kv_token_id_vs_position_offset=int(kv_token_id_vs_position_offset),
+    )
+
+
+# --- scatter_req_token_ids -------------------------------------------------------------------------------
+@jax.jit
+def _scatter_impl(flat: jax.Array, offsets: jax.Array, rpi: jax.Array, pool: jax.Array) -> jax.Array:
+    n_tok = flat.shape[0]
+    bs = rpi.shape[0]
+    rows, width = pool.shape
+    cols = min(width, n_tok)
+    if bs == 0 or n_tok == 0 or cols == 0 or rows == 0:
+        return pool
+    start, end = offsets[:-1], offsets[1:]
+    seg = _sub(end, start)  # int64 segment length
+    write_len = _clamp_nonneg(seg, cols)  # min(seg, width) where seg > 0; columns past n_tok never load
+    col = jnp.arange(cols, dtype=jnp.int32)
+    flat_idx = _add(start[:, None, :], _pair_from_i32(col)[None, :, :])  # [bs, cols, 2]
+    row_ok = _in_range(rpi, rows)
+    mask = (col[None, :] < write_len[:, None]) & _in_range(flat_idx, n_tok) & row_ok[:, None]
+    vals = flat[jnp.where(mask, flat_idx[..., 0], 0).astype(jnp.int32), 0]
+    vals = jax.lax.bitcast_convert_type(vals, jnp.int32)  # int64 -> int32 keeps the low word (torch .to)
+    row = jnp.where(row_ok, rpi[:, 0], 0).astype(jnp.int32)
+    # Deterministic "later request wins" for duplicate rows: the highest request index per cell.
+    req = jnp.broadcast_to(jnp.arange(bs, dtype=jnp.int32)[:, None], (bs, cols))
+    r_b = jnp.broadcast_to(row[:, None], (bs, cols))
+    c_b = jnp.broadcast_to(col[None, :], (bs, cols))
+    winner = jnp.full((rows, cols), -1, jnp.int32)
+    winner = winner.at[jnp.where(mask, r_b, rows), c_b].max(req, mode="drop")
+    win = mask & (winner[r_b, c_b] == req)
+    return pool.at[jnp.where(win, r_b, rows), c_b].set(vals, mode="drop")
+
+
+def _check_1d_int(x: Any, name: str) -> jax.Array:
+    shape = tuple(np.shape(x))
+    dt = np.dtype(getattr(x, "dtype", np.asarray(x).dtype))
+    is_pairs = len(shape) == 2 and shape[-1] == 2 and dt in (np.dtype(np.uint32), np.dtype(np.int32))
+    if len(shape) != 1 and not is_pairs:
+        raise ValueError(f"kv-canary: scatter_req_token_ids {name} must be 1-D, got shape {shape}")
+    if dt.kind not in "iu":
+        raise TypeError(f"kv-canary: scatter_req_token_ids {name} must be int64/int32, got {dt}")
+    return ints.as_int64_pairs(x, name=name, shape=(None,))
+
+
+def scatter_req_token_ids(*, flat_in: Any, offsets: Any, req_pool_indices: Any, pool_out: Any) -> jax.Array:
+    """Scatters each request's token ids into its expected-token pool row (SPEC 7.4).
+
+    ``for r in range(bs): n = min(off[r+1] - off[r], L); pool[rpi[r], :n] = int32(flat_in[off[r] : off[r] + n])``
+    with loads masked to valid ``flat_in`` indices (SGLang's Triton kernel); other cells are unchanged.
+
+    Args:
+      flat_in: int64-valued ``[num_tokens]`` (int32, int64, or ``uint32[num_tokens, 2]`` pairs): every
+        request's ``origin_input_ids + output_ids``, concatenated in request order. Values are stored as
+        int32 (low 32 bits, like ``torch .to(int32)``).
+      offsets: int64-valued ``[bs + 1]`` exclusive prefix sums into ``flat_in``.
+      req_pool_indices: int64-valued ``[bs]`` pool rows.
+      pool_out: ``int32[rows, max_context_len]`` expected-token pool.
+
+    Returns:
+      The new ``int32[rows, max_context_len]`` pool (functional; jit-able).
+
+    Decisions: a row outside ``[0, rows)`` writes nothing (CUDA: out of bounds; torch reference: negative
+    rows wrap); two requests naming the same row: the later request wins per cell (Triton: a race).
+
+    Raises:
+      ValueError: wrong ranks, or ``len(offsets) != bs + 1`` (SGLang's messages).
+      TypeError: non-integer inputs, or ``pool_out`` not int32.
+    """
+    flat = _check_1d_int(flat_in, "flat_in")
+    off = _check_1d_int(offsets, "offsets")
+    rpi = _check_1d_int(req_pool_indices, "req_pool_indices")
+    pshape = tuple(np.shape(pool_out))
+    if len(pshape) != 2:
+        raise ValueError(f"kv-canary: scatter_req_token_ids pool_out must be 2-D, got shape {pshape}")
+    pdt = np.dtype(pool_out.dtype) if hasattr(pool_out, "dtype") else np.asarray(pool_out).dtype
+    if pdt != np.dtype(np.int32):
+        raise TypeError(f"kv-canary: scatter_req_token_ids pool_out must be int32, got {pdt}")
+    bs = int(rpi.shape[0])
+    if int(off.shape[0]) != bs + 1:
+        raise ValueError(f"kv-canary: scatter_req_token_ids offsets length {off.shape[0]} != bs+1 ({bs + 1})")
+    pool = pool_out if isinstance(pool_out, jax.Array) else jnp.asarray(np.asarray(pool_out, np.int32))
+    return _scatter_impl(flat, off, rpi, pool)

@@ -1,0 +1,426 @@
+"""The per-forward canary step for JAX serving stacks (SPEC 8.3), as functions a jitted step can call.
+
+A serving step does::
+
+    state, plans = canary_head(state, batch, config=cfg)        # plan + HEAD verify/write, per group
+    kv_pool = model_forward(kv_pool, batch)                     # writes the real KV
+    state, summary = canary_tail(state, plans, batch, config=cfg,
+                                 real_kv_sources=sources_of(kv_pool))   # TAIL verify/write, same plans
+
+or, in one call, ``state, kv_state, summary = canary_step(state, batch, kv_write_fn, kv_state, config=cfg)``.
+Every function is jitted with ``config`` (and ``kv_write_fn``) static, so it compiles once per set of
+capacities and shapes, never syncs with the host and never raises on data: violations land in the ring,
+overflow clears ``summary.verify_enable``. Inside an outer ``jit`` they simply inline.
+
+``CanaryState`` bundles the buffer groups (FULL, and SWA for SWA pools) and the one ViolationLog they share.
+Host-side reporting (ring decode, log/raise, stats, health) lives in :mod:`canary_jax.report`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from canary_jax import constants as C
+from canary_jax import layout
+from canary_jax.endpoints import CanaryBufferGroup, ExpectedInputs, PoolKind, launch_group
+from canary_jax.plan_builder import build_plans
+from canary_jax.plans import VerifyPlan
+
+__all__ = [
+    "CanaryBatch",
+    "CanaryPlans",
+    "CanaryState",
+    "CanaryStepConfig",
+    "StepSummary",
+    "active_tags",
+    "canary_head",
+    "canary_plan",
+    "canary_step",
+    "canary_sweep",
+    "canary_tail",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CanaryStepConfig:
+    """Static knobs of the per-forward step (hashable; pass as ``config=``; SGLang ``CanaryConfig`` +
+    ``CanaryLaunchCapacities``).
+
+    Fields:
+      verify_capacity: per-forward VerifyPlan length C (SGLang: 3 x pool slots).
+      write_req_capacity: WritePlan request capacity Cw (>= the batch's bs).
+      real_kv_hash_mode: NONE / PARTIAL / ALL fingerprint of the real KV (TAIL and SWEEP launches).
+      enable_write_input_assert: write kernel compares input ids / positions with ``batch.expected_inputs``.
+      enable_verify_token_assert: verify checks tokens gathered from ``batch.req_to_verify_expected_tokens``.
+      enable_v_half: also launch the V-half endpoints (SGLang's ``SGLANG_KV_CANARY_ENABLE_MHA_V``,
+        default off there).
+      backend: ``reference`` / ``pallas`` / None (see :func:`canary_jax.launch.resolve_backend`).
+
+    Raises:
+      ValueError: non-positive capacities.
+    """
+
+    verify_capacity: int
+    write_req_capacity: int
+    real_kv_hash_mode: C.RealKvHashMode = C.RealKvHashMode.NONE
+    enable_write_input_assert: bool = False
+    enable_verify_token_assert: bool = False
+    enable_v_half: bool = False
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("verify_capacity", "write_req_capacity"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"kv-canary: {name} must be positive, got {getattr(self, name)}")
+        object.__setattr__(self, "real_kv_hash_mode", C.RealKvHashMode(int(self.real_kv_hash_mode)))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CanaryBatch:
+    """What the canary needs from one forward batch (SGLang ``PlanInput`` + ForwardBatch arrays).
+
+    Fields (bs rows, padding rows with ``req_pool_indices == 0`` last; T tokens in request order):
+      req_pool_indices: int64-valued ``[bs]`` (int32 / int64 / ``uint32[bs, 2]``); 0 = padding row.
+      prefix_lens: int64-valued ``[bs]``: tokens already in the KV before this step (decode: the position).
+      extend_seq_lens: int64-valued ``[bs]``: tokens written this step (decode: 1).
+      input_ids, positions: int64-valued ``[T]``.
+      out_cache_loc: int64-valued ``[T]`` full-pool slots written this step (SWA groups translate them).
+      req_to_token: ``int32[max_reqs, max_seq_len]``, already holding this step's slots.
+      expected_inputs: :class:`~canary_jax.endpoints.ExpectedInputs` (``[T]`` each) when
+        ``enable_write_input_assert``; else None.
+      req_to_verify_expected_tokens: ``int32[rows, max_context_len]`` token pool when
+        ``enable_verify_token_assert`` (see :func:`canary_jax.plan_builder.scatter_req_token_ids`); else None.
+      req_to_verify_expected_tokens_valid_lens: int64-valued ``[bs]`` with the pool.
+    """
+
+    req_pool_indices: Any
+    prefix_lens: Any
+    extend_seq_lens: Any
+    input_ids: Any
+    positions: Any
+    out_cache_loc: Any
+    req_to_token: Any
+    expected_inputs: ExpectedInputs | None = None
+    req_to_verify_expected_tokens: Any = None
+    req_to_verify_expected_tokens_valid_lens: Any = None
+
+
+jax.tree_util.register_dataclass(
+    CanaryBatch,
+    data_fields=["req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids", "positions", "out_cache_loc",
+                 "req_to_token", "expected_inputs", "req_to_verify_expected_tokens",
+                 "req_to_verify_expected_tokens_valid_lens"],
+    meta_fields=[],
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CanaryState:
+    """Device state of one canary manager: its buffer groups and the shared violation log (a pytree).
+
+    Fields:
+      groups: tuple of :class:`~canary_jax.endpoints.CanaryBufferGroup` (FULL first, then SWA if any).
+      log: the shared :class:`~canary_jax.layout.ViolationLog` (ring, write index, per-tag counters, the
+        chain-position assert flag).
+    """
+
+    groups: tuple
+    log: layout.ViolationLog
+
+    @classmethod
+    def create(
+        cls,
+        groups: Sequence[CanaryBufferGroup],
+        *,
+        ring_capacity: int = C.DEFAULT_RING_CAPACITY,
+        enable_chain_position_assert: bool = True,
+    ) -> "CanaryState":
+        """Bundles ``groups`` with a fresh ViolationLog.
+
+        Raises:
+          ValueError: no groups, two groups of one kind, or a bad ring capacity.
+        """
+        groups = tuple(groups)
+        if not groups:
+            raise ValueError("kv-canary: CanaryState needs at least one CanaryBufferGroup")
+        kinds = [g.kind for g in groups]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"kv-canary: CanaryState groups must have distinct kinds, got {[k.name for k in kinds]}")
+        log = layout.ViolationLog.allocate(ring_capacity=ring_capacity,
+                                           enable_chain_position_assert=enable_chain_position_assert)
+        return cls(groups=groups, log=log)
+
+    def replace(self, **kw) -> "CanaryState":
+        return dataclasses.replace(self, **kw)
+
+    def with_chain_position_assert(self, enabled: bool) -> "CanaryState":
+        """SGLang zeroes the flag during warm-up and sets it in ``mark_init_finished()``."""
+        flag = jnp.full((1,), 1 if enabled else 0, jnp.int32)
+        return self.replace(log=dataclasses.replace(self.log, enable_chain_position_assert=flag))
+
+
+jax.tree_util.register_dataclass(CanaryState, data_fields=["groups", "log"], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CanaryPlans:
+    """The plans of one forward, shared by HEAD and TAIL (a pytree).
+
+    Fields:
+      per_group: tuple with one ``(VerifyPlan, WritePlan)`` per state group, in group order.
+      write_index_at_head: ``int32[1]``: the ring's write index before the HEAD launches.
+    """
+
+    per_group: tuple
+    write_index_at_head: jax.Array
+
+
+jax.tree_util.register_dataclass(CanaryPlans, data_fields=["per_group", "write_index_at_head"], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StepSummary:
+    """Small device-side results of one step (read them back lazily, e.g. one step late).
+
+    Fields (G = number of groups):
+      verify_enable: ``int32[G]``: 0 where that group's verify plan overflowed (verify skipped).
+      verify_num_valid: ``int32[G]``: verify entries of each group's plan (capacity on overflow).
+      violations_total: ``int32[]``: the ring's write index after the step (all violations ever).
+      new_violations: ``int32[]``: violations recorded since ``canary_head`` of this step.
+    """
+
+    verify_enable: jax.Array
+    verify_num_valid: jax.Array
+    violations_total: jax.Array
+    new_violations: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    StepSummary, data_fields=["verify_enable", "verify_num_valid", "violations_total", "new_violations"],
+    meta_fields=[])
+
+
+def active_tags(state: CanaryState, *, sweep: bool = False, enable_v_half: bool = False) -> tuple[C.CanaryLaunchTag, ...]:
+    """Tags the step launches for ``state`` (HEAD and TAIL, plus SWEEP if ``sweep``; V halves only if
+    ``enable_v_half`` and the group has them): what the health checker expects to see growing."""
+    out = []
+    for g in state.groups:
+        for tag in C.CanaryLaunchTag:
+            if tag.group != g.kind.name:
+                continue
+            if tag.is_sweep and not sweep:
+                continue
+            if tag.is_v_half and not (enable_v_half and g.has_v_half):
+                continue
+            out.append(tag)
+    return tuple(sorted(out))
+
+
+def _check_config(config: Any) -> CanaryStepConfig:
+    if not isinstance(config, CanaryStepConfig):
+        raise TypeError(f"kv-canary: config must be a CanaryStepConfig, got {type(config).__name__}")
+    return config
+
+
+def _check_batch(batch: Any, config: CanaryStepConfig) -> None:
+    if not isinstance(batch, CanaryBatch):
+        raise TypeError(f"kv-canary: batch must be a CanaryBatch, got {type(batch).__name__}")
+    if config.enable_write_input_assert and batch.expected_inputs is None:
+        raise ValueError("kv-canary: expected input tensors are required when enable_write_input_assert=True")
+    if config.enable_verify_token_assert and batch.req_to_verify_expected_tokens is None:
+        raise ValueError(
+            "kv-canary: enable_verify_token_assert=True requires batch.req_to_verify_expected_tokens "
+            "(and req_to_verify_expected_tokens_valid_lens)"
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def canary_plan(state: CanaryState, batch: CanaryBatch, *, config: CanaryStepConfig) -> CanaryPlans:
+    """Builds every group's per-forward plans (:func:`canary_jax.plan_builder.build_plans`).
+
+    FULL groups plan with W = 0 and no LUT; SWA groups with their ``swa_window_size`` and LUT. The
+    expected-token pool is passed only when ``config.enable_verify_token_assert``.
+
+    Returns:
+      :class:`CanaryPlans` (one (VerifyPlan, WritePlan) per group, and the current write index).
+    """
+    config = _check_config(config)
+    _check_batch(batch, config)
+    per_group = []
+    for g in state.groups:
+        swa = g.kind is PoolKind.SWA
+        use_pool = config.enable_verify_token_assert
+        vp, wp = build_plans(
+            req_pool_indices=batch.req_pool_indices,
+            prefix_lens=batch.prefix_lens,
+            extend_seq_lens=batch.extend_seq_lens,
+            req_to_token=batch.req_to_token,
+            verify_capacity=config.verify_capacity,
+            write_req_capacity=config.write_req_capacity,
+            swa_window_size=g.swa_window_size if swa else 0,
+            full_to_swa_index_mapping=g.swa_index_lut if swa else None,
+            req_to_verify_expected_tokens=batch.req_to_verify_expected_tokens if use_pool else None,
+            req_to_verify_expected_tokens_valid_lens=(
+                batch.req_to_verify_expected_tokens_valid_lens if use_pool else None),
+            kv_token_id_vs_position_offset=g.kv_token_id_vs_position_offset,
+        )
+        per_group.append((vp, wp))
+    return CanaryPlans(per_group=tuple(per_group), write_index_at_head=state.log.write_index)
+
+
+def _launch_phase(state: CanaryState, plans: CanaryPlans, batch: CanaryBatch, phase: str,
+                  config: CanaryStepConfig) -> CanaryState:
+    if len(plans.per_group) != len(state.groups):
+        raise ValueError(
+            f"kv-canary: plans cover {len(plans.per_group)} groups but the state has {len(state.groups)}"
+        )
+    log = state.log
+    groups = []
+    for g, (vp, wp) in zip(state.groups, plans.per_group):
+        g, log = launch_group(
+            g, phase, verify_plan=vp, violation_log=log, enable_v_half=config.enable_v_half,
+            write_plan=wp, input_ids=batch.input_ids, positions=batch.positions,
+            out_cache_loc=batch.out_cache_loc,
+            enable_write_input_assert=config.enable_write_input_assert,
+            enable_verify_token_assert=config.enable_verify_token_assert,
+            expected_inputs=batch.expected_inputs if config.enable_write_input_assert else None,
+            real_kv_hash_mode=config.real_kv_hash_mode, backend=config.backend,
+        )
+        groups.append(g)
+    return state.replace(groups=tuple(groups), log=log)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def canary_head(
+    state: CanaryState,
+    batch: CanaryBatch,
+    *,
+    config: CanaryStepConfig,
+    plans: CanaryPlans | None = None,
+) -> tuple[CanaryState, CanaryPlans]:
+    """Pre-forward half of the step: plan, then each group's HEAD endpoints (verify, then write).
+
+    HEAD buffers carry no real-KV fingerprint (hash 0), so HEAD checks the bookkeeping (req_to_token, chain,
+    positions, tokens) before the model touches the KV.
+
+    Args:
+      state: the canary state.
+      batch: this forward's :class:`CanaryBatch`.
+      config: static :class:`CanaryStepConfig`.
+      plans: prebuilt plans (from :func:`canary_plan`), or None to build them here.
+
+    Returns:
+      ``(state, plans)``; pass ``plans`` unchanged to :func:`canary_tail`.
+
+    Raises:
+      TypeError / ValueError: bad config or batch (before tracing).
+    """
+    config = _check_config(config)
+    _check_batch(batch, config)
+    if plans is None:
+        plans = canary_plan(state, batch, config=config)
+    return _launch_phase(state, plans, batch, "head", config), plans
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def canary_tail(
+    state: CanaryState,
+    plans: CanaryPlans,
+    batch: CanaryBatch,
+    *,
+    config: CanaryStepConfig,
+    real_kv_sources: Sequence | None = None,
+) -> tuple[CanaryState, StepSummary]:
+    """Post-forward half of the step: each group's TAIL endpoints with the same plans as HEAD.
+
+    TAIL verifies the prefix including the real-KV fingerprint of the (now current) KV bytes, then writes the
+    new tokens with the freshly written KV's fingerprint.
+
+    Args:
+      state: the state returned by :func:`canary_head`.
+      plans: the plans returned by :func:`canary_head`.
+      batch: the same batch.
+      config: static :class:`CanaryStepConfig`.
+      real_kv_sources: None to keep each group's sources, or one ``(sources_k, sources_v)`` pair per group
+        (tuples of :class:`~canary_jax.sources.RealKvSource` viewing the KV pool *after* the model's write;
+        ``None`` inside a pair keeps that half). The state keeps the new sources.
+
+    Returns:
+      ``(state, summary)``.
+    """
+    config = _check_config(config)
+    _check_batch(batch, config)
+    if real_kv_sources is not None:
+        real_kv_sources = tuple(real_kv_sources)
+        if len(real_kv_sources) != len(state.groups):
+            raise ValueError(
+                f"kv-canary: real_kv_sources has {len(real_kv_sources)} entries for {len(state.groups)} groups"
+            )
+        groups = tuple(g.with_real_kv_sources(*pair) for g, pair in zip(state.groups, real_kv_sources))
+        state = state.replace(groups=groups)
+    state = _launch_phase(state, plans, batch, "tail", config)
+    enables = jnp.concatenate([vp.enable for vp, _ in plans.per_group])
+    num_valid = jnp.concatenate([vp.verify_num_valid for vp, _ in plans.per_group])
+    total = state.log.write_index[0]
+    summary = StepSummary(verify_enable=enables, verify_num_valid=num_valid, violations_total=total,
+                          new_violations=total - plans.write_index_at_head[0])
+    return state, summary
+
+
+@functools.partial(jax.jit, static_argnames=("kv_write_fn", "config"))
+def canary_step(
+    state: CanaryState,
+    batch: CanaryBatch,
+    kv_write_fn: Callable[[Any, CanaryBatch], tuple[Any, Sequence | None]],
+    kv_state: Any,
+    *,
+    config: CanaryStepConfig,
+) -> tuple[CanaryState, Any, StepSummary]:
+    """One whole canary-protected forward: plan + HEAD, the model's KV write, then TAIL.
+
+    Args:
+      state: the canary state.
+      batch: this forward's :class:`CanaryBatch`.
+      kv_write_fn: static callable ``kv_write_fn(kv_state, batch) -> (kv_state, real_kv_sources)`` that runs
+        the model / writes the real KV; ``real_kv_sources`` is None or one ``(sources_k, sources_v)`` pair per
+        group viewing the new KV (see :func:`canary_tail`). Must be hashable (a module-level function).
+      kv_state: whatever ``kv_write_fn`` threads (a pytree: KV pool arrays, ...).
+      config: static :class:`CanaryStepConfig`.
+
+    Returns:
+      ``(state, kv_state, summary)``.
+    """
+    state, plans = canary_head(state, batch, config=config)
+    kv_state, sources = kv_write_fn(kv_state, batch)
+    state, summary = canary_tail(state, plans, batch, config=config, real_kv_sources=sources)
+    return state, kv_state, summary
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def canary_sweep(state: CanaryState, sweep_plans: Sequence[VerifyPlan | None], *,
+                 config: CanaryStepConfig) -> CanaryState:
+    """Runs each group's SWEEP endpoints (verify only, token check off) on its sweep plan.
+
+    Args:
+      sweep_plans: one VerifyPlan per group (None skips that group), e.g. from
+        :func:`canary_jax.sweep.build_sweep_plan_from_radix` with the group's LUT.
+
+    Returns:
+      The state with the new log (sweeps never write canary buffers).
+    """
+    config = _check_config(config)
+    sweep_plans = tuple(sweep_plans)
+    if len(sweep_plans) != len(state.groups):
+        raise ValueError(f"kv-canary: sweep_plans has {len(sweep_plans)} entries for {len(state.groups)} groups")
+    log = state.log
+    for g, vp in zip(state.groups, sweep_plans):
+        if vp is None:
+            continue
+        _, log = launch_group(g, "sweep", verify_plan=vp, violation_log=log, enable_v_half=config.enable_v_half,
+                              real_kv_hash_mode=config.real_kv_hash_mode, backend=config.backend)
+    return state.replace(log=log)
