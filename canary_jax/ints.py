@@ -39,6 +39,17 @@ def int64_to_pairs_np(values: Any) -> np.ndarray:
       TypeError: for non-integer data.
       ValueError: for Python ints outside the int64 range.
     """
+    if not hasattr(values, "dtype"):
+        # Python ints / (nested) lists: exact int64 or refuse. (np.asarray alone would turn [2**63] into
+        # uint64 and wrap it to -2**63, and [-1, 2**63] into float64.)
+        obj = np.asarray(values, dtype=object)
+        flat = obj.reshape(-1).tolist()
+        if any(isinstance(v, (float, complex)) or not isinstance(v, (int, np.integer)) for v in flat):
+            raise TypeError("kv-canary: expected integer data, got non-integer Python values")
+        try:
+            values = np.array([int(v) for v in flat], dtype=np.int64).reshape(obj.shape)
+        except OverflowError as e:
+            raise ValueError(f"kv-canary: value does not fit int64: {e}") from None
     arr = np.asarray(values)
     if arr.dtype == object or arr.dtype.kind not in "iub":
         if arr.dtype == object:
@@ -118,11 +129,13 @@ def as_int64_pairs(x: Any, *, name: str, shape: Sequence[int | None] | None = No
             out = jnp.asarray(arr.astype(np.uint32, copy=False))
         else:
             try:
-                out = jnp.asarray(int64_to_pairs_np(arr if arr.dtype != object else x))
+                out = jnp.asarray(int64_to_pairs_np(x if not hasattr(x, "dtype") else arr))
             except TypeError:
                 raise TypeError(
                     f"kv-canary: {name} must be an int64-valued integer array, got {_describe(arr)}"
                 ) from None
+            except ValueError:
+                raise ValueError(f"kv-canary: {name} holds a value that does not fit int64") from None
     if shape is not None:
         logical = tuple(out.shape[:-1])
         if len(logical) != len(shape) or any(w is not None and w != g for w, g in zip(shape, logical)):

@@ -25,6 +25,7 @@ import jax
 from canary_jax import ints
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan, check_context
 from canary_jax import reference as R
+from canary_jax.sources import device_sources
 
 BACKENDS = ("reference", "pallas")
 BACKEND_ENV = "CANARY_JAX_BACKEND"
@@ -80,6 +81,7 @@ def verify(
       TypeError / ValueError: any static check (before tracing; nothing is mutated).
     """
     check_context(context)
+    context = context.replace(real_kv_sources=device_sources(context.real_kv_sources))
     if not isinstance(plan, VerifyPlan):
         raise TypeError(f"kv-canary: plan must be a VerifyPlan, got {type(plan).__name__}")
     plan.check()
@@ -168,6 +170,7 @@ def write(
       TypeError / ValueError: any static check (before tracing; nothing is mutated).
     """
     check_context(context)
+    context = context.replace(real_kv_sources=device_sources(context.real_kv_sources))
     if not isinstance(plan, WritePlan):
         raise TypeError(f"kv-canary: plan must be a WritePlan, got {type(plan).__name__}")
     plan.check()

@@ -181,6 +181,22 @@ def check_real_kv_sources(
     return tuple(descs)
 
 
+def device_sources(sources: Sequence[RealKvSource]) -> tuple[RealKvSource, ...]:
+    """Sources ready to cross ``jit`` without losing a byte.
+
+    numpy tensors become JAX ``uint8`` views of the same bytes: with ``jax_enable_x64`` off, ``jit`` would
+    otherwise narrow 8-byte numpy dtypes (int64, float64) to 4 bytes. JAX arrays pass unchanged. Call after
+    :func:`check_real_kv_sources` (which checks 2-D and contiguity).
+    """
+    out = []
+    for s in sources:
+        if isinstance(s.tensor, np.ndarray):
+            u8 = np.ascontiguousarray(s.tensor).view(np.uint8)
+            s = _unflatten_source((s.page_size, s.num_bytes_per_token, s.read_bytes), (jnp.asarray(u8),))
+        out.append(s)
+    return tuple(out)
+
+
 def source_words(tensor: jax.Array) -> jax.Array:
     """A 2-D source of any dtype as ``uint32[rows, row_bytes // 4]`` (bitcast; row_bytes % 16 == 0)."""
     tensor = jnp.asarray(tensor)
