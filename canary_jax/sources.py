@@ -200,6 +200,8 @@ def device_sources(sources: Sequence[RealKvSource]) -> tuple[RealKvSource, ...]:
 def source_words(tensor: jax.Array) -> jax.Array:
     """A 2-D source of any dtype as ``uint32[rows, row_bytes // 4]`` (bitcast; row_bytes % 16 == 0)."""
     tensor = jnp.asarray(tensor)
+    if tensor.dtype == jnp.bool_:  # bitcast refuses bool; a bool element is one byte holding 0 or 1
+        tensor = tensor.astype(jnp.uint8)
     rows = tensor.shape[0]
     itemsize = np.dtype(tensor.dtype).itemsize
     if itemsize == 4:

@@ -433,6 +433,18 @@ class Int64InputTest(absltest.TestCase):
             want = O.real_kv_hash([O.Source.of(raw, 1, 16, 16)], O.ALL, 5)
             self.assertEqual(cj.read_slot(ctx.canary_buf, 5).real_kv_hash, O.s64(want), dt)
 
+    def test_bool_and_narrow_dtype_sources(self):
+        mask = (np.arange(N * 16).reshape(N, 16) % 3) == 0
+        raw = np.random.default_rng(1).integers(0, 256, (N, 16), dtype=np.uint8)
+        cases = [(jnp.asarray(mask), mask.view(np.uint8)), (mask, mask.view(np.uint8)),
+                 (jnp.asarray(raw.view(np.int16)), raw), (jnp.asarray(raw.view(np.float32)), raw),
+                 (jnp.asarray(raw.view(np.int8)), raw)]
+        for tensor, want_bytes in cases:
+            ctx = ctx_with(sources=[src(tensor)])
+            ctx = cj.write(ctx, wplan(), tok(), tok((0, 0, 0, 0)), tok((6, 0, 0, 0)), backend="reference")
+            want = O.real_kv_hash([O.Source.of(want_bytes, 1, 16, 16)], O.ALL, 6)
+            self.assertEqual(cj.read_slot(ctx.canary_buf, 6).real_kv_hash, O.s64(want), tensor.dtype)
+
 
 class LaunchMechanicsTest(absltest.TestCase):
 
