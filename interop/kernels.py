@@ -1,0 +1,159 @@
+"""The JAX side of the torch launchers: verify / write / plan bodies for :func:`interop.inplace.run_in_place`.
+
+Each ``*_body_factory(statics)`` returns ``body(vals) -> dict``: ``vals`` maps SGLang's argument names
+(``canary_buf``, ``plan.verify_slot_indices``, ``violation_ring``, ``slot_run_counter``, ...) to JAX arrays in
+canary-jax's form (int64 tensors as ``uint32[..., 2]`` pairs, the rest in their torch dtype); the body
+rebuilds canary-jax's launch objects, runs the chosen backend (``canary_jax.reference`` or the Pallas
+kernels) and returns the new values of the mutable names. SGLang passes per-tag counters as one-element
+views; the body places them at row ``tag`` of canary-jax's per-tag counter arrays and reads them back.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+
+from canary_jax import constants as C
+from canary_jax import launch as L
+from canary_jax import plan_builder
+from canary_jax import sources as S
+from canary_jax.layout import ViolationLog
+from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
+
+VERIFY_PLAN_FIELDS = (
+    "verify_slot_indices",
+    "verify_expected_tokens",
+    "verify_expected_positions",
+    "verify_prev_slot_indices",
+    "verify_num_valid",
+    "enable",
+)
+WRITE_PLAN_FIELDS = ("write_offsets", "write_seed_slot_indices", "write_num_valid_reqs")
+
+
+def resolve_backend(backend: str | None, device_type: str) -> str:
+    """``backend`` if given, else ``$CANARY_JAX_BACKEND``, else ``pallas`` for CUDA tensors and ``reference``
+    for CPU tensors.
+
+    Raises:
+      ValueError: an unknown backend name.
+    """
+    name = backend if backend is not None else (os.environ.get(L.BACKEND_ENV) or None)
+    if name is None:
+        return "pallas" if device_type == "cuda" else "reference"
+    return L.resolve_backend(str(name))
+
+
+def _impl(backend: str, op: str):
+    if backend == "reference":
+        from canary_jax import reference as R
+
+        return R.verify_reference if op == "verify" else R.write_reference
+    from pallas_kernels import verify as pv, write as pw  # lazy: pallas_kernels builds on canary_jax
+
+    return pv.verify_pallas if op == "verify" else pw.write_pallas
+
+
+def _counters(c: jnp.ndarray, tag: int, num_tags: int) -> jnp.ndarray:
+    """One int64 counter ``uint32[1, 2]`` placed at row ``tag`` of a ``uint32[num_tags, 2]`` array."""
+    return jnp.zeros((num_tags, 2), jnp.uint32).at[tag].set(c[0])
+
+
+def _log(v: dict, tag: int, flag) -> ViolationLog:
+    n = max(C.NUM_LAUNCH_TAGS, tag + 1)
+    return ViolationLog(
+        ring=v["violation_ring"],
+        write_index=v["violation_write_index"],
+        slot_run_counters=_counters(v["slot_run_counter"], tag, n),
+        kernel_run_counters=_counters(v["kernel_run_counter"], tag, n),
+        enable_chain_position_assert=flag,
+    )
+
+
+def _log_out(log: ViolationLog, tag: int) -> dict:
+    return {
+        "violation_ring": log.ring,
+        "violation_write_index": log.write_index,
+        "slot_run_counter": log.slot_run_counters[tag][None],
+        "kernel_run_counter": log.kernel_run_counters[tag][None],
+    }
+
+
+def _sources(v: dict, source_meta: tuple) -> tuple:
+    return tuple(
+        S.RealKvSource(tensor=v[f"real_kv_sources[{i}].tensor"], page_size=p, num_bytes_per_token=n, read_bytes=r)
+        for i, (p, n, r) in enumerate(source_meta)
+    )
+
+
+def verify_body_factory(statics):
+    """statics = (backend, tag, mode, source_meta, check_verify_expected_token)."""
+    backend, tag, mode, source_meta, check = statics
+    impl = _impl(backend, "verify")
+
+    def body(v: dict) -> dict:
+        log = _log(v, tag, jnp.ones((1,), jnp.int32))
+        plan = VerifyPlan(**{f: v[f"plan.{f}"] for f in VERIFY_PLAN_FIELDS})
+        ctx = VerifyOrWriteContext(
+            canary_buf=v["canary_buf"], kernel_kind=C.CanaryLaunchTag(tag), log=log,
+            real_kv_sources=_sources(v, source_meta), real_kv_hash_mode=C.RealKvHashMode(mode),
+        )
+        out = impl(ctx, plan, check_verify_expected_token=check)
+        return _log_out(out.log, tag)
+
+    return body
+
+
+def write_body_factory(statics):
+    """statics = (backend, tag, mode, source_meta, enable_write_input_assert)."""
+    backend, tag, mode, source_meta, assert_inputs = statics
+    impl = _impl(backend, "write")
+
+    def body(v: dict) -> dict:
+        log = _log(v, tag, v["enable_chain_position_assert"])
+        plan = WritePlan(**{f: v[f"plan.{f}"] for f in WRITE_PLAN_FIELDS})
+        ctx = VerifyOrWriteContext(
+            canary_buf=v["canary_buf"], kernel_kind=C.CanaryLaunchTag(tag), log=log,
+            real_kv_sources=_sources(v, source_meta), real_kv_hash_mode=C.RealKvHashMode(mode),
+        )
+        out = impl(
+            ctx, plan, v["input_ids"], v["positions"], v["out_cache_loc"],
+            enable_write_input_assert=assert_inputs,
+            expected_input_tokens=v.get("expected_input_tokens"),
+            expected_input_positions=v.get("expected_input_positions"),
+        )
+        res = _log_out(out.log, tag)
+        res["canary_buf"] = out.canary_buf
+        return res
+
+    return body
+
+
+def plan_body_factory(statics):
+    """statics = (swa_window_size, kv_token_id_vs_position_offset, has_lut, has_pool)."""
+    w, k, has_lut, has_pool = statics
+
+    def body(v: dict) -> dict:
+        vp = VerifyPlan(**{f: v[f"verify_plan_out.{f}"] for f in VERIFY_PLAN_FIELDS})
+        wp = WritePlan(**{f: v[f"write_plan_out.{f}"] for f in WRITE_PLAN_FIELDS})
+        new_v, new_w = plan_builder.build_plans(
+            req_pool_indices=v["req_pool_indices"],
+            prefix_lens=v["prefix_lens"],
+            extend_seq_lens=v["extend_seq_lens"],
+            req_to_token=v["req_to_token"],
+            swa_window_size=w,
+            full_to_swa_index_mapping=v["full_to_swa_index_mapping"] if has_lut else None,
+            req_to_verify_expected_tokens=v["req_to_verify_expected_tokens"] if has_pool else None,
+            req_to_verify_expected_tokens_valid_lens=(
+                v["req_to_verify_expected_tokens_valid_lens"] if has_pool else None
+            ),
+            kv_token_id_vs_position_offset=k,
+            verify_plan_out=vp,
+            write_plan_out=wp,
+        )
+        out = {f"verify_plan_out.{f}": getattr(new_v, f) for f in VERIFY_PLAN_FIELDS}
+        out.update({f"write_plan_out.{f}": getattr(new_w, f) for f in WRITE_PLAN_FIELDS})
+        return out
+
+    return body
