@@ -43,7 +43,6 @@ Decisions where SGLang's reference and kernels differ or are undefined (SPEC 13 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -170,10 +169,7 @@ def swa_translate(slots: jax.Array, lut: jax.Array | None) -> jax.Array:
 
 
 # --- build_plans ------------------------------------------------------------------------------------------
-@functools.partial(
-    jax.jit,
-    static_argnames=("swa_window_size", "kv_token_id_vs_position_offset"),
-)
+@jax.jit
 def _build_plans_impl(
     verify_out: VerifyPlan,
     write_out: WritePlan,
@@ -184,15 +180,14 @@ def _build_plans_impl(
     lut: jax.Array | None,  # u32[lut_len, 2]
     pool: jax.Array | None,  # i32[rows, ctx]
     valid_lens: jax.Array | None,  # u32[bs, 2]
-    *,
-    swa_window_size: int,
-    kv_token_id_vs_position_offset: int,
+    swa_window_size: jax.Array,  # i32[]: W (data, so each window size does not recompile)
+    kv_token_id_vs_position_offset: jax.Array,  # i32[]: k
 ) -> tuple[VerifyPlan, WritePlan]:
     bs = rpi.shape[0]
     cap = verify_out.verify_slot_indices.shape[0]
     cw = write_out.write_seed_slot_indices.shape[0]
     max_seq_len = req_to_token.shape[1]
-    w = int(swa_window_size)
+    w = swa_window_size
 
     is_pad = _is_zero(rpi)  # REQ_POOL_IDX_PADDING == 0
     p_pos = _is_pos(prefix)
@@ -200,7 +195,8 @@ def _build_plans_impl(
     # --- verify counts and overflow -------------------------------------------------------------------
     # Exact whenever the plan does not overflow: every per-request count is then <= C < C + 1.
     bound = cap + 1
-    count = _clamp_nonneg(prefix, min(w, bound) if w > 0 else bound)
+    count = _clamp_nonneg(prefix, bound)
+    count = jnp.where(w > 0, jnp.minimum(count, w), count)
     count = jnp.where(is_pad | ~p_pos, 0, count).astype(jnp.int32)
     incl = _saturating_cumsum(count, bound)
     total = incl[-1] if bs > 0 else jnp.int32(0)
@@ -224,7 +220,7 @@ def _build_plans_impl(
         prev = swa_translate(_pair_from_i32(prev_full), lut)
         prev = jnp.where(_is_zero(pos)[..., None], _pair_const(-1, (cap,)), prev)
         if pool is not None:
-            sot = _add(pos, _pair_const(int(kv_token_id_vs_position_offset), (cap,)))
+            sot = _add(pos, _pair_from_i32(jnp.broadcast_to(kv_token_id_vs_position_offset, (cap,))))
             want = ~_is_neg(sot) & _lt(sot, valid_lens[r])
             tok, tok_ok = _gather_2d(pool, row, sot, -1)
             tok = jnp.where(want & tok_ok, tok, -1)
@@ -403,9 +399,12 @@ def build_plans(
             req_to_verify_expected_tokens_valid_lens, name="req_to_verify_expected_tokens_valid_lens", shape=(bs,)
         )
 
+    k = int(kv_token_id_vs_position_offset)
+    if not -(2**31) <= k <= _INT32_MAX:
+        raise ValueError(f"kv-canary: kv_token_id_vs_position_offset must fit int32, got {k}")
     return _build_plans_impl(
         verify_plan_out, write_plan_out, rpi, prefix, extend, r2t, lut, pool, valid,
-        swa_window_size=w, kv_token_id_vs_position_offset=int(kv_token_id_vs_position_offset),
+        np.int32(w), np.int32(k),
     )
 
 
