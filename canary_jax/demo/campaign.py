@@ -1,0 +1,308 @@
+"""The fault campaign: a clean phase plus one fresh serving episode per (fault kind, trial).
+
+Each episode serves the same workload from an empty pool with a fresh canary. From step ``inject_at`` on,
+the fault tries to act every step until its preconditions hold (e.g. an orphan prefix needs a finished
+request); the episode then runs until the canary reports a violation (plus one step, to collect follow-on
+fail reasons) or until ``detect_window`` steps have passed. A violation before the injection is a false
+positive. The clean phase serves the whole workload with no fault; every violation there is a false
+positive. Jitted functions are shared by all episodes (fixed shapes), so only the first step compiles.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+from typing import Callable
+
+import jax
+import numpy as np
+
+from canary_jax import constants as C
+from canary_jax.demo import engine as E
+from canary_jax.demo import faults as F
+from canary_jax.demo import model as M
+from canary_jax.demo import workload as W
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CampaignConfig:
+    engine: E.EngineConfig
+    model: M.ModelConfig
+    num_requests: int = 24
+    max_new_tokens: int = 16
+    trials: int = 2
+    inject_after: int = 6  # earliest injection step (plus a per-trial offset)
+    detect_window: int = 24  # steps after injection before a fault counts as missed
+    seed: int = 0
+    prompt_path: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, lo in (("num_requests", 1), ("max_new_tokens", 1), ("trials", 1), ("inject_after", 0),
+                         ("detect_window", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < lo:
+                raise E.ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+
+@dataclasses.dataclass
+class TrialResult:
+    kind: str
+    trial: int
+    injected: bool = False
+    inject_step: int | None = None
+    detected: bool = False
+    detect_step: int | None = None
+    steps_to_detect: int | None = None
+    reasons: dict = dataclasses.field(default_factory=dict)  # "TAG:reason" -> rows
+    violations: int = 0
+    false_positives: int = 0
+    details: dict = dataclasses.field(default_factory=dict)
+    steps: int = 0
+    first_violation: str = ""
+
+
+@dataclasses.dataclass
+class PhaseStats:
+    steps: int = 0
+    model_s: list = dataclasses.field(default_factory=list)
+    canary_s: list = dataclasses.field(default_factory=list)
+    sweep_s: list = dataclasses.field(default_factory=list)
+    sweep_entries: list = dataclasses.field(default_factory=list)
+    tokens: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class CampaignResult:
+    config: CampaignConfig
+    backend: str
+    device: str
+    clean_false_positives: int
+    clean_reasons: dict
+    clean: PhaseStats
+    trials: list  # list[TrialResult]
+    total_steps: int
+    scheduler_stats: dict
+    kinds: list  # list[Fault]
+
+
+def _reason_keys(records) -> collections.Counter:
+    out = collections.Counter()
+    for r in records:
+        for reason in r.reasons or ["none"]:
+            out[f"{r.tag}:{reason}"] += 1
+    return out
+
+
+class Campaign:
+    """Runs the clean phase and the fault episodes; ``on_step(label, step)`` feeds a progress bar."""
+
+    def __init__(self, cfg: CampaignConfig, kinds: list[F.Fault], *,
+                 on_step: Callable[[str, int], None] | None = None,
+                 on_episode: Callable[[str], None] | None = None, dump_path: str | None = None):
+        self.cfg = cfg
+        self.kinds = kinds
+        self.on_step = on_step or (lambda label, step: None)
+        self.on_episode = on_episode or (lambda label: None)
+        self.prompts = W.load_prompts(cfg.prompt_path)
+        probe = W.build_requests(self.prompts, num_requests=cfg.num_requests, max_new_tokens=cfg.max_new_tokens,
+                                 seed=cfg.seed)
+        cfg.engine.check_workload([len(r.prompt) for r in probe], cfg.max_new_tokens)
+        self.params = M.init_params(cfg.model)
+        self.dump_path = dump_path
+        self.dumped: str | None = None
+        self.last_engine: E.Engine | None = None
+
+    def _engine(self) -> E.Engine:
+        reqs = W.build_requests(self.prompts, num_requests=self.cfg.num_requests,
+                                max_new_tokens=self.cfg.max_new_tokens, seed=self.cfg.seed)
+        eng = E.Engine(self.cfg.engine, self.cfg.model, reqs, params=self.params, sample_seed=self.cfg.seed)
+        self.last_engine = eng
+        return eng
+
+    def run_clean(self) -> tuple[int, dict, PhaseStats, dict]:
+        self.on_episode("clean")
+        eng = self._engine()
+        stats = PhaseStats()
+        reasons = collections.Counter()
+        fps = sweeps = 0
+        while True:
+            res = eng.step()
+            if res is None:
+                break
+            stats.steps += 1
+            # The first step (and the first sweep pass) compile; keep them out of the timing.
+            if stats.steps > 1:
+                stats.model_s.append(res.model_s)
+                stats.canary_s.append(res.canary_s)
+                stats.tokens.append(res.num_tokens)
+            if res.sweep_s:
+                sweeps += 1
+                if sweeps > 1:
+                    stats.sweep_s.append(res.sweep_s)
+                    stats.sweep_entries.append(res.swept)
+            fps += len(res.new_violations)
+            reasons.update(_reason_keys(res.new_violations))
+            self.on_step("clean", res.step)
+        fps = max(fps, eng.canary.log.num_violations())
+        return fps, dict(reasons), stats, dict(eng.scheduler.stats)
+
+    def run_trial(self, fault: F.Fault, trial: int) -> TrialResult:
+        label = f"{fault.kind}#{trial}"
+        self.on_episode(label)
+        cfg = self.cfg
+        rng = np.random.default_rng([cfg.seed, trial, F.FAULT_KINDS.index(fault.kind)])
+        inject_at = cfg.inject_after + int(rng.integers(0, 8))
+        eng = self._engine()
+        out = TrialResult(kind=fault.kind, trial=trial)
+        reasons = collections.Counter()
+
+        def hook(engine, batch):
+            if out.injected or engine.step_index < inject_at:
+                return
+            info = fault.try_inject(engine, batch, rng, trial)
+            if info is not None:
+                out.injected = True
+                out.inject_step = engine.step_index
+                out.details = info
+
+        while True:
+            res = eng.step(hooks=(hook,))
+            if res is None:
+                break
+            out.steps += 1
+            self.on_step(label, res.step)
+            if res.new_violations:
+                if not out.injected:
+                    out.false_positives += len(res.new_violations)
+                else:
+                    out.violations += len(res.new_violations)
+                    reasons.update(_reason_keys(res.new_violations))
+                    if not out.detected:
+                        out.detected = True
+                        out.detect_step = res.step
+                        out.steps_to_detect = res.step - out.inject_step
+                        r = res.new_violations[0]
+                        out.first_violation = (f"{r.tag} {'+'.join(r.reasons)} slot={r.slot_idx} "
+                                               f"position={r.position}")
+            if out.detected and res.step >= out.detect_step + 1:
+                break
+            if out.injected and res.step - out.inject_step >= cfg.detect_window:
+                break
+        out.reasons = dict(reasons)
+        if self.dump_path and out.detected and self.dumped is None:
+            self._dump(eng, label)
+        return out
+
+    def _dump(self, eng: E.Engine, label: str) -> None:
+        from canary_jax.demo.dump import save_dump
+
+        running = eng.scheduler.running
+        save_dump(self.dump_path, log=eng.canary.log, head_buf=eng.canary.buffer("k_head"),
+                  tail_buf=eng.canary.buffer("k_tail"),
+                  req_to_token=eng.scheduler.req_to_token, req_pool_indices=[r.row for r in running],
+                  seq_lens=[r.kv_len for r in running], k_pool_layer0=eng.k_pool[0],
+                  page_size=self.cfg.engine.page_size, real_kv_hash_mode=self.cfg.engine.real_kv_hash_mode)
+        self.dumped = label
+
+    def run(self) -> CampaignResult:
+        fps, clean_reasons, clean, sched_stats = self.run_clean()
+        total = clean.steps
+        trials = []
+        for fault in self.kinds:
+            for t in range(self.cfg.trials):
+                tr = self.run_trial(fault, t)
+                total += tr.steps
+                trials.append(tr)
+        fps += sum(t.false_positives for t in trials)
+        return CampaignResult(
+            config=self.cfg, backend=self.last_engine.canary.backend if self.last_engine else "?",
+            device=f"{jax.default_backend()} ({jax.devices()[0].device_kind})", clean_false_positives=fps,
+            clean_reasons=clean_reasons, clean=clean, trials=trials, total_steps=total,
+            scheduler_stats=sched_stats, kinds=self.kinds)
+
+
+# --- summaries ------------------------------------------------------------------------------------------
+def _ms(xs) -> float | None:
+    return round(1e3 * statistics.median(xs), 3) if xs else None
+
+
+def _mean_ms(xs) -> float | None:
+    return round(1e3 * statistics.fmean(xs), 3) if xs else None
+
+
+def summarize(result: CampaignResult) -> dict:
+    """The report as plain data (also the ``--json`` payload)."""
+    ecfg = result.config.engine
+    faults = []
+    for fault in result.kinds:
+        trs = [t for t in result.trials if t.kind == fault.kind]
+        exp = fault.expected(ecfg)
+        injected = sum(t.injected for t in trs)
+        detected = sum(t.detected for t in trs)
+        lat = [t.steps_to_detect for t in trs if t.steps_to_detect is not None]
+        reasons = collections.Counter()
+        for t in trs:
+            reasons.update(t.reasons)
+        if injected < len(trs):
+            verdict = "NOT INJECTED"
+        elif exp.detect:
+            verdict = "ok" if detected == injected else "MISSED"
+        else:
+            verdict = f"expected miss: {exp.why_not}" if detected < injected else "ok (detected anyway)"
+        faults.append(dict(
+            kind=fault.kind,
+            summary=fault.summary,
+            caught_by=fault.caught_by,
+            trials=len(trs),
+            injected=injected,
+            detected=detected,
+            expected_detect=exp.detect,
+            expected_miss_reason=exp.why_not or None,
+            steps_to_detect=lat,
+            mean_steps_to_detect=round(statistics.fmean(lat), 2) if lat else None,
+            max_steps_to_detect=max(lat) if lat else None,
+            fail_reasons=dict(sorted(reasons.items())),
+            verdict=verdict,
+            ok=verdict == "ok" or verdict.startswith("expected miss") or verdict.startswith("ok "),
+            episodes=[dataclasses.asdict(t) for t in trs],
+        ))
+    c = result.clean
+    model_med, canary_med = _ms(c.model_s), _ms(c.canary_s)
+    sweep_interval = result.config.engine.sweep_interval
+    sweep_per_step = (statistics.fmean(c.sweep_s) / sweep_interval) if c.sweep_s and sweep_interval else 0.0
+    timing = dict(
+        device=result.device,
+        backend=result.backend,
+        note=("wall-clock per forward step of the clean phase, measured with block_until_ready around each "
+              "part; on CPU these are CPU figures (the jnp reference kernels), not GPU figures"),
+        clean_steps=c.steps,
+        model_ms_per_step_median=model_med,
+        model_ms_per_step_mean=_mean_ms(c.model_s),
+        canary_ms_per_step_median=canary_med,
+        canary_ms_per_step_mean=_mean_ms(c.canary_s),
+        sweep_ms_per_pass_median=_ms(c.sweep_s),
+        sweep_passes=len(c.sweep_s),
+        sweep_ms_per_step_amortized=round(1e3 * sweep_per_step, 3),
+        canary_overhead_pct=(round(100.0 * (statistics.fmean(c.canary_s) + sweep_per_step)
+                                   / statistics.fmean(c.model_s), 1) if c.model_s else None),
+        tokens_per_step_mean=round(statistics.fmean(c.tokens), 2) if c.tokens else None,
+    )
+    ok = result.clean_false_positives == 0 and all(f["ok"] for f in faults)
+    mode = C.RealKvHashMode(int(ecfg.real_kv_hash_mode)).name
+    return dict(
+        ok=ok,
+        faults=faults,
+        false_positives=result.clean_false_positives,
+        false_positive_reasons=result.clean_reasons,
+        steps=result.total_steps,
+        timing=timing,
+        canary=dict(real_kv_hash_mode=mode, sweep_interval=ecfg.sweep_interval, token_oracle=ecfg.token_oracle,
+                    tags=["HEAD_K_FULL", "TAIL_K_FULL"] + (["SWEEP_K_FULL"] if ecfg.sweep_interval > 0 else [])),
+        workload=dict(num_requests=result.config.num_requests, max_new_tokens=result.config.max_new_tokens,
+                      trials=result.config.trials, seed=result.config.seed, **result.scheduler_stats),
+        engine=dict(page_size=ecfg.page_size, num_pages=ecfg.num_pages, max_running=ecfg.max_running,
+                    max_tokens_per_step=ecfg.max_tokens_per_step, chunk_size=ecfg.chunk_size,
+                    max_context=ecfg.max_context),
+        model=dataclasses.asdict(result.config.model),
+    )
