@@ -9,7 +9,8 @@ Decisions where SGLang is undefined or backends disagree (SPEC 13; tests pin eac
 
 * Out-of-range indices never touch memory outside a buffer. A verify slot or prev slot outside
   ``[0, num_slots)`` (other than the skip value 0 and the anchor value < 0 for prev) reads as an all-zero
-  record, so the entry normally fails and the row names the bad slot. A write entry whose slot is negative
+  record (and an out-of-range verify slot's expected real-KV fingerprint is 0, whatever the sources hold),
+  so the entry normally fails and the row names the bad slot. A write entry whose slot is negative
   or ``>= num_slots`` is skipped (no store, no count, no chain advance), like SGLang's ``< 0`` rule. A seed
   slot ``>= num_slots`` reads as an all-zero record. Real-KV bytes outside a source read as zeros.
 * Write seeds are read from the canary as it was before the launch (SPEC 6.3 and the CUDA kernel); the torch

@@ -632,6 +632,16 @@ class BackendSuite(absltest.TestCase):
         self.assertLen(r, 4)  # 2**40 with prev 0 and position 0 reads clean zeros
         self.assertEqual(h.slot_counter(), 5)
 
+    def test_verify_out_of_range_slot_ignores_source_rows(self):
+        # The source has rows for slots past the canary buffer; an out-of-range verify slot still reads as
+        # an all-zero record with a zero fingerprint (no real-KV bit), it does not hash those rows.
+        n = self.NUM_SLOTS
+        data = np.full((2 * n, 16), 0x33, np.uint8)
+        h = self.harness(sources=[SrcSpec(data, 1, 16, 16)], mode=ALL)
+        self.assertNotEqual(O.real_kv_hash(h.osrcs, ALL, n + 5), 0)
+        h.verify([(n + 5, 0, 0)])
+        self.assertEqual(h.rows(), [])
+
     def test_verify_source_rows_outside_read_as_zero(self):
         data = np.full((8, 16), 0x11, np.uint8)  # only slots 0..7 have KV rows
         h = self.harness(sources=[SrcSpec(data, 1, 16, 16)], mode=ALL)
