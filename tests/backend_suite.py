@@ -122,6 +122,18 @@ class Harness:
             self.poke(slot, [tokens[k], positions[k], hs[k], rkv])
         return hs[: len(slots)]
 
+    def preset_counters(self, tag: int, slot_count: int, kernel_count: int) -> None:
+        """Sets both per-tag int64 counters of ``tag`` (both sides)."""
+        log = self.ctx.log
+        slot_arr = np.array(log.slot_run_counters)
+        kern_arr = np.array(log.kernel_run_counters)
+        slot_arr[int(tag)] = [slot_count & 0xFFFFFFFF, (slot_count >> 32) & 0xFFFFFFFF]
+        kern_arr[int(tag)] = [kernel_count & 0xFFFFFFFF, (kernel_count >> 32) & 0xFFFFFFFF]
+        self.ctx = self.ctx.replace(log=dataclasses.replace(
+            log, slot_run_counters=jnp.asarray(slot_arr), kernel_run_counters=jnp.asarray(kern_arr)))
+        self.st.slot_counters[int(tag)] = O.s64(slot_count)
+        self.st.kernel_counters[int(tag)] = O.s64(kernel_count)
+
     # --- launches ---
     def verify(self, entries, *, num_valid=None, enable=1, check=False, tag=TAG, cap=None, tail=None,
                compare=True):
@@ -486,6 +498,15 @@ class BackendSuite(absltest.TestCase):
                                                                                     rep + 1))
         rows = h.rows()
         self.assertTrue(all(r == rows[0] for r in rows))
+
+    def test_counters_carry_past_32_bits(self):
+        h = self.harness()
+        h.preset_counters(TAG, 2**32 - 2, 2**32 - 1)
+        h.verify([(0, 0, 0)] * 5)
+        self.assertEqual((h.slot_counter(), h.kernel_counter()), (2**32 + 3, 2**32))
+        h.preset_counters(TAG, 2**63 - 1, 2**64 - 1)  # int64 wrap-around
+        h.write([(-1, [(3, 1, 0), (4, 1, 1)])])
+        self.assertEqual((h.slot_counter(), h.kernel_counter()), (-(2**63) + 1, 0))
 
     # --- real-KV modes and sources ---
     def test_verify_none_mode_ignores_sources(self):
