@@ -98,14 +98,6 @@ def check_contiguous(t: "torch.Tensor", name: str) -> None:
         raise ValueError(f"kv-canary: {name} must be contiguous")
 
 
-def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= max(int(d), 1)
-    return tuple(reversed(out))
-
-
 def contiguous_view(t: "torch.Tensor", name: str) -> "torch.Tensor":
     """A new view of ``t`` with canonical row-major strides (same memory; never ``t`` itself, so importing it
     does not pin ``t``'s Python object).
@@ -117,7 +109,10 @@ def contiguous_view(t: "torch.Tensor", name: str) -> "torch.Tensor":
       ValueError: ``t`` is not contiguous (transposed, sliced with a step, expanded, ...).
     """
     check_contiguous(t, name)
-    return t.as_strided(tuple(t.shape), _dense_strides(tuple(t.shape)))
+    # view(dtype) first: measured on torch 2.13, a DLPack export of most other views (as_strided, reshape,
+    # slicing) keeps the base tensor's Python object alive, which would defeat ImportCache's weak references.
+    # view(-1).view(shape) then rebuilds row-major strides (size-1 dims may carry odd ones).
+    return t.view(t.dtype).view(-1).view(tuple(t.shape))
 
 
 def int64_pairs_view(t: "torch.Tensor", name: str = "tensor") -> "torch.Tensor":
