@@ -154,3 +154,15 @@ def test_parse_kinds():
     assert [f.kind for f in F.parse_kinds("token_swap, kv_flip_lo,token_swap")] == ["token_swap", "kv_flip_lo"]
     with pytest.raises(ValueError, match="unknown fault kind 'nope'"):
         F.parse_kinds("kv_flip_lo,nope")
+
+
+def test_health_check_flags_a_canary_path_that_stops_launching():
+    prompts = W.load_prompts()
+    reqs = W.build_requests(prompts, num_requests=6, max_new_tokens=12, seed=2)
+    eng = E.Engine(E.EngineConfig(num_pages=80, max_running=3, sweep_interval=4), M.ModelConfig(num_layers=1), reqs)
+    eng.canary.sweep = lambda *a, **k: 0  # the sweep silently stops running
+    for _ in range(17):
+        if eng.step() is None:
+            break
+    assert eng.health_errors and "SWEEP_K_FULL" in eng.health_errors[0]
+    assert "canary path is not executing" in eng.health_errors[0]

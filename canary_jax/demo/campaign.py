@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from canary_jax import constants as C
+from canary_jax.decode import format_violation
 from canary_jax.demo import engine as E
 from canary_jax.demo import faults as F
 from canary_jax.demo import model as M
@@ -59,7 +60,9 @@ class TrialResult:
     false_positives: int = 0
     details: dict = dataclasses.field(default_factory=dict)
     steps: int = 0
-    first_violation: str = ""
+    first_violation: str = ""  # one-line summary
+    first_violation_text: str = ""  # SGLang's full violation report text
+    health_errors: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -79,6 +82,7 @@ class CampaignResult:
     device: str
     clean_false_positives: int
     clean_reasons: dict
+    clean_health_errors: list
     clean: PhaseStats
     trials: list  # list[TrialResult]
     total_steps: int
@@ -145,6 +149,7 @@ class Campaign:
             reasons.update(_reason_keys(res.new_violations))
             self.on_step("clean", res.step)
         fps = max(fps, eng.canary.log.num_violations())
+        self.clean_health_errors = list(eng.health_errors)
         return fps, dict(reasons), stats, dict(eng.scheduler.stats)
 
     def run_trial(self, fault: F.Fault, trial: int) -> TrialResult:
@@ -185,11 +190,15 @@ class Campaign:
                         r = res.new_violations[0]
                         out.first_violation = (f"{r.tag} {'+'.join(r.reasons)} slot={r.slot_idx} "
                                                f"position={r.position}")
+                        n = eng.canary.log.num_violations()
+                        out.first_violation_text = format_violation(
+                            r, total=n, ring_overflow=n > eng.canary.log.ring_capacity, step_when_pumped=res.step)
             if out.detected and res.step >= out.detect_step + 1:
                 break
             if out.injected and res.step - out.inject_step >= cfg.detect_window:
                 break
         out.reasons = dict(reasons)
+        out.health_errors = list(eng.health_errors)
         if self.dump_path and out.detected and self.dumped is None:
             self._dump(eng, label)
         return out
@@ -218,7 +227,7 @@ class Campaign:
         return CampaignResult(
             config=self.cfg, backend=self.last_engine.canary.backend if self.last_engine else "?",
             device=f"{jax.default_backend()} ({jax.devices()[0].device_kind})", clean_false_positives=fps,
-            clean_reasons=clean_reasons, clean=clean, trials=trials, total_steps=total,
+            clean_reasons=clean_reasons, clean_health_errors=self.clean_health_errors, clean=clean, trials=trials, total_steps=total,
             scheduler_stats=sched_stats, kinds=self.kinds)
 
 
@@ -288,13 +297,15 @@ def summarize(result: CampaignResult) -> dict:
                                    / statistics.fmean(c.model_s), 1) if c.model_s else None),
         tokens_per_step_mean=round(statistics.fmean(c.tokens), 2) if c.tokens else None,
     )
-    ok = result.clean_false_positives == 0 and all(f["ok"] for f in faults)
+    health = list(result.clean_health_errors) + [e for t in result.trials for e in t.health_errors]
+    ok = result.clean_false_positives == 0 and all(f["ok"] for f in faults) and not health
     mode = C.RealKvHashMode(int(ecfg.real_kv_hash_mode)).name
     return dict(
         ok=ok,
         faults=faults,
         false_positives=result.clean_false_positives,
         false_positive_reasons=result.clean_reasons,
+        health_errors=health,
         steps=result.total_steps,
         timing=timing,
         canary=dict(real_kv_hash_mode=mode, sweep_interval=ecfg.sweep_interval, token_oracle=ecfg.token_oracle,

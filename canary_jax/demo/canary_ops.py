@@ -10,7 +10,7 @@ Per forward (SPEC 8.3): :func:`canary_jax.step.canary_head` plans the batch
 (:func:`canary_jax.plan_builder.build_plans`) and runs HEAD verify + write; the model writes its KV;
 :func:`canary_jax.step.canary_tail` runs TAIL verify + write with the same plans and the new KV. Every
 ``sweep_interval`` steps :func:`canary_jax.step.canary_sweep` verifies every slot of the prefix cache against
-the TAIL buffer (host-built VerifyPlan of fixed capacity, SPEC 9 "Sweep"). All shapes are fixed, so each
+the TAIL buffer (:func:`canary_jax.sweep.build_sweep_plan_from_radix`, fixed capacity, SPEC 9 "Sweep"). All shapes are fixed, so each
 function compiles once; the backend is picked by :func:`canary_jax.launch.resolve_backend` (Pallas on GPU,
 the jnp reference elsewhere).
 """
@@ -25,8 +25,8 @@ import numpy as np
 from canary_jax import constants as C
 from canary_jax import launch
 from canary_jax.endpoints import CanaryBufferGroup, ExpectedInputs, PoolKind
-from canary_jax.plans import VerifyPlan
 from canary_jax.sources import RealKvSource
+from canary_jax.sweep import build_sweep_plan_from_radix
 from canary_jax.step import CanaryBatch, CanaryState, CanaryStepConfig, canary_head, canary_sweep, canary_tail
 
 
@@ -129,13 +129,11 @@ class CanaryRuntime:
 
     def sweep(self, tree, k_pool, v_pool) -> int:
         """SWEEP verify of every cached prefix slot; returns the number of entries."""
-        slots, positions, prev = tree.sweep_entries()
-        plan = VerifyPlan.from_entries(slots=slots, positions=positions, prev_slots=prev,
-                                       verify_capacity=self.sweep_capacity)
+        plan = build_sweep_plan_from_radix(tree.root_node, verify_capacity=self.sweep_capacity)
         self.state = _sweep(self.state, plan, k_pool, v_pool, config=self.config, page_size=self.page_size,
                             kv_bytes=self.kv_bytes)
         self.sweep_passes += 1
-        return int(slots.shape[0])
+        return int(np.asarray(plan.verify_num_valid)[0])
 
     def block(self) -> None:
         jax.block_until_ready(self.state)

@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--dump", metavar="PATH",
                    help="save the canary state (.npz) of the first episode that detected a fault, for verify-dump")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("-v", "--verbose", action="store_true",
+                   help="also print each episode's first violation in SGLang's report text")
 
     v = sub.add_parser("verify-dump", help="decode a saved violation ring / canary buffer (.npy or .npz)",
                        description="Decode a violation ring (int64[R,8] or uint32[R,8,2]) or canary buffers "
@@ -203,6 +205,8 @@ def _demo(args) -> int:
     summary["wall_s"] = round(time.perf_counter() - t0, 2)
     if args.dump:
         summary["dump"] = dict(path=args.dump, episode=camp.dumped)
+    if args.verbose:
+        render.render_violation_samples(summary)
     render.render_text(summary)
     print(f"{summary['steps']} forward steps in {summary['wall_s']} s (incl. compile)")
     if args.json:

@@ -30,6 +30,8 @@ from canary_jax.decode import ViolationRecord, decode_violations
 from canary_jax.demo import canary_ops
 from canary_jax.demo import model as M
 from canary_jax.demo.radix import PageAllocator, RadixCache, TreeNode
+from canary_jax.report import HealthChecker
+from canary_jax.step import active_tags
 
 
 class ConfigError(ValueError):
@@ -377,6 +379,14 @@ class Engine:
         self.key = jax.random.PRNGKey(sample_seed)
         self.step_index = 0
         self.violations_seen = 0
+        # SGLang's kernel-run-counter health check, more often than its every-100-steps default: a canary
+        # path that silently stops launching must not look like a clean run.
+        every = max(16, cfg.sweep_interval)
+        self.health = HealthChecker(
+            active_tags(self.canary.state, sweep=cfg.sweep_interval > 0, enable_v_half=cfg.enable_v_half),
+            sweep_interval=cfg.sweep_interval, enable_v_half=cfg.enable_v_half, every_n_steps=every,
+            warmup_steps=every)
+        self.health_errors: list[str] = []
 
     # --- the per-forward flow ---------------------------------------------------------------------------------
     def step(self, hooks: Sequence[Callable[["Engine", Batch], None]] = ()) -> StepResult | None:
@@ -410,6 +420,10 @@ class Engine:
             swept = self.canary.sweep(sched.tree, self.k_pool, self.v_pool)
             self.canary.block()
             sweep_s = time.perf_counter() - t4
+        try:
+            self.health.step(self.canary.log, step=self.step_index + 1)
+        except RuntimeError as e:
+            self.health_errors.append(str(e))
         new = self.poll_violations()
         res = StepResult(step=self.step_index, num_tokens=batch.num_tokens, num_rows=len(batch.rows),
                          model_s=t2 - t1, canary_s=(t1 - t0) + (t3 - t2), sweep_s=sweep_s, swept=swept,

@@ -179,33 +179,16 @@ class RadixCache:
             del victim.parent.children[self._child_key(victim.key)]
         return freed
 
-    def walk(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """SGLang's sweep walk: per node ``(slots, positions, prev_slots)``.
+    def sweep_entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """SGLang's sweep walk (:func:`canary_jax.sweep.walk_radix_tree`): ``(slots, positions, prev_slots)``.
 
         Node slot ``j`` has position ``depth + j`` and predecessor the previous slot of the node, or the
         parent's last slot, or -1 at the top level.
         """
+        from canary_jax.sweep import walk_radix_tree
 
-        def rec(node: TreeNode, depth: int, parent_last: int):
-            for child in node.children.values():
-                n = len(child.value)
-                pos = np.arange(depth, depth + n, dtype=np.int64)
-                prev = np.empty((n,), np.int64)
-                if n:
-                    prev[0] = parent_last
-                    prev[1:] = child.value[:-1]
-                yield child.value, pos, prev
-                yield from rec(child, depth + n, int(child.value[-1]) if n else parent_last)
-
-        yield from rec(self.root_node, 0, -1)
-
-    def sweep_entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Concatenated :meth:`walk` output ``(slots, positions, prev_slots)``."""
-        parts = list(self.walk())
-        if not parts:
-            z = np.zeros((0,), np.int64)
-            return z, z, z
-        return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+        e = walk_radix_tree(self.root_node)
+        return e.slots, e.positions, e.prev_slots
 
     def unlocked_nodes(self) -> list[TreeNode]:
         """Cached nodes that no running request reads (what only the sweep protects)."""

@@ -65,18 +65,24 @@ def render_text(summary: dict, *, out: TextIO = sys.stdout) -> None:
             f"token oracle {'on' if c['token_oracle'] else 'off'}; backend {t['backend']} on {t['device']}\n"
             f"workload: {w['num_requests']} requests x {w['max_new_tokens']} new tokens, "
             f"{w['prefix_hit_tokens']}/{w['prompt_tokens']} prompt tokens from the prefix cache, "
-            f"{w['pages_allocated']} page allocations, {w['pages_evicted']} pages evicted (clean phase)")
+            f"{w['pages_allocated']} page allocations from a {summary['engine']['num_pages'] - 1}-page pool, "
+            f"{w['pages_evicted']} pages evicted from the prefix cache (clean phase)")
     fp_line = (f"false positives (clean phase + before injections): {summary['false_positives']}"
                + ("" if not summary["false_positives"] else f"  {summary['false_positive_reasons']}"))
     overhead = t["canary_overhead_pct"]
-    timing_title = (f"time per step, ms ({t['clean_steps']} clean steps, compile excluded; "
-                    f"{'CPU figures: jnp reference kernels on the CPU' if t['device'].startswith('cpu') else t['device']})")
+    if t["device"].startswith("cpu"):
+        where = ("CPU figures: jnp reference kernels on the CPU" if t["backend"] == "reference"
+                 else "CPU figures: Pallas kernels in interpret mode on the CPU")
+    else:
+        where = f"{t['device']}, {t['backend']} kernels"
+    timing_title = f"time per step, ms ({t['clean_steps']} clean steps, compile excluded; {where})"
     notes = [f"- {f['kind']}: {f['expected_miss_reason']} -> a miss is expected in this configuration"
              for f in summary["faults"] if not f["expected_detect"]]
     verdict = "OK: every fault the configuration should catch was caught, no false positives" if summary["ok"] \
         else "FAIL: " + "; ".join(
             [f"{f['kind']} {f['verdict']}" for f in summary["faults"] if not f["ok"]]
-            + ([f"{summary['false_positives']} false positives"] if summary["false_positives"] else []))
+            + ([f"{summary['false_positives']} false positives"] if summary["false_positives"] else [])
+            + [f"health check: {e}" for e in summary.get("health_errors", [])])
     use_rich = False
     if hasattr(out, "isatty") and out.isatty() and not os.environ.get("NO_COLOR"):
         try:
@@ -142,9 +148,11 @@ def plot(summary: dict, path: str) -> None:
     ax1.bar([i + 0.2 for i in x], det, width=0.4, label="detected", color=colors)
     ax1.set_xticks(list(x), kinds, rotation=35, ha="right")
     ax1.set_ylabel("trials")
+    ax1.set_ylim(0, max(inj + [1]) * 1.3)
+    ax1.yaxis.get_major_locator().set_params(integer=True)
     ax1.set_title(f"detection per fault kind (real-KV {summary['canary']['real_kv_hash_mode']}), "
                   f"false positives: {summary['false_positives']}", fontsize=9)
-    ax1.legend()
+    ax1.legend(loc="upper right", ncol=2, fontsize=8)
     lat = [f["mean_steps_to_detect"] if f["mean_steps_to_detect"] is not None else 0 for f in faults]
     ax2.bar(list(x), lat, color="#1565c0")
     ax2.set_xticks(list(x), kinds, rotation=35, ha="right")
@@ -153,3 +161,13 @@ def plot(summary: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def render_violation_samples(summary: dict, *, out: TextIO = sys.stdout) -> None:
+    """Prints the first violation of every episode in SGLang's report text."""
+    for f in summary["faults"]:
+        for ep in f["episodes"]:
+            if ep.get("first_violation_text"):
+                print(f"--- {f['kind']} trial {ep['trial']}: injected at step {ep['inject_step']} "
+                      f"{ep['details']}, first violation at step {ep['detect_step']}", file=out)
+                print(ep["first_violation_text"], file=out)
