@@ -36,7 +36,7 @@ logger = logging.getLogger("canary_jax")
 __all__ = [
     "CanaryStats",
     "HealthChecker",
-    "ReportMode",
+    "validate_mode",
     "StatsLogger",
     "ViolationMonitor",
     "ViolationReporter",
@@ -51,7 +51,7 @@ HEALTH_CHECK_WARMUP_STEPS = 100
 DEFAULT_STATS_EVERY_N_STEPS = 100
 
 
-def ReportMode(mode: str) -> str:  # noqa: N802 - validating constructor, reads like SGLang's CanaryMode
+def validate_mode(mode: str) -> str:
     """Validates a mode string (``none`` / ``log`` / ``raise``; SGLang ``--kv-canary``).
 
     Raises:
@@ -83,7 +83,7 @@ class ViolationReporter:
     """
 
     def __init__(self, mode: str = "log", *, log: logging.Logger | None = None) -> None:
-        self.mode = ReportMode(mode)
+        self.mode = validate_mode(mode)
         self._logger = log or logger
         self._last_logged = 0
         self._raised = False

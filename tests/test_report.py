@@ -13,7 +13,7 @@ from absl.testing import absltest
 from canary_jax import constants as C
 from canary_jax import ints
 from canary_jax.layout import ViolationLog
-from canary_jax.report import (HealthChecker, ReportMode, StatsLogger, ViolationMonitor, ViolationReporter,
+from canary_jax.report import (HealthChecker, validate_mode, StatsLogger, ViolationMonitor, ViolationReporter,
                                canary_stats, expected_health_tags)
 
 T = C.CanaryLaunchTag
@@ -110,7 +110,7 @@ class TextTest(absltest.TestCase):
 
 class ModeTest(absltest.TestCase):
     def test_mode_validation(self):
-        self.assertEqual(ReportMode("RAISE"), "raise")
+        self.assertEqual(validate_mode("RAISE"), "raise")
         with self.assertRaisesRegex(ValueError, "kv-canary: kv_canary must be one of none/log/raise, got 'on'"):
             ViolationReporter("on")
 
