@@ -159,6 +159,7 @@ class Campaign:
         rng = np.random.default_rng([cfg.seed, trial, F.FAULT_KINDS.index(fault.kind)])
         inject_at = cfg.inject_after + int(rng.integers(0, 8))
         eng = self._engine()
+        window = max(cfg.detect_window, cfg.engine.sweep_interval + 1)  # a sweep must get its chance
         out = TrialResult(kind=fault.kind, trial=trial)
         reasons = collections.Counter()
 
@@ -195,7 +196,7 @@ class Campaign:
                             r, total=n, ring_overflow=n > eng.canary.log.ring_capacity, step_when_pumped=res.step)
             if out.detected and res.step >= out.detect_step + 1:
                 break
-            if out.injected and res.step - out.inject_step >= cfg.detect_window:
+            if out.injected and res.step - out.inject_step >= window:
                 break
         out.reasons = dict(reasons)
         out.health_errors = list(eng.health_errors)
@@ -254,7 +255,8 @@ def summarize(result: CampaignResult) -> dict:
         for t in trs:
             reasons.update(t.reasons)
         if injected < len(trs):
-            verdict = "NOT INJECTED"
+            verdict = (f"NOT INJECTED in {len(trs) - injected} of {len(trs)} trials (the workload ended before the "
+                       "fault could act; serve more --requests)")
         elif exp.detect:
             verdict = "ok" if detected == injected else "MISSED"
         else:

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--detect-window", type=_positive("--detect-window"), default=24,
                    help="steps after an injection before the fault counts as missed (default 24)")
     c = d.add_argument_group("canary")
-    c.add_argument("--real-kv", choices=("none", "partial", "all"), default="all",
+    c.add_argument("--real-kv", "--real-kv-mode", dest="real_kv", choices=("none", "partial", "all"), default="all",
                    help="real-KV fingerprint of layer 0's K pool: none, partial (first 16 bytes) or all (default)")
     c.add_argument("--sweep-interval", type=_nonneg("--sweep-interval"), default=4,
                    help="steps between sweeps of the prefix cache, 0 = off (default 4)")
