@@ -285,8 +285,9 @@ def summarize(result: CampaignResult) -> dict:
     timing = dict(
         device=result.device,
         backend=result.backend,
-        note=("wall-clock per forward step of the clean phase, measured with block_until_ready around each "
-              "part; on CPU these are CPU figures (the jnp reference kernels), not GPU figures"),
+        note=("wall-clock per forward step of the clean phase (first step and first sweep, which compile, left "
+              "out), measured with block_until_ready around each part; on a CPU these are CPU figures of the "
+              f"{result.backend} kernels, not GPU figures"),
         clean_steps=c.steps,
         model_ms_per_step_median=model_med,
         model_ms_per_step_mean=_mean_ms(c.model_s),
@@ -311,7 +312,10 @@ def summarize(result: CampaignResult) -> dict:
         steps=result.total_steps,
         timing=timing,
         canary=dict(real_kv_hash_mode=mode, sweep_interval=ecfg.sweep_interval, token_oracle=ecfg.token_oracle,
-                    tags=["HEAD_K_FULL", "TAIL_K_FULL"] + (["SWEEP_K_FULL"] if ecfg.sweep_interval > 0 else [])),
+                    mha_v=ecfg.enable_v_half,
+                    tags=[C.CanaryLaunchTag(t).name for t in sorted(
+                        t for t in C.CanaryLaunchTag if t.group == "FULL"
+                        and (ecfg.sweep_interval > 0 or not t.is_sweep) and (ecfg.enable_v_half or not t.is_v_half))]),
         workload=dict(num_requests=result.config.num_requests, max_new_tokens=result.config.max_new_tokens,
                       trials=result.config.trials, seed=result.config.seed, **result.scheduler_stats),
         engine=dict(page_size=ecfg.page_size, num_pages=ecfg.num_pages, max_running=ecfg.max_running,

@@ -11,7 +11,7 @@ def _short_reasons(reasons: dict, limit: int = 4) -> str:
     if not reasons:
         return "-"
     items = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
-    parts = [f"{k.replace('_K_FULL', '')}" for k, _ in items[:limit]]
+    parts = [k.replace("_K_FULL", "").replace("_FULL", "") for k, _ in items[:limit]]
     more = len(items) - limit
     return ", ".join(parts) + (f", +{more} more" if more > 0 else "")
 
