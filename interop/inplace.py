@@ -27,6 +27,7 @@ name.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -124,6 +125,16 @@ def donation_aliases(device: "torch.device") -> bool:
     with _CAPS_LOCK:
         _DONATION[key] = ok
     return ok
+
+
+# Outputs copied back on CUDA stay referenced until torch's stream has finished reading them (an event per
+# launch, polled at the next launches), so JAX cannot recycle their memory under a pending torch copy.
+_PENDING: "collections.deque" = collections.deque()
+
+
+def _retire_pending() -> None:
+    while _PENDING and _PENDING[0][0].query():
+        _PENDING.popleft()
 
 
 _FENCES: dict[str, "torch.Tensor"] = {}
@@ -401,6 +412,8 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
     outs = fn(_fence(dev, sync), *arrays)
     if dev.type == "cpu" or sync == "host":
         jax.block_until_ready(outs)
+    if _PENDING:
+        _retire_pending()
     aliased, copied = [], []
     ordered = False
     for i, out in zip(mutable_idx, outs):
@@ -422,6 +435,10 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
         copied.append(i)
     if sync == "fence" and not ordered and outs:
         D.to_torch(outs[0])  # torch's current stream waits for the JAX computation
+    if copied and dev.type == "cuda":
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        _PENDING.append((ev, outs))
     _LAST_REPORT["layout"] = prep.layout
     _LAST_REPORT["aliased"] = aliased
     _LAST_REPORT["copied"] = copied
