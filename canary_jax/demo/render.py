@@ -56,8 +56,12 @@ def timing_rows(summary: dict) -> list[list[str]]:
     ]
 
 
-def render_text(summary: dict, *, out: TextIO = sys.stdout) -> None:
-    """Prints the report (rich tables when rich is installed and ``out`` is a terminal, plain text otherwise)."""
+def render_text(summary: dict, *, out: TextIO | None = None) -> None:
+    """Prints the report (rich tables when rich is installed and ``out`` is a terminal, plain text otherwise).
+
+    ``out`` defaults to the *current* ``sys.stdout`` (looked up per call, not bound at import time).
+    """
+    out = sys.stdout if out is None else out
     c = summary["canary"]
     t = summary["timing"]
     w = summary["workload"]
@@ -163,8 +167,9 @@ def plot(summary: dict, path: str) -> None:
     plt.close(fig)
 
 
-def render_violation_samples(summary: dict, *, out: TextIO = sys.stdout) -> None:
-    """Prints the first violation of every episode in SGLang's report text."""
+def render_violation_samples(summary: dict, *, out: TextIO | None = None) -> None:
+    """Prints the first violation of every episode in SGLang's report text (``out`` defaults to sys.stdout)."""
+    out = sys.stdout if out is None else out
     for f in summary["faults"]:
         for ep in f["episodes"]:
             if ep.get("first_violation_text"):
