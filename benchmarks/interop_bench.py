@@ -239,13 +239,39 @@ def bench_size(n_slots, cap, backends, results, log):
     torch.cuda.empty_cache()
 
 
+def overhead_profile(results, log):
+    """Where a torch launch's per-call cost goes: each handshake step timed alone (no canary compile)."""
+    t = torch.zeros(64, dtype=torch.uint8, device=DEV)
+    a = jnp.zeros((16,), jnp.int32) + 1
+    f = jax.jit(lambda x: x + 1)
+    g = jax.jit(lambda x: x + 1, donate_argnums=0)
+    holder = {"x": D.to_jax(torch.zeros(16, dtype=torch.int32, device=DEV), name="x")}
+
+    def donate_step():
+        holder["x"] = g(holder["x"])
+
+    steps = {
+        "fresh DLPack import of a torch tensor (fence)": lambda: D._import_exact(t, name="fence"),
+        "torch.from_dlpack(jax array) (stream wait)": lambda: D.to_torch(a),
+        "jit dispatch, 1 arg": lambda: f(a),
+        "jit dispatch + unsafe_buffer_pointer of the pending output": lambda: f(a).unsafe_buffer_pointer(),
+        "donating jit dispatch on an imported buffer": donate_step,
+        "torch.cuda.Event record (for scale)": (lambda: torch.cuda.Event().record()) if DEV == "cuda" else (lambda: None),
+    }
+    prof = {}
+    for name, fn in steps.items():
+        prof[name] = timeit(fn, n=200, lat_n=20)
+        log(f"overhead step: {name}: us/call {prof[name][0]}, latency {prof[name][1]}")
+    results.append(dict(overhead_steps={k: {"us_per_call": v[0], "latency_us": v[1]} for k, v in prof.items()}))
+
+
 def sync_mode_figure(results, log):
     """fence (default, asynchronous) versus host synchronisation, tiny verify, reference backend."""
     s = Setup(1 << 20 if DEV == "cuda" else 4096, 64 * REQS)
     s.stamp_prefix("reference")
     vp = s.verify_plan(True)
     out = {}
-    for mode in ("fence", "host"):
+    for mode in ("fence", "host", "none"):
         IP.set_stream_sync(mode)
 
         def tv():
@@ -265,6 +291,7 @@ def main():
     ap.add_argument("--sizes", type=int, nargs="+", default=[1 << 20, 1 << 24])
     ap.add_argument("--backends", nargs="+", default=["pallas", "reference"])
     ap.add_argument("--cap", type=int, default=32768)
+    ap.add_argument("--sync-modes-first", action="store_true", help="time fence/host/none before the sizes")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "interop_gpu_log.txt"), "a")
@@ -281,6 +308,10 @@ def main():
                   x64=bool(jax.config.read("jax_enable_x64")))
     log(f"probes: {probes}")
     results = []
+    try:
+        overhead_profile(results, log)
+    except Exception:  # noqa: BLE001
+        log(traceback.format_exc())
     if DEV == "cuda":  # what the fallback would cost: copying a whole canary buffer back, per launch
         for n in args.sizes:
             a = torch.empty(n, 32, dtype=torch.uint8, device=DEV)
@@ -289,15 +320,21 @@ def main():
             results.append(dict(slots=n, copy_back_canary_buf_us=thr))
             log(f"torch copy_ of a {n}-slot canary buffer: {thr} us")
             del a, b
+    if args.sync_modes_first:
+        try:
+            sync_mode_figure(results, log)
+        except Exception:  # noqa: BLE001
+            log(traceback.format_exc())
     for backend in args.backends:  # production backend first: partial runs still give its figures
         for n in args.sizes:
             bench_size(n, args.cap, [backend], results, log)
             json.dump(dict(probes=probes, results=results), open(os.path.join(args.out, "interop_gpu.json"), "w"),
                       indent=1)
-    try:
-        sync_mode_figure(results, log)
-    except Exception:  # noqa: BLE001
-        log(traceback.format_exc())
+    if not args.sync_modes_first:
+        try:
+            sync_mode_figure(results, log)
+        except Exception:  # noqa: BLE001
+            log(traceback.format_exc())
     json.dump(dict(probes=probes, results=results), open(os.path.join(args.out, "interop_gpu.json"), "w"), indent=1)
     lines = ["| slots | backend | op | case | entries | torch us/call | JAX us/call | overhead us | torch latency us | "
              "JAX latency us | aliased (in place, no copy) | copied back |",
@@ -313,6 +350,8 @@ def main():
         elif "copy_back_canary_buf_us" in r:
             lines.append(f"| {r['slots']} | - | torch copy_ of the whole canary buffer (the no-donation fallback) | "
                          f"{r['copy_back_canary_buf_us']} us |")
+        elif "overhead_steps" in r:
+            lines.append("\nper-call handshake steps (us/call, latency us): " + json.dumps(r["overhead_steps"]))
         elif "sync_modes" in r:
             lines.append(f"\nsync modes (tiny verify, reference, 1M slots): {json.dumps(r['sync_modes'])}")
     md = "\n".join([f"probes: {json.dumps(probes)}", ""] + lines)

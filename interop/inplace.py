@@ -31,6 +31,7 @@ import collections
 import dataclasses
 import functools
 import threading
+import warnings
 from typing import Any, Callable, Hashable, Sequence
 
 import jax
@@ -113,14 +114,19 @@ def donation_aliases(device: "torch.device") -> bool:
         if key in _DONATION:
             return _DONATION[key]
     t = torch.zeros(16, dtype=torch.int32, device=device)
-    arr = jax.dlpack.from_dlpack(t, copy=False)
-    out = jax.jit(lambda x: x + 1, donate_argnums=0)(arr)
-    out.block_until_ready()
-    ok = out.unsafe_buffer_pointer() == t.data_ptr()
-    if ok:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        ok = int(t[0].item()) == 1
+    try:
+        arr = jax.dlpack.from_dlpack(t, copy=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "donated buffers were not usable" is an answer, not a problem
+            out = jax.jit(lambda x: x + 1, donate_argnums=0)(arr)
+        out.block_until_ready()
+        ok = out.unsafe_buffer_pointer() == t.data_ptr()
+        if ok:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            ok = int(t[0].item()) == 1
+    except Exception:  # noqa: BLE001 - a platform that refuses to donate imported buffers: copy back instead
+        ok, out = False, None
     del out
     with _CAPS_LOCK:
         _DONATION[key] = ok
@@ -409,7 +415,20 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
     arrays = [_import(b) for b in buffers]
     if sync == "host":
         torch.cuda.current_stream(dev).synchronize()
-    outs = fn(_fence(dev, sync), *arrays)
+    try:
+        outs = fn(_fence(dev, sync), *arrays)
+    except Exception as e:  # noqa: BLE001
+        if not donate:
+            raise
+        # A runtime that refuses to donate these buffers: remember it and run again without donation (nothing
+        # ran: the failure is at dispatch), re-importing the mutable tensors from torch.
+        warnings.warn(f"kv-canary: donation failed on {dev.type} ({type(e).__name__}: {e}); copying outputs back")
+        with _CAPS_LOCK:
+            _DONATION[dev.type] = False
+        for b in buffers:
+            _CACHE.discard(b.key)
+        prep.programs.clear()
+        return run_in_place(op, statics, body_factory, args)
     if dev.type == "cpu" or sync == "host":
         jax.block_until_ready(outs)
     if _PENDING:
