@@ -1,0 +1,253 @@
+"""Small in-kernel helpers shared by the verify and write kernels (uint32 pairs, gathers, block loops).
+
+Every helper traces to plain ``jax.lax`` ops plus ``pltriton.load`` / ``pltriton.store``, so the same
+kernel body lowers through Triton on the GPU and runs under ``interpret=True`` on the CPU. Every masked load
+carries an explicit ``other`` and an index clamped into the buffer (interpret mode clamps out-of-range
+windows where Triton skips lanes; PITFALLS).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from canary_jax import hashing as H
+from canary_jax.hashing import U64
+from pallas_kernels.hashing import PairHash, shr, u32
+
+I32 = jnp.int32
+U32 = jnp.uint32
+
+
+def iota(n: int) -> jax.Array:
+    return jax.lax.iota(I32, n)
+
+
+def cdiv(a, b: int):
+    return jax.lax.div(jnp.asarray(a).astype(I32) + (b - 1), jnp.asarray(b, I32))
+
+
+def sel(pred: jax.Array, a: U64, b: U64) -> U64:
+    return U64(jnp.where(pred, a.lo, b.lo), jnp.where(pred, a.hi, b.hi))
+
+
+def ne(a: U64, b: U64) -> jax.Array:
+    return (a.lo != b.lo) | (a.hi != b.hi)
+
+
+def is_zero(a: U64) -> jax.Array:
+    return (a.lo | a.hi) == 0
+
+
+def is_negative(a: U64) -> jax.Array:
+    return shr(a.hi, 31) != 0
+
+
+def is_minus_one(a: U64) -> jax.Array:
+    return ((~a.lo) | (~a.hi)) == 0
+
+
+def add_small(a: U64, k: int) -> U64:
+    lo = a.lo + u32(k)
+    return U64(lo, a.hi + (lo < a.lo).astype(U32))
+
+
+def index_of(a: U64, n: int) -> tuple[jax.Array, jax.Array]:
+    """``(int32 index, 0 <= a < n)``; the index is 0 where out of range (``n < 2**31``)."""
+    ok = (a.hi == 0) & (a.lo < u32(n))
+    return jnp.where(ok, a.lo, u32(0)).astype(I32), ok
+
+
+def clamp_to(a: U64, n: int) -> jax.Array:
+    """int64 pair clamped into ``[0, n]`` as int32 (``n < 2**31``)."""
+    neg = is_negative(a)
+    big = (~neg) & ((a.hi != 0) | (a.lo > u32(n)))
+    return jnp.where(neg, u32(0), jnp.where(big, u32(n), a.lo)).astype(I32)
+
+
+def zeros_u64(shape) -> U64:
+    z = jnp.zeros(shape, U32)
+    return U64(z, z)
+
+
+def full_u64(value: int, shape) -> U64:
+    value &= (1 << 64) - 1
+    return U64(jnp.full(shape, u32(value), U32), jnp.full(shape, u32(value >> 32), U32))
+
+
+# --- loads and stores ----------------------------------------------------------------------------------------
+def load_vec(ref, idx: jax.Array, mask: jax.Array, other=0) -> jax.Array:
+    """``ref[idx]`` for a 1-D ref, masked, index clamped."""
+    idx = jnp.where(mask, idx, 0)
+    return pltriton.load(ref.at[idx], mask=mask, other=other)
+
+
+def load_word(ref, row: jax.Array, col, mask: jax.Array) -> jax.Array:
+    """``ref[row, col]`` of a 2-D uint32 ref (``col`` static int or int32 vector), masked, other 0."""
+    row = jnp.where(mask, row, 0)
+    if not isinstance(col, int):
+        col = jnp.where(mask, jnp.broadcast_to(col, row.shape), 0)
+    return pltriton.load(ref.at[row, col], mask=mask, other=0)
+
+
+def load_words(ref, row: jax.Array, col, n: int, mask: jax.Array, mode: str) -> list[jax.Array]:
+    """Words ``ref[row, col + k]`` for ``k < n`` (n in 1, 2, 4) as a list of ``[B]`` vectors.
+
+    ``mode``: ``word`` = one gather per word; ``pair`` = ``[B, 2]`` vector gathers; ``quad`` = ``[B, 4]``
+    vector gathers (needs ``n % 4 == 0``, falls back to pairs otherwise). The vector forms let Triton emit
+    8 / 16-byte loads when the column is provably aligned.
+    """
+    if mode == "word" or n == 1:
+        return [load_word(ref, row, col + k, mask) for k in range(n)]
+    width = 4 if (mode == "quad" and n % 4 == 0) else 2
+    out = []
+    row_m = jnp.where(mask, row, 0)
+    if not isinstance(col, int):
+        col = jnp.broadcast_to(col, row.shape)
+    col_m = col if isinstance(col, int) else jnp.where(mask, col, 0)
+    b = row.shape[0]
+    for base in range(0, n, width):
+        if isinstance(col_m, int):
+            cols = jnp.broadcast_to((iota(width) + (col_m + base))[None, :], (b, width))
+        else:
+            cols = (col_m + base)[:, None] + iota(width)[None, :]
+        rows = jnp.broadcast_to(row_m[:, None], (b, width))
+        m2 = jnp.broadcast_to(mask[:, None], (b, width))
+        x = pltriton.load(ref.at[rows, cols], mask=m2, other=0)  # u32[B, width]
+        if width == 2:
+            out.extend(jax.lax.unstack(x, axis=1))
+        else:
+            even, odd = jax.lax.unstack(x.reshape(b, 2, 2), axis=2)  # even = [w0, w2], odd = [w1, w3]
+            w0, w2 = jax.lax.unstack(even, axis=1)
+            w1, w3 = jax.lax.unstack(odd, axis=1)
+            out.extend([w0, w1, w2, w3])
+    return out
+
+
+def load_pair(ref, row: jax.Array, col: int, mask: jax.Array, mode: str) -> U64:
+    """The int64 at words ``(col, col + 1)`` of row ``row`` of a 2-D uint32 ref, as a U64 (0 where masked)."""
+    lo, hi = load_words(ref, row, col, 2, mask, "word" if mode == "word" else "pair")
+    return U64(lo, hi)
+
+
+def store_word(ref, row: jax.Array, col: int, value: jax.Array, mask: jax.Array) -> None:
+    """Masked ``ref[row, col] = value``. Masked-out lanes point one past the end: Triton skips them, and the
+    interpreter's scatter drops them instead of writing back a stale value over a live lane's store."""
+    row = jnp.where(mask, row, ref.shape[0])
+    pltriton.store(ref.at[row, col], value, mask=mask)
+
+
+def store_pair(ref, row: jax.Array, col: int, value: U64, mask: jax.Array) -> None:
+    store_word(ref, row, col, value.lo, mask)
+    store_word(ref, row, col + 1, value.hi, mask)
+
+
+def store_vec(ref, idx: jax.Array, value: jax.Array, mask: jax.Array) -> None:
+    """Masked ``ref[idx] = value`` (masked-out lanes point one past the end, see :func:`store_word`)."""
+    idx = jnp.where(mask, idx, ref.shape[0])
+    pltriton.store(ref.at[idx], value, mask=mask)
+
+
+# --- counters (uint32 pairs flattened to u32[2 * tags]) --------------------------------------------------------
+def bump_pair_scalar(ref, word: int, delta: jax.Array) -> None:
+    """``ref[word:word+2]`` (one int64 as lo, hi) += ``delta`` (non-negative uint32 scalar)."""
+    lo = ref[word]
+    hi = ref[word + 1]
+    nlo = lo + delta.astype(U32)
+    ref[word] = nlo
+    ref[word + 1] = hi + (nlo < lo).astype(U32)
+
+
+# --- grid loops ------------------------------------------------------------------------------------------------
+def for_each_block(num_blocks: jax.Array, body) -> None:
+    """Calls ``body(b)`` for blocks ``b = pid, pid + G, ... < num_blocks`` (persistent grid)."""
+    pid = jnp.asarray(pl.program_id(0)).astype(I32)  # int64 in interpret mode with x64 on
+    g = jnp.asarray(pl.num_programs(0)).astype(I32)
+    trips = jax.lax.div(jnp.maximum(jnp.asarray(num_blocks).astype(I32) - pid, 0) + g - 1, g)
+
+    def step(k, carry):
+        body(pid + k * g)
+        return carry
+
+    jax.lax.fori_loop(0, trips, step, jnp.int32(0))
+
+
+def sum_counts(counts_ref, lo, hi, *, chunk: int, column: int | None = None) -> jax.Array:
+    """``sum(counts_ref[lo:hi])`` (int32; ``counts_ref`` 1-D, or 2-D with ``column``) in chunks of ``chunk``."""
+    n = jnp.maximum(hi - lo, 0)
+    trips = cdiv(n, chunk)
+
+    def step(k, acc):
+        idx = lo + k * chunk + iota(chunk)
+        m = idx < hi
+        if column is None:
+            v = load_vec(counts_ref, idx, m, 0)
+        else:
+            v = load_word(counts_ref, idx, column, m)
+        return acc + jnp.sum(v.astype(I32), dtype=I32)
+
+    return jax.lax.fori_loop(0, trips, step, jnp.int32(0))
+
+
+# --- real-KV fingerprint ---------------------------------------------------------------------------------------
+def real_kv_hash(src_refs, descs, slot: jax.Array, mask: jax.Array, hasher: PairHash, mode: str,
+                 unroll: int = 2) -> U64:
+    """Combined real-KV fingerprint of int32 ``slot`` (SPEC 2.5); 0 with no descriptors.
+
+    One loop over 16-byte chunks serves every source at once: iteration ``k`` folds chunks
+    ``k * unroll ..`` of each source (independent chains, so their hashing overlaps) while the loads of the
+    next ``unroll`` chunks of every source are already in flight (carried in the loop state). Rows outside a
+    source read as zero bytes (as :func:`canary_jax.sources.real_kv_hash_reference`).
+    """
+    shape = slot.shape
+    if not descs:
+        return zeros_u64(shape)
+    geo = []
+    for ref, d in zip(src_refs, descs):
+        if d.page_size == 1:
+            row, col0 = slot, jnp.zeros(shape, I32)
+        else:
+            row = jax.lax.div(slot, jnp.asarray(d.page_size, I32))
+            col0 = jax.lax.rem(slot, jnp.asarray(d.page_size, I32)) * (d.num_bytes_per_token // 4)
+        geo.append((ref, row, col0, mask & (row < d.num_rows), d.effective_read_bytes // 16))
+    total = max(g[4] for g in geo)
+    unroll = max(1, min(unroll, total))
+    steps = -(-total // unroll)
+
+    def load(k):
+        out = []
+        for ref, row, col0, ok, n in geo:
+            for u in range(unroll):
+                c = k * unroll + u
+                out += load_words(ref, row, col0 + 4 * c, 4, ok & (c < n), mode)
+        return tuple(out)
+
+    def body(k, carry):
+        accs, cur = carry[: 2 * len(geo)], carry[2 * len(geo):]
+        nxt = load(k + 1)
+        new = []
+        for si, (_, _, _, _, n) in enumerate(geo):
+            acc = U64(accs[2 * si], accs[2 * si + 1])
+            for u in range(unroll):
+                w = cur[4 * (si * unroll + u): 4 * (si * unroll + u) + 4]
+                folded = hasher.fold_step(hasher.fold_step(acc, U64(w[0], w[1])), U64(w[2], w[3]))
+                acc = folded if n == steps * unroll else sel(k * unroll + u < n, folded, acc)
+            new += [acc.lo, acc.hi]
+        return tuple(new) + nxt
+
+    zero = jnp.zeros(shape, U32)
+    out = jax.lax.fori_loop(0, steps, body, (zero,) * (2 * len(geo)) + load(jnp.int32(0)))
+    acc = zeros_u64(shape)
+    for si in range(len(geo)):
+        acc = hasher.fold_step(acc, U64(out[2 * si], out[2 * si + 1]))
+    return acc
+
+
+def chain_hash(hasher: PairHash, prev: U64, tok: U64, pos: U64) -> U64:
+    """``mix3(prev_hash, token, position)`` (SPEC 2.3)."""
+    return hasher.mix3(prev, tok, pos)
+
+
+__all__ = [name for name in dir() if not name.startswith("_")] + ["H"]

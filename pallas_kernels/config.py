@@ -1,0 +1,96 @@
+"""Tuning knobs of the Pallas kernels in one frozen, validated object, and the backend choice.
+
+``PallasConfig()`` holds the defaults measured on the H200 (see ``pallas_kernels/README.md`` and
+``benchmarks/results/``). Knobs change block shapes and instruction selection only, never results:
+every combination is bit-identical to the references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+GATHER_MODES = ("quad", "pair", "word")
+SOURCE_GATHER_MODES = ("quad", "pair", "word")
+MULTIPLIERS = ("auto", "portable", "asm")
+
+
+def _pow2(x: int) -> bool:
+    return x >= 1 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasConfig:
+    """Block shapes and code-generation choices.
+
+    Fields:
+      verify_block: entries per verify block (power of 2).
+      verify_num_warps: Triton warps per verify program.
+      verify_max_programs: cap on the verify grid; programs loop over blocks (persistent grid), so the cost
+        follows ``num_valid``, not the plan capacity.
+      write_lanes: requests per chain program (power of 2): each lane runs one request's serial chain.
+      write_num_warps: warps per chain program.
+      write_prefetch: chain steps whose token / position / slot loads are issued one chunk ahead.
+      write_block: entries per block of the parallel write passes (power of 2).
+      write_max_programs: grid cap of the write passes.
+      gather: canary records and plan fields: ``quad`` (16-byte), ``pair`` (8-byte) vector gathers or ``word``.
+      source_gather: real-KV bytes per load: ``pair`` (8 B), ``quad`` (16 B; its in-register split costs a
+        layout conversion on Triton, measured 2x slower) or ``word`` (4 B).
+      source_unroll: 16-byte chunks per source per iteration of the real-KV loop (loads run one iteration
+        ahead).
+      multiplier: ``auto`` (``asm`` compiled, ``portable`` in interpret mode), ``portable`` or ``asm``.
+    """
+
+    verify_block: int = 256
+    verify_num_warps: int = 4
+    verify_max_programs: int = 4096
+    write_lanes: int = 32
+    write_num_warps: int = 1
+    write_prefetch: int = 8
+    write_block: int = 128
+    write_max_programs: int = 2048
+    gather: str = "pair"
+    source_gather: str = "pair"
+    source_unroll: int = 2
+    multiplier: str = "auto"
+
+    def __post_init__(self):
+        for name in ("verify_block", "write_lanes", "write_block", "verify_num_warps", "write_num_warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or not _pow2(v):
+                raise ValueError(f"kv-canary: PallasConfig.{name} must be a power of 2, got {v!r}")
+        for name in ("verify_max_programs", "write_max_programs", "write_prefetch", "source_unroll"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"kv-canary: PallasConfig.{name} must be a positive int, got {v!r}")
+        if self.gather not in GATHER_MODES:
+            raise ValueError(f"kv-canary: PallasConfig.gather must be one of {GATHER_MODES}, got {self.gather!r}")
+        if self.source_gather not in SOURCE_GATHER_MODES:
+            raise ValueError(
+                f"kv-canary: PallasConfig.source_gather must be one of {SOURCE_GATHER_MODES}, got {self.source_gather!r}"
+            )
+        if self.multiplier not in MULTIPLIERS:
+            raise ValueError(f"kv-canary: PallasConfig.multiplier must be one of {MULTIPLIERS}, got {self.multiplier!r}")
+
+    def for_interpret(self, interpret: bool) -> "PallasConfig":
+        """The config actually used: in interpret mode the chain prefetch (a GPU latency device) is 1, which
+        keeps the CPU compile small; results do not depend on it."""
+        if interpret and self.write_prefetch != 1:
+            return dataclasses.replace(self, write_prefetch=1)
+        return self
+
+    def resolved_multiplier(self, interpret: bool) -> str:
+        if self.multiplier == "auto":
+            return "portable" if interpret else "asm"
+        if self.multiplier == "asm" and interpret:
+            raise NotImplementedError("kv-canary: the asm multiplier needs the compiled GPU backend (interpret=False)")
+        return self.multiplier
+
+
+DEFAULT_CONFIG = PallasConfig()
+
+
+def default_interpret() -> bool:
+    """``interpret=True`` unless the default JAX backend is a GPU (CUDA or ROCm)."""
+    return jax.default_backend() not in ("gpu", "cuda", "rocm")

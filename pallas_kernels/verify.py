@@ -1,0 +1,275 @@
+"""Pallas verify kernel: SGLang's ``canary_verify`` with the reference's deterministic ring order.
+
+Semantics: exactly :func:`canary_jax.reference.verify_reference` (SPEC 5), bit for bit, with
+``jax_enable_x64`` off and on (every int64 is a uint32 pair).
+
+Two ``pallas_call`` s, no atomics:
+
+1. ``canary_verify`` (``_verify_kernel``): a persistent grid walks blocks of ``verify_block`` entries up to
+   ``min(num_valid, C)`` (so the cost follows the live entries, never the capacity or the pool). Per entry it
+   gathers the slot's record and the predecessor's record, recomputes the chain hash and the real-KV
+   fingerprint, and writes one fail-bit byte; per block it writes the number of failing entries.
+2. ``canary_verify_rows`` (``_verify_rows_kernel``): blocks with failures compute their ring base from the
+   block counts (exclusive prefix), rank their failing entries with an in-block ``cumsum`` and scatter the
+   8-field rows at ``write_index + rank`` (fill-once: ranks past the capacity are dropped). Program 0 adds
+   the total to ``write_index`` and bumps the counters. The ring, write index and counters alias their
+   outputs (``input_output_aliases``); callers that donate them (``canary_jax.verify`` does) update them in
+   place. Clean blocks cost one scalar load here.
+
+Real-KV sources arrive as a static descriptor tuple (page_size / num_bytes_per_token / read_bytes / row
+width, ``canary_jax.sources.SourceDescriptor``) plus up to 4 buffers viewed as ``uint32[rows, row_words]``;
+the more-than-4 check runs before tracing (``check_real_kv_sources``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from canary_jax import constants as C
+from canary_jax import hashing as H
+from canary_jax import layout
+from canary_jax import sources as S
+from canary_jax.plans import VerifyOrWriteContext, VerifyPlan
+from pallas_kernels import _util as U
+from pallas_kernels.config import DEFAULT_CONFIG, PallasConfig, default_interpret
+from pallas_kernels.hashing import PairHash
+
+_COUNT_CHUNK = 1024
+
+
+def _entry_state(idx, live, slot_ref, prev_ref, words_ref, *, n_slots, hasher, gather, with_rkv_field):
+    """Loads one block of entries and recomputes the expected chain hash (shared by both kernels)."""
+    slot = U.load_pair(slot_ref, idx, 0, live, gather)
+    considered = live & ~U.is_zero(slot)
+    s, s_ok = U.index_of(slot, n_slots)
+    m = considered & s_ok
+    n_words = 8 if with_rkv_field else 6
+    w = U.load_words(words_ref, s, 0, n_words, m, gather)
+    tok, pos, prev_h = H.U64(w[0], w[1]), H.U64(w[2], w[3]), H.U64(w[4], w[5])
+    rkv = H.U64(w[6], w[7]) if with_rkv_field else None
+
+    prev = U.load_pair(prev_ref, idx, 0, considered, gather)
+    reachable = ~U.is_zero(prev)
+    p, p_ok = U.index_of(prev, n_slots)
+    pw = U.load_words(words_ref, p, 0, 6, considered & p_ok & reachable, gather)
+    computed = hasher.mix3(H.U64(pw[4], pw[5]), H.U64(pw[0], pw[1]), H.U64(pw[2], pw[3]))
+    exp_chain = U.sel(U.is_negative(prev), U.full_u64(H.ANCHOR_HASH, idx.shape), computed)
+    exp_chain = U.sel(reachable, exp_chain, prev_h)
+    return dict(slot=slot, considered=considered, s=s, m=m, tok=tok, pos=pos, prev_h=prev_h, rkv=rkv,
+                reachable=reachable, exp_chain=exp_chain)
+
+
+def _active(num_valid_ref, enable_ref, cap):
+    return jnp.where(enable_ref[0] != 0, jnp.clip(num_valid_ref[0], 0, cap), 0)
+
+
+def _verify_kernel(
+    num_valid_ref,  # i32[1]
+    enable_ref,  # i32[1]
+    write_index_ref,  # i32[1], read only here
+    slot_ref,  # u32[C, 2]
+    exp_tok_ref,  # u32[C, 2], read only when check
+    exp_pos_ref,  # u32[C, 2]
+    prev_ref,  # u32[C, 2]
+    words_ref,  # u32[N, S/4]
+    *refs,  # u32[rows_s, row_words_s] per source, then bits_ref u8[C], counts_ref i32[NB], base_ref i32[1]
+    descs, check, n_slots, cap, block, hasher, gather, source_gather, source_unroll,
+):
+    src_refs = refs[: len(descs)]
+    bits_ref, counts_ref, base_ref = refs[len(descs):]
+    active = _active(num_valid_ref, enable_ref, cap)
+
+    @pl.when(jnp.asarray(pl.program_id(0)).astype(jnp.int32) == 0)
+    def _():
+        base_ref[0] = write_index_ref[0]
+
+    def block_body(b):
+        idx = b * block + U.iota(block)
+        live = idx < active
+        e = _entry_state(idx, live, slot_ref, prev_ref, words_ref, n_slots=n_slots, hasher=hasher,
+                         gather=gather, with_rkv_field=True)
+        considered = e["considered"]
+        exp_pos = U.load_pair(exp_pos_ref, idx, 0, considered, gather)
+        exp_rkv = U.real_kv_hash(src_refs, descs, e["s"], e["m"], hasher, source_gather, source_unroll)
+        bits = (
+            jnp.where(e["reachable"] & U.ne(e["prev_h"], e["exp_chain"]), 1, 0)
+            | jnp.where(U.ne(e["pos"], exp_pos), 2, 0)
+            | jnp.where(U.ne(e["rkv"], exp_rkv), 4, 0)
+        ).astype(jnp.int32)
+        if check:
+            exp_tok = U.load_pair(exp_tok_ref, idx, 0, considered, gather)
+            tok_fail = ~U.is_minus_one(exp_tok) & U.ne(e["tok"], exp_tok)
+            bits = bits | jnp.where(tok_fail, 32, 0).astype(jnp.int32)
+        bits = jnp.where(considered, bits, 0)
+        U.store_vec(bits_ref, idx, bits.astype(jnp.uint8), idx < cap)
+        counts_ref[b] = jnp.sum((bits != 0).astype(jnp.int32), dtype=jnp.int32)
+
+    U.for_each_block(U.cdiv(active, block), block_body)
+
+
+def _verify_rows_kernel(
+    num_valid_ref,  # i32[1]
+    enable_ref,  # i32[1]
+    slot_ref,  # u32[C, 2]
+    exp_tok_ref,  # u32[C, 2], read only when check
+    prev_ref,  # u32[C, 2]
+    words_ref,  # u32[N, S/4]
+    bits_ref,  # u8[C]
+    counts_ref,  # i32[NB]
+    base_ref,  # i32[1]: write_index before this launch
+    ring_in_ref, wi_in_ref, src_in_ref, krc_in_ref,  # aliased to the outputs below; unused
+    ring_ref,  # u32[R, 16]
+    wi_ref,  # i32[1]
+    slot_counters_ref,  # u32[2 * tags]
+    kernel_counters_ref,  # u32[2 * tags]
+    *, tag, check, n_slots, cap, block, ring_capacity, hasher, gather,
+):
+    del ring_in_ref, wi_in_ref, src_in_ref, krc_in_ref
+    active = _active(num_valid_ref, enable_ref, cap)
+    num_blocks = U.cdiv(active, block)
+    base = base_ref[0]
+
+    @pl.when(jnp.asarray(pl.program_id(0)).astype(jnp.int32) == 0)
+    def _():
+        total = U.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK)
+        wi_ref[0] = base + total
+        U.bump_pair_scalar(slot_counters_ref, 2 * tag, active)
+        U.bump_pair_scalar(kernel_counters_ref, 2 * tag, jnp.int32(1))
+
+    def block_body(b):
+        @pl.when(counts_ref[b] > 0)
+        def _():
+            start = base + U.sum_counts(counts_ref, 0, b, chunk=_COUNT_CHUNK)
+            idx = b * block + U.iota(block)
+            live = idx < active
+            bits = U.load_vec(bits_ref, idx, live, 0).astype(jnp.int32)
+            flag = (bits != 0).astype(jnp.int32)
+            dest = start + jnp.cumsum(flag, axis=0) - flag
+            keep = (flag != 0) & (dest >= 0) & (dest < ring_capacity)
+            e = _entry_state(idx, keep, slot_ref, prev_ref, words_ref, n_slots=n_slots, hasher=hasher,
+                             gather=gather, with_rkv_field=False)
+            if check:
+                exp_tok = U.load_pair(exp_tok_ref, idx, 0, keep, gather)
+            else:
+                exp_tok = U.full_u64(-1, idx.shape)
+            zero = jnp.zeros(idx.shape, jnp.uint32)
+            cols = [
+                jnp.full(idx.shape, tag, jnp.uint32), zero,
+                e["slot"].lo, e["slot"].hi,
+                e["pos"].lo, e["pos"].hi,
+                e["tok"].lo, e["tok"].hi,
+                exp_tok.lo, exp_tok.hi,
+                e["prev_h"].lo, e["prev_h"].hi,
+                e["exp_chain"].lo, e["exp_chain"].hi,
+                bits.astype(jnp.uint32), zero,
+            ]
+            for k, v in enumerate(cols):
+                U.store_word(ring_ref, dest, k, v, keep)
+
+    U.for_each_block(num_blocks, block_body)
+
+
+def _verify_pallas(context: VerifyOrWriteContext, plan: VerifyPlan, *, check: bool, interpret: bool,
+                   config: PallasConfig):
+    descs = S.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
+    tag = int(context.kernel_kind)
+    log = context.log
+    words = layout.canary_words(context.canary_buf)
+    n_slots = int(words.shape[0])
+    cap = int(plan.verify_slot_indices.shape[0])
+    block = config.verify_block
+    num_blocks = -(-cap // block)
+    grid = (max(1, min(num_blocks, config.verify_max_programs)),)
+    hasher = PairHash(config.resolved_multiplier(interpret))
+    tensors = [s.tensor for s in context.real_kv_sources][: len(descs)]
+    srcs = [S.source_words(t) for t in tensors]
+    params = pltriton.CompilerParams(num_warps=config.verify_num_warps, num_stages=1)
+
+    bits, counts, base = pl.pallas_call(
+        functools.partial(
+            _verify_kernel, descs=descs, check=check, n_slots=n_slots, cap=cap, block=block, hasher=hasher,
+            gather=config.gather, source_gather=config.source_gather, source_unroll=config.source_unroll),
+        out_shape=(
+            jax.ShapeDtypeStruct((cap,), jnp.uint8),
+            jax.ShapeDtypeStruct((num_blocks,), jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+        ),
+        grid=grid,
+        compiler_params=params,
+        interpret=interpret,
+        name="canary_verify",
+    )(plan.verify_num_valid, plan.enable, log.write_index, plan.verify_slot_indices,
+      plan.verify_expected_tokens, plan.verify_expected_positions, plan.verify_prev_slot_indices, words, *srcs)
+
+    r = log.ring.shape[0]
+    ring = log.ring.reshape(r, 2 * C.VIOLATION_FIELDS)
+    slot_counters = log.slot_run_counters.reshape(-1)
+    kernel_counters = log.kernel_run_counters.reshape(-1)
+    ring, wi, slot_counters, kernel_counters = pl.pallas_call(
+        functools.partial(
+            _verify_rows_kernel, tag=tag, check=check, n_slots=n_slots, cap=cap, block=block,
+            ring_capacity=r, hasher=hasher, gather=config.gather),
+        out_shape=(
+            jax.ShapeDtypeStruct(ring.shape, ring.dtype),
+            jax.ShapeDtypeStruct(log.write_index.shape, log.write_index.dtype),
+            jax.ShapeDtypeStruct(slot_counters.shape, slot_counters.dtype),
+            jax.ShapeDtypeStruct(kernel_counters.shape, kernel_counters.dtype),
+        ),
+        grid=grid,
+        input_output_aliases={9: 0, 10: 1, 11: 2, 12: 3},
+        compiler_params=params,
+        interpret=interpret,
+        name="canary_verify_rows",
+    )(plan.verify_num_valid, plan.enable, plan.verify_slot_indices, plan.verify_expected_tokens,
+      plan.verify_prev_slot_indices, words, bits, counts, base, ring, log.write_index, slot_counters,
+      kernel_counters)
+
+    new_log = layout.ViolationLog(
+        ring=ring.reshape(log.ring.shape),
+        write_index=wi,
+        slot_run_counters=slot_counters.reshape(log.slot_run_counters.shape),
+        kernel_run_counters=kernel_counters.reshape(log.kernel_run_counters.shape),
+        enable_chain_position_assert=log.enable_chain_position_assert,
+    )
+    return context.replace(log=new_log)
+
+
+def verify_pallas(
+    context: VerifyOrWriteContext,
+    plan: VerifyPlan,
+    *,
+    check_verify_expected_token: bool = False,
+    interpret: bool | None = None,
+    config: PallasConfig | None = None,
+) -> VerifyOrWriteContext:
+    """Pallas backend of :func:`canary_jax.verify`; same signature and results as
+    :func:`canary_jax.reference.verify_reference`.
+
+    Calling contract: as the reference (``kernel_run_counters[tag] += 1`` always; with ``enable[0] == 0``
+    nothing else changes; ``slot_run_counters[tag] += min(num_valid, C)``; failing entries append rows in
+    ascending entry order to the fill-once ring). The ring, write index and counters are updated through
+    ``input_output_aliases``: donate ``context.log`` (as :func:`canary_jax.verify` does) for an in-place
+    update. The canary buffer and the sources are read only.
+
+    Args:
+      context: the launch context; at most 4 real-KV sources (checked before tracing).
+      plan: the verify plan.
+      check_verify_expected_token: static; compare stored tokens with ``verify_expected_tokens``.
+      interpret: static; ``None`` = compiled on GPU, ``interpret=True`` elsewhere.
+      config: static :class:`~pallas_kernels.config.PallasConfig`; ``None`` = the defaults.
+
+    Returns:
+      ``context`` with the new log.
+    """
+    S.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)  # > 4 sources: before tracing
+    interpret = default_interpret() if interpret is None else bool(interpret)
+    return _verify_jit(context, plan, check=bool(check_verify_expected_token), interpret=interpret,
+                       config=(config or DEFAULT_CONFIG).for_interpret(interpret))
+
+
+_verify_jit = jax.jit(_verify_pallas, static_argnames=("check", "interpret", "config"))

@@ -1,0 +1,423 @@
+"""Pallas write kernel: SGLang's ``canary_write`` with a deterministic ring order and last-writer-wins stores.
+
+Semantics: exactly :func:`canary_jax.reference.write_reference` (SPEC 6), bit for bit, with
+``jax_enable_x64`` off and on.
+
+Four ``pallas_call`` s and one XLA scatter; only the first is serial, and only in the chain itself:
+
+1. ``canary_write_chain`` (``_write_chain_kernel``): each lane of a program runs one request's chain
+   (``write_lanes`` requests per program, so a decode batch of thousands of 1-token requests fills the GPU).
+   It reads the seed slot (before anything is stored; seeds never read field 3), then walks the request's
+   entries; the slot / token / position loads of the next ``write_prefetch`` steps are issued one chunk ahead
+   so only three splitmix64 per token sit on the serial path. Per entry it writes the running prev_hash, a
+   flag word (written, chain-position fail, input-assert bits) and, for a chain-position fail, the expected
+   position; it zeroes field 3's low word of every written slot (the claim word of step 2).
+2. An XLA scatter-max ``claim word[slot] = max(., entry + 1)`` over written entries, so that the last entry
+   (request-major order) writing a slot wins, as in the reference; then ``canary_write_hash``
+   (``_write_hash_kernel``), parallel over entries: the real-KV fingerprint of each written slot and, per
+   block, the number of violation rows and of written entries.
+3. ``canary_write_rows`` (``_write_rows_kernel``): each entry learns whether it won its slot; blocks with
+   violations scatter their rows at ``write_index + exclusive prefix`` (the order does not depend on atomics).
+4. ``canary_write_store`` (``_write_store_kernel``): winners store ``(token, position, prev_hash,
+   real_kv_hash)``; program 0 bumps ``write_index`` and the counters.
+
+The canary buffer, ring, write index and counters alias their outputs (``input_output_aliases``); the public
+:func:`canary_jax.write` donates them, so a launch costs time in the number of entries, not the pool size.
+
+The flag words start zeroed (an XLA memset), so entries outside every live request, wherever the clamped
+offsets put them, are never stored or reported.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from canary_jax import constants as C
+from canary_jax import hashing as H
+from canary_jax import layout
+from canary_jax import sources as S
+from canary_jax.plans import VerifyOrWriteContext, WritePlan
+from pallas_kernels import _util as U
+from pallas_kernels.config import DEFAULT_CONFIG, PallasConfig, default_interpret
+from pallas_kernels.hashing import PairHash
+
+_COUNT_CHUNK = 1024
+_F_WRITTEN = 1
+_F_CHAIN = 2
+_F_INPUT = 8 | 16  # WRITE_TOKEN_MISMATCH | WRITE_POSITION_MISMATCH, stored as is
+_F_WINNER = 32
+_CLAIM_WORD = 2 * C.CANARY_FIELD_REAL_KV_HASH  # low word of field 3
+
+
+def _write_chain_kernel(
+    num_reqs_ref,  # i32[1]
+    assert_flag_ref,  # i32[1]: enable_chain_position_assert
+    offsets_ref,  # u32[Cw + 1, 2]
+    seeds_ref,  # u32[Cw, 2]
+    ids_ref,  # u32[T, 2]
+    pos_ref,  # u32[T, 2]
+    loc_ref,  # u32[T, 2]
+    exp_tok_ref,  # u32[T, 2] (read only with the input assert)
+    exp_pos_ref,  # u32[T, 2] (read only with the input assert)
+    words_in_ref, flags_in_ref,  # aliased to words_ref / flags_ref; unused
+    words_ref,  # u32[N, S/4]: seeds read (fields 0..2), claim words zeroed
+    flags_ref,  # u32[T]: zero on entry; set for the entries of live requests
+    prev_at_ref,  # u32[T, 2]: running prev_hash per written entry
+    chain_exp_ref,  # u32[T, 2]: run_pos + 1, where the chain-position check failed
+    *, n_slots, cw, num_tokens, lanes, prefetch, hasher, gather, assert_inputs,
+):
+    del words_in_ref, flags_in_ref
+    nv = jnp.clip(num_reqs_ref[0], 0, cw)
+    gate_on = assert_flag_ref[0] != 0
+    per_step = 2 * (5 if assert_inputs else 3)
+
+    def block_body(rb):
+        r = rb * lanes + U.iota(lanes)
+        live_r = r < nv
+        start = U.clamp_to(U.load_pair(offsets_ref, r, 0, live_r, gather), num_tokens)
+        end = U.clamp_to(U.load_pair(offsets_ref, r + 1, 0, live_r, gather), num_tokens)
+        count = jnp.where(live_r, jnp.maximum(end - start, 0), 0)
+
+        seed = U.load_pair(seeds_ref, r, 0, live_r, gather)
+        seed_neg = U.is_negative(seed)
+        si, s_ok = U.index_of(seed, n_slots)
+        w = U.load_words(words_ref, si, 0, 6, live_r & ~seed_neg & s_ok, gather)
+        seed_tok, seed_pos, seed_prev = H.U64(w[0], w[1]), H.U64(w[2], w[3]), H.U64(w[4], w[5])
+        running0 = U.sel(seed_neg, U.full_u64(H.ANCHOR_HASH, (lanes,)),
+                         hasher.mix3(seed_prev, seed_tok, seed_pos))
+        gate = (~seed_neg) & gate_on
+        run_pos0 = U.sel(gate, seed_pos, U.zeros_u64((lanes,)))
+
+        def load_step(j):
+            live = j < count
+            i = start + j
+            vals = [U.load_pair(loc_ref, i, 0, live, gather), U.load_pair(ids_ref, i, 0, live, gather),
+                    U.load_pair(pos_ref, i, 0, live, gather)]
+            if assert_inputs:
+                vals += [U.load_pair(exp_tok_ref, i, 0, live, gather),
+                         U.load_pair(exp_pos_ref, i, 0, live, gather)]
+            return vals
+
+        def load_chunk(c):
+            out = []
+            for k in range(prefetch):
+                for v in load_step(c * prefetch + k):
+                    out += [v.lo, v.hi]
+            return tuple(out)
+
+        def step(j, vals, running, run_pos):
+            live = j < count
+            i = start + j
+            loc, tok, pos = H.U64(vals[0], vals[1]), H.U64(vals[2], vals[3]), H.U64(vals[4], vals[5])
+            ok = live & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
+            s = jnp.where(ok, loc.lo, U.u32(0)).astype(jnp.int32)
+            want = U.add_small(run_pos, 1)
+            cfail = ok & gate & U.ne(pos, want)
+            fl = jnp.where(ok, _F_WRITTEN, 0) | jnp.where(cfail, _F_CHAIN, 0)
+            if assert_inputs:
+                etok, epos = H.U64(vals[6], vals[7]), H.U64(vals[8], vals[9])
+                in_bits = (jnp.where(U.ne(tok, etok), int(C.FailReason.WRITE_TOKEN_MISMATCH), 0)
+                           | jnp.where(U.ne(pos, epos), int(C.FailReason.WRITE_POSITION_MISMATCH), 0))
+                fl = fl | jnp.where(ok, in_bits, 0)
+            U.store_pair(prev_at_ref, i, 0, running, ok)
+            U.store_vec(flags_ref, i, fl.astype(jnp.uint32), live)
+            U.store_pair(chain_exp_ref, i, 0, want, cfail)
+            U.store_word(words_ref, s, _CLAIM_WORD, jnp.zeros((lanes,), jnp.uint32), ok)
+            running = U.sel(ok, hasher.mix3(running, tok, pos), running)
+            run_pos = U.sel(ok & gate, pos, run_pos)
+            return running, run_pos
+
+        def chunk_body(c, carry):
+            running, run_pos = H.U64(carry[0], carry[1]), H.U64(carry[2], carry[3])
+            vals = carry[4:]
+            nxt = load_chunk(c + 1)
+            for k in range(prefetch):
+                running, run_pos = step(c * prefetch + k, vals[k * per_step:(k + 1) * per_step], running, run_pos)
+            return (running.lo, running.hi, run_pos.lo, run_pos.hi) + nxt
+
+        num_chunks = U.cdiv(jnp.max(count), prefetch)
+        init = (running0.lo, running0.hi, run_pos0.lo, run_pos0.hi) + load_chunk(jnp.int32(0))
+        jax.lax.fori_loop(0, num_chunks, chunk_body, init)
+
+    U.for_each_block(U.cdiv(nv, lanes), block_body)
+
+
+def _write_hash_kernel(
+    loc_ref,  # u32[T, 2]
+    flags_ref,  # u32[T]
+    *refs,  # u32[rows_s, row_words_s] per source; then rkv_ref u32[T, 2], counts_ref i32[NB, 2]
+    descs, num_tokens, block, hasher, gather, source_gather, source_unroll,
+):
+    del gather
+    src_refs = refs[: len(descs)]
+    rkv_ref, counts_ref = refs[len(descs):]
+
+    def block_body(b):
+        i = b * block + U.iota(block)
+        inw = i < num_tokens
+        fl = U.load_vec(flags_ref, i, inw, 0)
+        written = inw & ((fl & _F_WRITTEN) != 0)
+        s = jnp.where(written, U.load_word(loc_ref, i, 0, written), U.u32(0)).astype(jnp.int32)
+        rkv = U.real_kv_hash(src_refs, descs, s, written, hasher, source_gather, source_unroll)
+        U.store_pair(rkv_ref, i, 0, rkv, written)
+        rows = jnp.where(written, ((fl & _F_INPUT) != 0).astype(jnp.int32)
+                         + ((fl & _F_CHAIN) != 0).astype(jnp.int32), 0)
+        counts_ref[b, 0] = jnp.sum(rows, dtype=jnp.int32)
+        counts_ref[b, 1] = jnp.sum(written.astype(jnp.int32), dtype=jnp.int32)
+
+    U.for_each_block(U.cdiv(num_tokens, block), block_body)
+
+
+def _write_rows_kernel(
+    write_index_ref,  # i32[1], read only here
+    ids_ref, pos_ref, loc_ref,  # u32[T, 2]
+    exp_tok_ref, exp_pos_ref,  # u32[T, 2] (read only with the input assert)
+    prev_at_ref, chain_exp_ref,  # u32[T, 2]
+    counts_ref,  # i32[NB, 2]
+    words_ref,  # u32[N, S/4]: claim words, read only here
+    flags_in_ref, ring_in_ref,  # aliased; unused
+    flags_ref,  # u32[T]: winners get _F_WINNER
+    ring_ref,  # u32[R, 16]
+    *, tag, num_tokens, block, ring_capacity, gather, assert_inputs,
+):
+    del flags_in_ref, ring_in_ref
+    base = write_index_ref[0]
+
+    def block_body(b):
+        i = b * block + U.iota(block)
+        inw = i < num_tokens
+        fl = U.load_vec(flags_ref, i, inw, 0)
+        written = inw & ((fl & _F_WRITTEN) != 0)
+        s = jnp.where(written, U.load_word(loc_ref, i, 0, written), U.u32(0)).astype(jnp.int32)
+        won = written & (U.load_word(words_ref, s, _CLAIM_WORD, written) == (i + 1).astype(jnp.uint32))
+        U.store_vec(flags_ref, i, fl | jnp.where(won, _F_WINNER, 0).astype(jnp.uint32), inw)
+
+        @pl.when(counts_ref[b, 0] > 0)
+        def _():
+            start = base + U.sum_counts(counts_ref, 0, b, chunk=_COUNT_CHUNK, column=0)
+            in_rec = (written & ((fl & _F_INPUT) != 0)).astype(jnp.int32)
+            ch_rec = (written & ((fl & _F_CHAIN) != 0)).astype(jnp.int32)
+            n = in_rec + ch_rec
+            d_in = start + jnp.cumsum(n, axis=0) - n
+            d_ch = d_in + in_rec
+            any_rec = n > 0
+            loc = U.load_pair(loc_ref, i, 0, any_rec, gather)
+            tok = U.load_pair(ids_ref, i, 0, any_rec, gather)
+            pos = U.load_pair(pos_ref, i, 0, any_rec, gather)
+            prev_at = U.load_pair(prev_at_ref, i, 0, any_rec, gather)
+            chain_exp = U.load_pair(chain_exp_ref, i, 0, ch_rec != 0, gather)
+            zero = jnp.zeros((block,), jnp.uint32)
+            tag_w = jnp.full((block,), tag, jnp.uint32)
+            head = [tag_w, zero, loc.lo, loc.hi, pos.lo, pos.hi, tok.lo, tok.hi]
+            if assert_inputs:
+                etok = U.load_pair(exp_tok_ref, i, 0, in_rec != 0, gather)
+                epos = U.load_pair(exp_pos_ref, i, 0, in_rec != 0, gather)
+                in_cols = head + [etok.lo, etok.hi, prev_at.lo, prev_at.hi, epos.lo, epos.hi,
+                                  fl & _F_INPUT, zero]
+                keep_in = (in_rec != 0) & (d_in >= 0) & (d_in < ring_capacity)
+                for k, v in enumerate(in_cols):
+                    U.store_word(ring_ref, d_in, k, v, keep_in)
+            ch_cols = head + [tok.lo, tok.hi, prev_at.lo, prev_at.hi, chain_exp.lo, chain_exp.hi,
+                              jnp.full((block,), int(C.FailReason.WRITE_POSITION_MISMATCH), jnp.uint32), zero]
+            keep_ch = (ch_rec != 0) & (d_ch >= 0) & (d_ch < ring_capacity)
+            for k, v in enumerate(ch_cols):
+                U.store_word(ring_ref, d_ch, k, v, keep_ch)
+
+    U.for_each_block(U.cdiv(num_tokens, block), block_body)
+
+
+def _write_store_kernel(
+    ids_ref, pos_ref, loc_ref,  # u32[T, 2]
+    prev_at_ref, rkv_ref,  # u32[T, 2]
+    flags_ref,  # u32[T]
+    counts_ref,  # i32[NB, 2]
+    words_in_ref, wi_in_ref, src_in_ref, krc_in_ref,  # aliased; unused
+    words_ref,  # u32[N, S/4]
+    wi_ref,  # i32[1]
+    slot_counters_ref,  # u32[2 * tags]
+    kernel_counters_ref,  # u32[2 * tags]
+    *, tag, num_tokens, block, gather,
+):
+    del words_in_ref, wi_in_ref, src_in_ref, krc_in_ref
+    num_blocks = U.cdiv(num_tokens, block)
+
+    @pl.when(jnp.asarray(pl.program_id(0)).astype(jnp.int32) == 0)
+    def _():
+        rows = U.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK, column=0)
+        written = U.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK, column=1)
+        wi_ref[0] = wi_ref[0] + rows
+        U.bump_pair_scalar(slot_counters_ref, 2 * tag, written)
+        U.bump_pair_scalar(kernel_counters_ref, 2 * tag, jnp.int32(1))
+
+    def block_body(b):
+        i = b * block + U.iota(block)
+        inw = i < num_tokens
+        won = inw & ((U.load_vec(flags_ref, i, inw, 0) & _F_WINNER) != 0)
+        s = jnp.where(won, U.load_word(loc_ref, i, 0, won), U.u32(0)).astype(jnp.int32)
+        fields = [U.load_pair(r, i, 0, won, gather) for r in (ids_ref, pos_ref, prev_at_ref, rkv_ref)]
+        for f, v in enumerate(fields):
+            U.store_pair(words_ref, s, 2 * f, v, won)
+
+    U.for_each_block(num_blocks, block_body)
+
+
+def _claim_slots(words, plan: WritePlan, out_cache_loc, flags, *, cw: int, num_tokens: int):
+    """``claim[slot] = max(claim[slot], entry + 1)`` over written entries: one XLA scatter-max.
+
+    After it, entry ``i`` owns its slot iff the claim word reads ``i + 1``: the last entry (request-major)
+    writing a slot wins, as in the reference. XLA's scatter-max is exact with duplicate slots on every
+    backend (it uses atomicMax on the GPU); Pallas-Triton's vector atomics do not lower for integer vectors
+    in the JAX versions we run (see README).
+    """
+    del plan, cw
+    n_slots = words.shape[0]
+    i = jnp.arange(num_tokens, dtype=jnp.int32)
+    written = (flags & _F_WRITTEN) != 0
+    dest = jnp.where(written, out_cache_loc[:, 0].astype(jnp.int32), n_slots)
+    return words.at[dest, _CLAIM_WORD].max((i + 1).astype(jnp.uint32), mode="drop")
+
+
+def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, positions, out_cache_loc,
+                  expected_input_tokens, expected_input_positions, *, assert_inputs: bool, interpret: bool,
+                  config: PallasConfig):
+    descs = S.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
+    tag = int(context.kernel_kind)
+    log = context.log
+    num_tokens = int(input_ids.shape[0])
+    if num_tokens == 0:  # nothing to store or check: only the launch counter moves
+        return context.replace(log=layout.bump_counters(log, tag, jnp.uint32(0)))
+    words = layout.canary_words(context.canary_buf)
+    n_slots = int(words.shape[0])
+    cw = int(plan.write_seed_slot_indices.shape[0])
+    hasher = PairHash(config.resolved_multiplier(interpret))
+    gather = config.gather
+    if not assert_inputs:
+        expected_input_tokens, expected_input_positions = input_ids, positions  # never read
+    tensors = [s.tensor for s in context.real_kv_sources][: len(descs)]
+    srcs = [S.source_words(t) for t in tensors]
+    u32, i32 = jnp.uint32, jnp.int32
+    sds = jax.ShapeDtypeStruct
+    block = config.write_block
+    num_blocks = -(-num_tokens // block)
+    grid_entries = (max(1, min(num_blocks, config.write_max_programs)),)
+    grid_reqs = (max(1, min(-(-cw // config.write_lanes), config.write_max_programs)),)
+    chain_params = pltriton.CompilerParams(num_warps=config.write_num_warps, num_stages=1)
+    params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+    nr, off = plan.write_num_valid_reqs, plan.write_offsets
+
+    words, flags, prev_at, chain_exp = pl.pallas_call(
+        functools.partial(
+            _write_chain_kernel, n_slots=n_slots, cw=cw, num_tokens=num_tokens, lanes=config.write_lanes,
+            prefetch=config.write_prefetch, hasher=hasher, gather=gather, assert_inputs=assert_inputs),
+        out_shape=(sds(words.shape, u32), sds((num_tokens,), u32), sds((num_tokens, 2), u32),
+                   sds((num_tokens, 2), u32)),
+        grid=grid_reqs,
+        input_output_aliases={9: 0, 10: 1},
+        compiler_params=chain_params,
+        interpret=interpret,
+        name="canary_write_chain",
+    )(nr, log.enable_chain_position_assert, off, plan.write_seed_slot_indices, input_ids, positions,
+      out_cache_loc, expected_input_tokens, expected_input_positions, words, jnp.zeros((num_tokens,), u32))
+
+    words = _claim_slots(words, plan, out_cache_loc, flags, cw=cw, num_tokens=num_tokens)
+
+    rkv, counts = pl.pallas_call(
+        functools.partial(
+            _write_hash_kernel, descs=descs, num_tokens=num_tokens, block=block, hasher=hasher,
+            gather=gather, source_gather=config.source_gather, source_unroll=config.source_unroll),
+        out_shape=(sds((num_tokens, 2), u32), sds((num_blocks, 2), i32)),
+        grid=grid_entries,
+        compiler_params=params,
+        interpret=interpret,
+        name="canary_write_hash",
+    )(out_cache_loc, flags, *srcs)
+
+    r = log.ring.shape[0]
+    ring = log.ring.reshape(r, 2 * C.VIOLATION_FIELDS)
+    flags, ring = pl.pallas_call(
+        functools.partial(
+            _write_rows_kernel, tag=tag, num_tokens=num_tokens, block=block, ring_capacity=r,
+            gather=gather, assert_inputs=assert_inputs),
+        out_shape=(sds(flags.shape, u32), sds(ring.shape, u32)),
+        grid=grid_entries,
+        input_output_aliases={10: 0, 11: 1},
+        compiler_params=params,
+        interpret=interpret,
+        name="canary_write_rows",
+    )(log.write_index, input_ids, positions, out_cache_loc, expected_input_tokens,
+      expected_input_positions, prev_at, chain_exp, counts, words, flags, ring)
+
+    slot_counters = log.slot_run_counters.reshape(-1)
+    kernel_counters = log.kernel_run_counters.reshape(-1)
+    words, wi, slot_counters, kernel_counters = pl.pallas_call(
+        functools.partial(_write_store_kernel, tag=tag, num_tokens=num_tokens, block=block, gather=gather),
+        out_shape=(sds(words.shape, u32), sds(log.write_index.shape, i32), sds(slot_counters.shape, u32),
+                   sds(kernel_counters.shape, u32)),
+        grid=grid_entries,
+        input_output_aliases={7: 0, 8: 1, 9: 2, 10: 3},
+        compiler_params=params,
+        interpret=interpret,
+        name="canary_write_store",
+    )(input_ids, positions, out_cache_loc, prev_at, rkv, flags, counts, words, log.write_index,
+      slot_counters, kernel_counters)
+
+    new_log = layout.ViolationLog(
+        ring=ring.reshape(log.ring.shape),
+        write_index=wi,
+        slot_run_counters=slot_counters.reshape(log.slot_run_counters.shape),
+        kernel_run_counters=kernel_counters.reshape(log.kernel_run_counters.shape),
+        enable_chain_position_assert=log.enable_chain_position_assert,
+    )
+    return context.replace(canary_buf=layout.canary_bytes(words), log=new_log)
+
+
+_write_jit = jax.jit(_write_pallas, static_argnames=("assert_inputs", "interpret", "config"))
+
+
+def write_pallas(
+    context: VerifyOrWriteContext,
+    plan: WritePlan,
+    input_ids: jax.Array,
+    positions: jax.Array,
+    out_cache_loc: jax.Array,
+    *,
+    enable_write_input_assert: bool = False,
+    expected_input_tokens: jax.Array | None = None,
+    expected_input_positions: jax.Array | None = None,
+    interpret: bool | None = None,
+    config: PallasConfig | None = None,
+) -> VerifyOrWriteContext:
+    """Pallas backend of :func:`canary_jax.write`; same signature and results as
+    :func:`canary_jax.reference.write_reference`.
+
+    Calling contract: as the reference (``kernel_run_counters[tag] += 1`` always; ``slot_run_counters[tag]
+    += `` entries stored; rows request-major, entry order, input-assert row before chain-position row; the
+    last entry writing a slot wins; only the first 32 bytes of written slots change). The canary buffer,
+    ring, write index and counters are updated through ``input_output_aliases``: donate them (as
+    :func:`canary_jax.write` does) for an in-place update. Sources are read only.
+
+    Args:
+      context, plan: the launch context (at most 4 sources, checked before tracing) and write plan.
+      input_ids, positions, out_cache_loc: ``uint32[T, 2]`` int64 pairs; ``out_cache_loc < 0`` = skip.
+      enable_write_input_assert: static; compare with the expected tensors.
+      expected_input_tokens, expected_input_positions: ``uint32[T, 2]`` pairs iff the assert is on.
+      interpret: static; ``None`` = compiled on GPU, ``interpret=True`` elsewhere.
+      config: static :class:`~pallas_kernels.config.PallasConfig`; ``None`` = the defaults.
+
+    Returns:
+      ``context`` with the new canary buffer and log.
+    """
+    S.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)  # > 4 sources: before tracing
+    if enable_write_input_assert and (expected_input_tokens is None or expected_input_positions is None):
+        raise ValueError("kv-canary: expected input tensors are required when enable_write_input_assert=True")
+    if not enable_write_input_assert and (expected_input_tokens is not None or expected_input_positions is not None):
+        raise ValueError("kv-canary: expected input tensors must be None when enable_write_input_assert=False")
+    interpret = default_interpret() if interpret is None else bool(interpret)
+    return _write_jit(context, plan, input_ids, positions, out_cache_loc, expected_input_tokens,
+                      expected_input_positions, assert_inputs=bool(enable_write_input_assert),
+                      interpret=interpret, config=(config or DEFAULT_CONFIG).for_interpret(interpret))
