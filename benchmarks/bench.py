@@ -19,7 +19,7 @@ fraction of the H200's 4.8 TB/s, ratio to the peer, pass/fail of the targets) ar
 written to ``$OUT`` (or ``--out``) as JSON and markdown. Correctness is checked along the way: Pallas
 vs reference (and vs the peer) state after the same launches, byte for byte.
 
-Usage (GPU): ``python3 benchmarks/bench.py [--quick] [--probe] [--out DIR]``.
+Usage (GPU): ``python3 benchmarks/bench.py [--quick] [--probe {none,mini,full}] [--only IDS] [--out DIR]``.
 """
 
 from __future__ import annotations

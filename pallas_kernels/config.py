@@ -38,7 +38,7 @@ class PallasConfig:
       source_gather: real-KV bytes per load: ``pair`` (8 B), ``quad`` (16 B; its in-register split costs a
         layout conversion on Triton, measured 2x slower) or ``word`` (4 B).
       source_unroll: 16-byte chunks per source per iteration of the real-KV loop (loads run one iteration
-        ahead).
+        ahead); 0 = no loop, fully unrolled straight-line code.
       multiplier: ``auto`` (``asm`` compiled, ``portable`` in interpret mode), ``portable`` or ``asm``.
     """
 
@@ -60,10 +60,12 @@ class PallasConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or not _pow2(v):
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a power of 2, got {v!r}")
-        for name in ("verify_max_programs", "write_max_programs", "write_prefetch", "source_unroll"):
+        for name in ("verify_max_programs", "write_max_programs", "write_prefetch"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a positive int, got {v!r}")
+        if not isinstance(self.source_unroll, int) or self.source_unroll < 0:
+            raise ValueError(f"kv-canary: PallasConfig.source_unroll must be a non-negative int, got {self.source_unroll!r}")
         if self.gather not in GATHER_MODES:
             raise ValueError(f"kv-canary: PallasConfig.gather must be one of {GATHER_MODES}, got {self.gather!r}")
         if self.source_gather not in SOURCE_GATHER_MODES:

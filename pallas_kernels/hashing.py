@@ -10,8 +10,8 @@ constants above 2**63 - 1, see PITFALLS). Two interchangeable multipliers:
   ``pltriton.elementwise_inline_asm``; ptxas then folds ``lo * c_lo``, ``mulhi`` and the two cross products
   into the same IMAD sequence a native 64-bit multiply compiles to. GPU (Triton) only.
 
-Both compute the same function bit for bit; ``tests/test_pallas_hashing.py`` pins the portable one against
-SPEC 2.6 and ``tests/test_gpu_pallas.py`` the asm one on the GPU.
+Both compute the same function bit for bit; ``tests/test_pallas_units.py`` pins the portable one against
+SPEC 2.6 and ``tests/test_gpu_pallas.py`` compares the two on the GPU.
 """
 
 from __future__ import annotations

@@ -1,0 +1,110 @@
+"""Unit checks of the Pallas backend's helpers: in-kernel hashing, config validation, early refusals."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+
+import canary_jax as cj
+from canary_jax import hashing as H
+from pallas_kernels.config import PallasConfig, default_interpret
+from pallas_kernels.hashing import PairHash, const_pair
+from pallas_kernels.verify import verify_pallas
+from pallas_kernels.write import write_pallas
+
+M = (1 << 64) - 1
+
+
+def _u64(vals) -> H.U64:
+    arr = np.asarray([v & M for v in vals], dtype=np.uint64)
+    return H.U64(jnp.asarray((arr & 0xFFFFFFFF).astype(np.uint32)), jnp.asarray((arr >> 32).astype(np.uint32)))
+
+
+def _ints(u: H.U64) -> list[int]:
+    lo, hi = np.asarray(u.lo).astype(np.uint64), np.asarray(u.hi).astype(np.uint64)
+    return [int(x) for x in (lo | (hi << np.uint64(32)))]
+
+
+class PairHashTest(absltest.TestCase):
+
+    def test_portable_splitmix64_matches_python(self):
+        rng = np.random.default_rng(0)
+        vals = [0, 1, 2, 0x9E3779B97F4A7C15, M, 1 << 63] + [int(x) for x in rng.integers(0, 2**63, 200)]
+        vals += [v | (1 << 63) for v in vals[6:50]]
+        got = _ints(jax.jit(PairHash("portable").splitmix64)(_u64(vals)))
+        self.assertEqual(got, [H.splitmix64_python(v) for v in vals])
+
+    def test_spec_pins(self):
+        h = PairHash("portable")
+        self.assertEqual(_ints(h.mix3(_u64([1]), _u64([2]), _u64([3]))), [0xA55BDF37C08724B5])
+        self.assertEqual(_ints(h.mix3(_u64([0]), _u64([0]), _u64([0]))), [0])
+        self.assertEqual(_ints(h.splitmix64(_u64([0xC0FFEE1234567890]))), [0xDE7FAE23A9A1B716])
+        anchor = const_pair(H.ANCHOR_HASH, jnp.zeros((3,), jnp.uint32))
+        self.assertEqual(_ints(anchor), [0xDE7FAE23A9A1B716] * 3)
+
+    def test_unknown_multiplier(self):
+        with self.assertRaisesRegex(ValueError, r"multiplier must be one of"):
+            PairHash("fast")
+
+
+class ConfigTest(absltest.TestCase):
+
+    def test_validation(self):
+        with self.assertRaisesRegex(ValueError, r"verify_block must be a power of 2, got 100"):
+            PallasConfig(verify_block=100)
+        with self.assertRaisesRegex(ValueError, r"write_prefetch must be a positive int, got 0"):
+            PallasConfig(write_prefetch=0)
+        with self.assertRaisesRegex(ValueError, r"source_unroll must be a non-negative int, got -1"):
+            PallasConfig(source_unroll=-1)
+        with self.assertRaisesRegex(ValueError, r"gather must be one of"):
+            PallasConfig(gather="dword")
+
+    def test_interpret_adjustments(self):
+        cfg = PallasConfig()
+        self.assertEqual(cfg.for_interpret(True).write_prefetch, 1)
+        self.assertIs(cfg.for_interpret(False), cfg)
+        self.assertEqual(cfg.resolved_multiplier(True), "portable")
+        self.assertEqual(cfg.resolved_multiplier(False), "asm")
+        with self.assertRaisesRegex(NotImplementedError, r"asm multiplier needs the compiled GPU backend"):
+            PallasConfig(multiplier="asm").resolved_multiplier(True)
+
+    def test_default_interpret_follows_platform(self):
+        self.assertEqual(default_interpret(), jax.default_backend() not in ("gpu", "cuda", "rocm"))
+
+
+class EarlyRefusalTest(absltest.TestCase):
+
+    def _ctx(self, n_sources: int):
+        data = jnp.zeros((16, 16), jnp.uint8)
+        srcs = tuple(cj.RealKvSource(tensor=data, page_size=1, num_bytes_per_token=16, read_bytes=16)
+                     for _ in range(n_sources))
+        return cj.VerifyOrWriteContext(canary_buf=jnp.zeros((16, 32), jnp.uint8),
+                                       kernel_kind=cj.CanaryLaunchTag.TAIL_K_FULL,
+                                       log=cj.ViolationLog.allocate(ring_capacity=4), real_kv_sources=srcs,
+                                       real_kv_hash_mode=cj.RealKvHashMode.ALL)
+
+    def test_more_than_four_sources_before_tracing(self):
+        ctx = self._ctx(5)
+        plan = cj.VerifyPlan.from_entries(slots=[1], positions=[0], prev_slots=[-1])
+        msg = r"^kv-canary: at most 4 RealKvSource entries supported by the CUDA ABI, got 5$"
+        with self.assertRaisesRegex(ValueError, msg):
+            verify_pallas(ctx, plan)
+        wplan = cj.WritePlan.from_requests(counts=[1], seed_slots=[-1])
+        z = jnp.zeros((1, 2), jnp.uint32)
+        with self.assertRaisesRegex(ValueError, msg):
+            write_pallas(ctx, wplan, z, z, z)
+
+    def test_expected_inputs_presence(self):
+        ctx = self._ctx(0)
+        wplan = cj.WritePlan.from_requests(counts=[1], seed_slots=[-1])
+        z = jnp.zeros((1, 2), jnp.uint32)
+        with self.assertRaisesRegex(ValueError, r"required when enable_write_input_assert=True"):
+            write_pallas(ctx, wplan, z, z, z, enable_write_input_assert=True, expected_input_tokens=z)
+        with self.assertRaisesRegex(ValueError, r"must be None when enable_write_input_assert=False"):
+            write_pallas(ctx, wplan, z, z, z, expected_input_positions=z)
+
+
+if __name__ == "__main__":
+    absltest.main()
