@@ -153,6 +153,7 @@ def jax_device_for(t: "torch.Tensor") -> jax.Device:
 
 _ALIGN_LOCK = threading.Lock()
 _ALIGNMENT: dict[str, int] = {}
+_EXECUTABLE_MIN_ALIGN = 16  # bytes; XLA's argument-buffer check on GPU (see device_alignment)
 
 
 def device_alignment(device: "torch.device") -> int:
@@ -181,6 +182,11 @@ def device_alignment(device: "torch.device") -> int:
             found = a
             break
         a *= 2
+    # Importing is not the whole story: a compiled XLA executable also checks its argument buffers. On the
+    # H200 (jax 0.11.2) imports succeeded at any alignment, but an 8-byte-aligned counter view then failed at
+    # launch with "INTERNAL: Address of buffer N must be a multiple of 10" (hex: 16 bytes). So never report
+    # less than 16; smaller-aligned tensors go through the aligned byte windows of ``inplace``.
+    found = max(found, _EXECUTABLE_MIN_ALIGN)
     with _ALIGN_LOCK:
         _ALIGNMENT[key] = found
     return found
