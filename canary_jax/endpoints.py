@@ -26,7 +26,6 @@ import enum
 from typing import Any, Iterable, Sequence
 
 import jax
-import numpy as np
 
 from canary_jax import constants as C
 from canary_jax import ints

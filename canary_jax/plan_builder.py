@@ -51,82 +51,12 @@ import numpy as np
 
 from canary_jax import constants as C
 from canary_jax import ints
+from canary_jax import pairs as P
 from canary_jax.plans import VerifyPlan, WritePlan
 
 _INT32_MAX = 2**31 - 1
 
 __all__ = ["build_plans", "scatter_req_token_ids", "swa_translate"]
-
-
-# --- int64 pair helpers ------------------------------------------------------------------------------------
-def _pair_from_i32(x: jax.Array) -> jax.Array:
-    """int32 -> int64 pairs ``uint32[..., 2]`` (sign-extended)."""
-    lo = x.astype(jnp.uint32)
-    hi = jnp.where(x < 0, jnp.uint32(0xFFFFFFFF), jnp.uint32(0))
-    return jnp.stack([lo, hi], axis=-1)
-
-
-def _pair_const(value: int, shape) -> jax.Array:
-    value &= C.U64_MASK
-    return jnp.stack(
-        [jnp.full(shape, value & 0xFFFFFFFF, jnp.uint32), jnp.full(shape, value >> 32, jnp.uint32)], axis=-1
-    )
-
-
-def _add(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a + b mod 2**64 on pairs."""
-    lo = a[..., 0] + b[..., 0]
-    carry = (lo < a[..., 0]).astype(jnp.uint32)
-    return jnp.stack([lo, a[..., 1] + b[..., 1] + carry], axis=-1)
-
-
-def _sub(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a - b mod 2**64 on pairs."""
-    lo = a[..., 0] - b[..., 0]
-    borrow = (a[..., 0] < b[..., 0]).astype(jnp.uint32)
-    return jnp.stack([lo, a[..., 1] - b[..., 1] - borrow], axis=-1)
-
-
-def _is_neg(p: jax.Array) -> jax.Array:
-    return p[..., 1] >= jnp.uint32(0x80000000)
-
-
-def _is_zero(p: jax.Array) -> jax.Array:
-    return (p[..., 0] == 0) & (p[..., 1] == 0)
-
-
-def _is_pos(p: jax.Array) -> jax.Array:
-    return ~_is_neg(p) & ~_is_zero(p)
-
-
-def _lt(a: jax.Array, b: jax.Array) -> jax.Array:
-    """Signed int64 ``a < b`` on pairs."""
-    ah = jax.lax.bitcast_convert_type(a[..., 1], jnp.int32)
-    bh = jax.lax.bitcast_convert_type(b[..., 1], jnp.int32)
-    return (ah < bh) | ((ah == bh) & (a[..., 0] < b[..., 0]))
-
-
-def _in_range(p: jax.Array, n: int) -> jax.Array:
-    """``0 <= p < n`` for pairs and a static ``0 <= n < 2**32``."""
-    return (p[..., 1] == 0) & (p[..., 0] < jnp.uint32(n))
-
-
-def _clamp_nonneg(p: jax.Array, hi: int) -> jax.Array:
-    """int64 pairs clamped into ``[0, hi]`` (static ``0 <= hi < 2**31``) as int32."""
-    big = ~_is_neg(p) & ((p[..., 1] != 0) | (p[..., 0] > jnp.uint32(hi)))
-    v = jnp.where(_is_neg(p), jnp.uint32(0), jnp.where(big, jnp.uint32(hi), p[..., 0]))
-    return v.astype(jnp.int32)
-
-
-def _cumsum_pairs(p: jax.Array) -> jax.Array:
-    """Inclusive int64 cumsum (mod 2**64) of pairs along axis 0."""
-    if p.shape[0] == 0:
-        return p
-    lo, hi = jax.lax.associative_scan(
-        lambda a, b: (a[0] + b[0], a[1] + b[1] + (a[0] + b[0] < a[0]).astype(jnp.uint32)),
-        (p[..., 0], p[..., 1]),
-    )
-    return jnp.stack([lo, hi], axis=-1)
 
 
 def _saturating_cumsum(x: jax.Array, bound: int) -> jax.Array:
@@ -140,7 +70,7 @@ def _saturating_cumsum(x: jax.Array, bound: int) -> jax.Array:
 def _gather_2d(table: jax.Array, row: jax.Array, col: jax.Array, fill: int) -> tuple[jax.Array, jax.Array]:
     """``table[row, col]`` for int64-pair ``row`` / ``col``; ``fill`` where either is out of range."""
     n_rows, n_cols = table.shape
-    ok = _in_range(row, n_rows) & _in_range(col, n_cols)
+    ok = P.in_range(row, n_rows) & P.in_range(col, n_cols)
     r = jnp.where(ok, row[..., 0], 0).astype(jnp.int32)
     c = jnp.where(ok, col[..., 0], 0).astype(jnp.int32)
     if n_rows == 0 or n_cols == 0:
@@ -162,8 +92,8 @@ def swa_translate(slots: jax.Array, lut: jax.Array | None) -> jax.Array:
     if lut is None:
         return slots
     n = lut.shape[0]
-    neg = _is_neg(slots)
-    idx = jnp.where(neg | ~_in_range(slots, n), n - 1, slots[..., 0].astype(jnp.int32))
+    neg = P.is_negative(slots)
+    idx = jnp.where(neg | ~P.in_range(slots, n), n - 1, slots[..., 0].astype(jnp.int32))
     idx = jnp.where(neg, 0, idx)
     return jnp.where(neg[..., None], slots, lut[idx])
 
@@ -189,13 +119,13 @@ def _build_plans_impl(
     max_seq_len = req_to_token.shape[1]
     w = swa_window_size
 
-    is_pad = _is_zero(rpi)  # REQ_POOL_IDX_PADDING == 0
-    p_pos = _is_pos(prefix)
+    is_pad = P.is_zero(rpi)  # REQ_POOL_IDX_PADDING == 0
+    p_pos = P.is_positive(prefix)
 
     # --- verify counts and overflow -------------------------------------------------------------------
     # Exact whenever the plan does not overflow: every per-request count is then <= C < C + 1.
     bound = cap + 1
-    count = _clamp_nonneg(prefix, bound)
+    count = P.clamp_to_int32(prefix, 0, bound)
     count = jnp.where(w > 0, jnp.minimum(count, w), count)
     count = jnp.where(is_pad | ~p_pos, 0, count).astype(jnp.int32)
     incl = _saturating_cumsum(count, bound)
@@ -211,25 +141,25 @@ def _build_plans_impl(
         r = jnp.clip(jnp.searchsorted(incl, i, side="right").astype(jnp.int32), 0, bs - 1)
         excl = (incl - count)[r]
         back = count[r] - (i - excl)  # P - p, in [1, count[r]] for live entries
-        pos = _sub(prefix[r], _pair_from_i32(back))  # p as int64
+        pos = P.sub(prefix[r], P.from_int32(back))  # p as int64
         row = rpi[r]
         slot_full, _ = _gather_2d(req_to_token, row, pos, C.TOKEN_TO_KV_SLOT_PADDING)
-        prev_pos = _sub(pos, _pair_const(1, (cap,)))
+        prev_pos = P.sub(pos, P.const(1, (cap,)))
         prev_full, _ = _gather_2d(req_to_token, row, prev_pos, C.TOKEN_TO_KV_SLOT_PADDING)
-        slot = swa_translate(_pair_from_i32(slot_full), lut)
-        prev = swa_translate(_pair_from_i32(prev_full), lut)
-        prev = jnp.where(_is_zero(pos)[..., None], _pair_const(-1, (cap,)), prev)
+        slot = swa_translate(P.from_int32(slot_full), lut)
+        prev = swa_translate(P.from_int32(prev_full), lut)
+        prev = jnp.where(P.is_zero(pos)[..., None], P.const(-1, (cap,)), prev)
         if pool is not None:
-            sot = _add(pos, _pair_from_i32(jnp.broadcast_to(kv_token_id_vs_position_offset, (cap,))))
-            want = ~_is_neg(sot) & _lt(sot, valid_lens[r])
+            sot = P.add(pos, P.from_int32(jnp.broadcast_to(kv_token_id_vs_position_offset, (cap,))))
+            want = ~P.is_negative(sot) & P.lt(sot, valid_lens[r])
             tok, tok_ok = _gather_2d(pool, row, sot, -1)
             tok = jnp.where(want & tok_ok, tok, -1)
-            exp_tok = _pair_from_i32(tok)
+            exp_tok = P.from_int32(tok)
         else:
-            exp_tok = _pair_const(-1, (cap,))
+            exp_tok = P.const(-1, (cap,))
     else:
-        pos = slot = prev = _pair_const(0, (cap,))
-        exp_tok = _pair_const(-1, (cap,))
+        pos = slot = prev = P.const(0, (cap,))
+        exp_tok = P.const(-1, (cap,))
 
     keep = lambda new, old: jnp.where(live[..., None], new, old)  # noqa: E731
     verify = VerifyPlan(
@@ -242,15 +172,15 @@ def _build_plans_impl(
     )
 
     # --- write metadata -------------------------------------------------------------------------------
-    e_pos = _is_pos(extend)
+    e_pos = P.is_positive(extend)
     wlen = jnp.where((is_pad | ~e_pos)[..., None], jnp.uint32(0), extend)
     offsets = jnp.zeros((cw + 1, 2), jnp.uint32)
     if bs > 0:
-        offsets = offsets.at[1 : bs + 1].set(_cumsum_pairs(wlen))
-        seed_col = _clamp_nonneg(_sub(prefix, _pair_const(1, (bs,))), max(max_seq_len - 1, 0))
-        seed_full, _ = _gather_2d(req_to_token, rpi, _pair_from_i32(seed_col), C.TOKEN_TO_KV_SLOT_PADDING)
-        seed = swa_translate(_pair_from_i32(seed_full), lut)
-        seed = jnp.where((is_pad | ~e_pos | ~p_pos)[..., None], _pair_const(-1, (bs,)), seed)
+        offsets = offsets.at[1 : bs + 1].set(P.cumsum(wlen))
+        seed_col = P.clamp_to_int32(P.sub(prefix, P.const(1, (bs,))), 0, max(max_seq_len - 1, 0))
+        seed_full, _ = _gather_2d(req_to_token, rpi, P.from_int32(seed_col), C.TOKEN_TO_KV_SLOT_PADDING)
+        seed = swa_translate(P.from_int32(seed_full), lut)
+        seed = jnp.where((is_pad | ~e_pos | ~p_pos)[..., None], P.const(-1, (bs,)), seed)
         seeds = write_out.write_seed_slot_indices.at[:bs].set(seed)
     else:
         seeds = write_out.write_seed_slot_indices
@@ -418,12 +348,12 @@ def _scatter_impl(flat: jax.Array, offsets: jax.Array, rpi: jax.Array, pool: jax
     if bs == 0 or n_tok == 0 or cols == 0 or rows == 0:
         return pool
     start, end = offsets[:-1], offsets[1:]
-    seg = _sub(end, start)  # int64 segment length
-    write_len = _clamp_nonneg(seg, cols)  # min(seg, width) where seg > 0; columns past n_tok never load
+    seg = P.sub(end, start)  # int64 segment length
+    write_len = P.clamp_to_int32(seg, 0, cols)  # min(seg, width) where seg > 0; columns past n_tok never load
     col = jnp.arange(cols, dtype=jnp.int32)
-    flat_idx = _add(start[:, None, :], _pair_from_i32(col)[None, :, :])  # [bs, cols, 2]
-    row_ok = _in_range(rpi, rows)
-    mask = (col[None, :] < write_len[:, None]) & _in_range(flat_idx, n_tok) & row_ok[:, None]
+    flat_idx = P.add(start[:, None, :], P.from_int32(col)[None, :, :])  # [bs, cols, 2]
+    row_ok = P.in_range(rpi, rows)
+    mask = (col[None, :] < write_len[:, None]) & P.in_range(flat_idx, n_tok) & row_ok[:, None]
     vals = flat[jnp.where(mask, flat_idx[..., 0], 0).astype(jnp.int32), 0]
     vals = jax.lax.bitcast_convert_type(vals, jnp.int32)  # int64 -> int32 keeps the low word (torch .to)
     row = jnp.where(row_ok, rpi[:, 0], 0).astype(jnp.int32)

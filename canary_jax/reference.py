@@ -23,7 +23,6 @@ Decisions where SGLang is undefined or backends disagree (SPEC 13; tests pin eac
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -32,60 +31,12 @@ import jax.numpy as jnp
 from canary_jax import constants as C
 from canary_jax import hashing as H
 from canary_jax import layout
+from canary_jax import pairs as P
 from canary_jax import sources as S
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
 
 _ALL_ONES = 0xFFFFFFFF
-
-
-# --- pair helpers ----------------------------------------------------------------------------------------
-def _pair(p: jax.Array) -> H.U64:
-    return H.U64(p[..., 0], p[..., 1])
-
-
-def _stack(u: H.U64) -> jax.Array:
-    return jnp.stack([u.lo, u.hi], axis=-1)
-
-
-def _is_negative(p: jax.Array) -> jax.Array:
-    return p[..., 1] >= jnp.uint32(0x80000000)
-
-
-def _is_zero(p: jax.Array) -> jax.Array:
-    return (p[..., 0] == 0) & (p[..., 1] == 0)
-
-
-def _in_range(p: jax.Array, n: int) -> jax.Array:
-    """``0 <= value < n`` for int64 pairs and a static ``n < 2**31``."""
-    return (p[..., 1] == 0) & (p[..., 0] < jnp.uint32(n))
-
-
-def _index(p: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
-    """(int32 index clamped to 0 when out of range, in-range mask)."""
-    ok = _in_range(p, n)
-    return jnp.where(ok, p[..., 0], 0).astype(jnp.int32), ok
-
-
-def _clamp_to_int32(p: jax.Array, lo: int, hi: int) -> jax.Array:
-    """int64 pairs clamped into ``[lo, hi]`` (``0 <= lo <= hi < 2**31``) as int32."""
-    neg = _is_negative(p)
-    big = (~neg) & ((p[..., 1] != 0) | (p[..., 0] > jnp.uint32(hi)))
-    v = jnp.where(neg, jnp.uint32(lo), jnp.where(big, jnp.uint32(hi), p[..., 0])).astype(jnp.int32)
-    return jnp.clip(v, lo, hi)
-
-
-def _const_pairs(value: int, shape) -> jax.Array:
-    value &= C.U64_MASK
-    lo = jnp.full(shape, value & 0xFFFFFFFF, jnp.uint32)
-    hi = jnp.full(shape, value >> 32, jnp.uint32)
-    return jnp.stack([lo, hi], axis=-1)
-
-
-def _add_small(p: jax.Array, k: int) -> jax.Array:
-    """int64 pairs + small non-negative Python int, mod 2**64."""
-    lo = p[..., 0] + jnp.uint32(k)
-    carry = (lo < p[..., 0]).astype(jnp.uint32)
-    return jnp.stack([lo, p[..., 1] + carry], axis=-1)
+_pair, _stack = P.as_u64, P.from_u64
 
 
 def load_records(words: jax.Array, slot: jax.Array, ok: jax.Array) -> jax.Array:
@@ -107,7 +58,7 @@ def chain_hash_of(records: jax.Array) -> H.U64:
 def _rows(tag: int, cols: list[jax.Array]) -> jax.Array:
     """Assembles ``uint32[K, 8, 2]`` violation rows from 7 pair columns after the tag."""
     k = cols[0].shape[0]
-    tag_col = _const_pairs(int(tag), (k,))
+    tag_col = P.const(int(tag), (k,))
     return jnp.stack([tag_col] + cols, axis=1)
 
 
@@ -151,18 +102,18 @@ def verify_reference(
     live = (jnp.arange(cap, dtype=jnp.int32) < active) & enabled
 
     slot_p = plan.verify_slot_indices
-    considered = live & ~_is_zero(slot_p)
-    slot, slot_ok = _index(slot_p, n_slots)
+    considered = live & ~P.is_zero(slot_p)
+    slot, slot_ok = P.index(slot_p, n_slots)
     rec = load_records(words, slot, slot_ok & considered)
     tok, pos, prev, rkv = (rec[..., f, :] for f in range(4))
 
     prev_p = plan.verify_prev_slot_indices
-    prev_slot, prev_ok = _index(prev_p, n_slots)
+    prev_slot, prev_ok = P.index(prev_p, n_slots)
     prev_rec = load_records(words, prev_slot, prev_ok & considered)
     computed = _stack(chain_hash_of(prev_rec))
-    anchor = _const_pairs(H.ANCHOR_HASH, (cap,))
-    reachable = ~_is_zero(prev_p)
-    exp_chain = jnp.where(_is_negative(prev_p)[..., None], anchor, computed)
+    anchor = P.const(H.ANCHOR_HASH, (cap,))
+    reachable = ~P.is_zero(prev_p)
+    exp_chain = jnp.where(P.is_negative(prev_p)[..., None], anchor, computed)
     exp_chain = jnp.where(reachable[..., None], exp_chain, prev)
 
     if check_verify_expected_token:
@@ -171,7 +122,7 @@ def verify_reference(
         tok_fail = (_pair(exp_tok).lo != all_ones) | (_pair(exp_tok).hi != all_ones)
         tok_fail = tok_fail & H.u64_ne(_pair(tok), _pair(exp_tok))
     else:
-        exp_tok = _const_pairs(-1, (cap,))
+        exp_tok = P.const(-1, (cap,))
         tok_fail = jnp.zeros((cap,), bool)
 
     tensors = [s.tensor for s in context.real_kv_sources]
@@ -239,23 +190,23 @@ def write_reference(
     cw = plan.write_seed_slot_indices.shape[0]
 
     active_reqs = jnp.clip(plan.write_num_valid_reqs[0], 0, cw)
-    off = _clamp_to_int32(plan.write_offsets, 0, num_tokens)
+    off = P.clamp_to_int32(plan.write_offsets, 0, num_tokens)
     start, end = off[:-1], off[1:]
     req_live = jnp.arange(cw, dtype=jnp.int32) < active_reqs
     count = jnp.where(req_live, jnp.maximum(end - start, 0), 0)
 
     # Seeds, read before anything is written.
     seed_p = plan.write_seed_slot_indices
-    seed_neg = _is_negative(seed_p)
-    seed_slot, seed_ok = _index(seed_p, n_slots)
+    seed_neg = P.is_negative(seed_p)
+    seed_slot, seed_ok = P.index(seed_p, n_slots)
     seed_rec = load_records(words, seed_slot, seed_ok & ~seed_neg)
-    running0 = jnp.where(seed_neg[..., None], _const_pairs(H.ANCHOR_HASH, (cw,)), _stack(chain_hash_of(seed_rec)))
+    running0 = jnp.where(seed_neg[..., None], P.const(H.ANCHOR_HASH, (cw,)), _stack(chain_hash_of(seed_rec)))
     gate = (~seed_neg) & (context.log.enable_chain_position_assert[0] != 0)
     run_pos0 = jnp.where(gate[..., None], seed_rec[:, C.CANARY_FIELD_POSITION, :], jnp.uint32(0))
 
     # Serial chain: step j handles entry start[r] + j of every request r in parallel.
     slot_all_p = out_cache_loc
-    entry_ok = (~_is_negative(slot_all_p)) & _in_range(slot_all_p, n_slots)
+    entry_ok = (~P.is_negative(slot_all_p)) & P.in_range(slot_all_p, n_slots)
     max_count = jnp.max(count, initial=0)
 
     def body(state):
@@ -265,7 +216,7 @@ def write_reference(
         ok = step_live & entry_ok[i]
         tok = input_ids[i]
         pos = positions[i]
-        want = _add_small(run_pos, 1)
+        want = P.add(run_pos, P.const(1, run_pos.shape[:-1]))
         cfail = ok & gate & H.u64_ne(_pair(pos), _pair(want))
         dest = jnp.where(ok, i, num_tokens)  # num_tokens is out of bounds -> dropped
         prev_at = prev_at.at[dest].set(running, mode="drop")
@@ -291,7 +242,7 @@ def write_reference(
     )
 
     # Real-KV fingerprints of every written slot: parallel, off the serial path.
-    slot_idx, _ = _index(slot_all_p, n_slots)
+    slot_idx, _ = P.index(slot_all_p, n_slots)
     tensors = [s.tensor for s in context.real_kv_sources]
     rkv = _stack(S.real_kv_hash_reference(tensors, descs, jnp.where(written, slot_idx, -1)))
 
@@ -307,7 +258,7 @@ def write_reference(
     else:
         in_rec = jnp.zeros((num_tokens,), bool)
         in_rows = jnp.zeros((num_tokens, C.VIOLATION_FIELDS, 2), jnp.uint32)
-    ch_bits = _const_pairs(int(C.FailReason.WRITE_POSITION_MISMATCH), (num_tokens,))
+    ch_bits = P.const(int(C.FailReason.WRITE_POSITION_MISMATCH), (num_tokens,))
     ch_rows = _rows(tag, [slot_all_p, positions, input_ids, input_ids, prev_at, chain_exp, ch_bits])
     rows = jnp.stack([in_rows, ch_rows], axis=1).reshape(2 * num_tokens, C.VIOLATION_FIELDS, 2)
     record = jnp.stack([in_rec, chain_fail & written], axis=1).reshape(2 * num_tokens)

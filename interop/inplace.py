@@ -36,7 +36,6 @@ from typing import Any, Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 
 from interop import dlpack as D
