@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from canary_jax import hashing as H
+from canary_jax import layout
 from canary_jax.hashing import U64
 from pallas_kernels.hashing import PairHash, shr, u32
 
@@ -264,3 +265,14 @@ def chain_hash(hasher: PairHash, prev: U64, tok: U64, pos: U64) -> U64:
 
 
 __all__ = [name for name in dir() if not name.startswith("_")] + ["H"]
+
+
+def updated_log(log: layout.ViolationLog, *, ring, write_index, slot_counters, kernel_counters) -> layout.ViolationLog:
+    """The log after a launch: the aliased kernel outputs reshaped back to the log's shapes."""
+    return layout.ViolationLog(
+        ring=ring.reshape(log.ring.shape),
+        write_index=write_index,
+        slot_run_counters=slot_counters.reshape(log.slot_run_counters.shape),
+        kernel_run_counters=kernel_counters.reshape(log.kernel_run_counters.shape),
+        enable_chain_position_assert=log.enable_chain_position_assert,
+    )

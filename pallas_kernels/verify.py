@@ -229,13 +229,8 @@ def _verify_pallas(context: VerifyOrWriteContext, plan: VerifyPlan, *, check: bo
       plan.verify_prev_slot_indices, words, bits, counts, base, ring, log.write_index, slot_counters,
       kernel_counters)
 
-    new_log = layout.ViolationLog(
-        ring=ring.reshape(log.ring.shape),
-        write_index=wi,
-        slot_run_counters=slot_counters.reshape(log.slot_run_counters.shape),
-        kernel_run_counters=kernel_counters.reshape(log.kernel_run_counters.shape),
-        enable_chain_position_assert=log.enable_chain_position_assert,
-    )
+    new_log = U.updated_log(log, ring=ring, write_index=wi, slot_counters=slot_counters,
+                            kernel_counters=kernel_counters)
     return context.replace(log=new_log)
 
 

@@ -366,13 +366,8 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
     )(input_ids, positions, out_cache_loc, prev_at, rkv, flags, counts, words, log.write_index,
       slot_counters, kernel_counters)
 
-    new_log = layout.ViolationLog(
-        ring=ring.reshape(log.ring.shape),
-        write_index=wi,
-        slot_run_counters=slot_counters.reshape(log.slot_run_counters.shape),
-        kernel_run_counters=kernel_counters.reshape(log.kernel_run_counters.shape),
-        enable_chain_position_assert=log.enable_chain_position_assert,
-    )
+    new_log = U.updated_log(log, ring=ring, write_index=wi, slot_counters=slot_counters,
+                            kernel_counters=kernel_counters)
     return context.replace(canary_buf=layout.canary_bytes(words), log=new_log)
 
 

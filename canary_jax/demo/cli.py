@@ -26,30 +26,27 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _positive(name: str):
+def _int_at_least(name: str, minimum: int):
+    """argparse type: an integer ``>= minimum``, with a one-line message naming the flag."""
+
     def conv(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {v}")
         return v
 
     return conv
+
+
+def _positive(name: str):
+    return _int_at_least(name, 1)
 
 
 def _nonneg(name: str):
-    def conv(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
-        return v
-
-    return conv
+    return _int_at_least(name, 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
