@@ -39,11 +39,25 @@ _ALL_ONES = 0xFFFFFFFF
 _pair, _stack = P.as_u64, P.from_u64
 
 
-def load_records(words: jax.Array, slot: jax.Array, ok: jax.Array) -> jax.Array:
-    """Fields 0..3 of ``slot`` as ``uint32[..., 4, 2]``; zeros where ``~ok``."""
-    rec = words[slot, : 2 * C.CANARY_FIELDS_PER_SLOT]  # [..., 8]
+def load_records(canary_buf: jax.Array, slot: jax.Array, ok: jax.Array) -> jax.Array:
+    """Fields 0..3 of ``slot`` as ``uint32[..., 4, 2]``; zeros where ``~ok``.
+
+    Gathers the 32 record bytes of each slot from the ``uint8[N, S]`` buffer and bitcasts only those, so the
+    cost follows the number of slots read, not the pool size.
+    """
+    rec = canary_buf[slot, : C.CANARY_SLOT_BYTES]  # uint8[..., 32]
+    rec = jax.lax.bitcast_convert_type(rec.reshape(slot.shape + (2 * C.CANARY_FIELDS_PER_SLOT, 4)), jnp.uint32)
     rec = jnp.where(ok[..., None], rec, jnp.uint32(0))
     return rec.reshape(slot.shape + (C.CANARY_FIELDS_PER_SLOT, 2))
+
+
+def store_records(canary_buf: jax.Array, slot: jax.Array, store: jax.Array, fields: jax.Array) -> jax.Array:
+    """Writes ``fields`` (``uint32[T, 8]``: the four int64 fields as pairs) into the first 32 bytes of
+    ``slot`` where ``store``; other bytes and slots are untouched (a scatter of ``T`` rows)."""
+    n_slots = canary_buf.shape[0]
+    rows = jax.lax.bitcast_convert_type(fields, jnp.uint8).reshape(fields.shape[0], C.CANARY_SLOT_BYTES)
+    dest = jnp.where(store, slot, n_slots)  # n_slots is out of bounds -> dropped
+    return canary_buf.at[dest, : C.CANARY_SLOT_BYTES].set(rows, mode="drop")
 
 
 def chain_hash_of(records: jax.Array) -> H.U64:
@@ -93,8 +107,8 @@ def verify_reference(
     """
     descs = S.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
     tag = int(context.kernel_kind)
-    words = layout.canary_words(context.canary_buf)
-    n_slots = words.shape[0]
+    buf = context.canary_buf
+    n_slots = buf.shape[0]
     cap = plan.verify_slot_indices.shape[0]
 
     enabled = plan.enable[0] != 0
@@ -104,12 +118,12 @@ def verify_reference(
     slot_p = plan.verify_slot_indices
     considered = live & ~P.is_zero(slot_p)
     slot, slot_ok = P.index(slot_p, n_slots)
-    rec = load_records(words, slot, slot_ok & considered)
+    rec = load_records(buf, slot, slot_ok & considered)
     tok, pos, prev, rkv = (rec[..., f, :] for f in range(4))
 
     prev_p = plan.verify_prev_slot_indices
     prev_slot, prev_ok = P.index(prev_p, n_slots)
-    prev_rec = load_records(words, prev_slot, prev_ok & considered)
+    prev_rec = load_records(buf, prev_slot, prev_ok & considered)
     computed = _stack(chain_hash_of(prev_rec))
     anchor = P.const(H.ANCHOR_HASH, (cap,))
     reachable = ~P.is_zero(prev_p)
@@ -184,8 +198,8 @@ def write_reference(
     """
     descs = S.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
     tag = int(context.kernel_kind)
-    words = layout.canary_words(context.canary_buf)
-    n_slots = words.shape[0]
+    buf = context.canary_buf
+    n_slots = buf.shape[0]
     num_tokens = input_ids.shape[0]
     cw = plan.write_seed_slot_indices.shape[0]
 
@@ -199,7 +213,7 @@ def write_reference(
     seed_p = plan.write_seed_slot_indices
     seed_neg = P.is_negative(seed_p)
     seed_slot, seed_ok = P.index(seed_p, n_slots)
-    seed_rec = load_records(words, seed_slot, seed_ok & ~seed_neg)
+    seed_rec = load_records(buf, seed_slot, seed_ok & ~seed_neg)
     running0 = jnp.where(seed_neg[..., None], P.const(H.ANCHOR_HASH, (cw,)), _stack(chain_hash_of(seed_rec)))
     gate = (~seed_neg) & (context.log.enable_chain_position_assert[0] != 0)
     run_pos0 = jnp.where(gate[..., None], seed_rec[:, C.CANARY_FIELD_POSITION, :], jnp.uint32(0))
@@ -268,9 +282,7 @@ def write_reference(
     # Stores: the last entry writing a slot wins.
     winner = last_writer_mask(slot_idx, written, n_slots)
     fields = jnp.stack([input_ids, positions, prev_at, rkv], axis=1).reshape(num_tokens, 2 * C.CANARY_FIELDS_PER_SLOT)
-    dest = jnp.where(winner, slot_idx, n_slots)
-    words = words.at[dest, : 2 * C.CANARY_FIELDS_PER_SLOT].set(fields, mode="drop")
-    return context.replace(canary_buf=layout.canary_bytes(words), log=log)
+    return context.replace(canary_buf=store_records(buf, slot_idx, winner, fields), log=log)
 
 
 def last_writer_mask(slot: jax.Array, written: jax.Array, n_slots: int) -> jax.Array:
