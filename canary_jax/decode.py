@@ -24,8 +24,14 @@ def reason_label(flag: C.FailReason) -> str:
 
 
 def reason_labels(bits: int) -> list[str]:
-    """Labels of the set bits, in bit order."""
-    return [reason_label(f) for f in C.FailReason if int(bits) & int(f)]
+    """Labels of the set bits, in bit order; bits outside FailReason add ``unknown(0x...)`` (SGLang's
+    reporter would drop them silently, which would hide a corrupted ring row)."""
+    bits = int(bits)
+    labels = [reason_label(f) for f in C.FailReason if bits & int(f)]
+    rest = (bits & C.U64_MASK) & ~C.FAIL_REASON_ALL_BITS
+    if rest:
+        labels.append(f"unknown({rest:#x})")
+    return labels
 
 
 def tag_label(kernel_kind: int) -> str:
@@ -47,7 +53,17 @@ def canary_kind_label(kernel_kind: int) -> str:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ViolationRecord:
-    """One ring row, decoded. Integer fields are signed int64 as stored; hashes print as uint64."""
+    """One ring row, decoded (SPEC 1.2). Integer fields are signed int64 as stored; hashes print as uint64.
+
+    Column meanings differ between the kernels:
+
+    * verify rows: ``position`` is the *stored* position, ``stored_token`` the stored token,
+      ``expected_token`` the plan's expected token or -1, ``stored_chain_hash`` the stored prev_hash,
+      ``expected_aux`` the expected chain hash.
+    * write rows (bits 8 / 16): ``position`` and ``stored_token`` are the *actual* inputs,
+      ``stored_chain_hash`` the running prev_hash stored for the slot, and ``expected_aux`` the expected
+      position (input assert: the expected input position; chain-position row: previous position + 1).
+    """
 
     index: int
     kernel_kind: int
@@ -85,6 +101,10 @@ class ViolationRecord:
 
 def _ring_and_index(log_or_ring: Any, write_index: Any | None) -> tuple[np.ndarray, int]:
     if write_index is None:
+        if not (hasattr(log_or_ring, "ring") and hasattr(log_or_ring, "write_index")):
+            raise TypeError(
+                "kv-canary: pass write_index together with a bare violation ring (or pass a ViolationLog)"
+            )
         ring, wi = log_or_ring.ring, log_or_ring.write_index
     else:
         ring, wi = log_or_ring, write_index
@@ -101,6 +121,12 @@ def _ring_and_index(log_or_ring: Any, write_index: Any | None) -> tuple[np.ndarr
     return ring, int(wi_arr[0])
 
 
+def recorded_rows(write_index: int, ring_capacity: int) -> int:
+    """Rows of the ring that hold violations: ``min(write_index, R)``. The index is SGLang's int32 counter;
+    a negative value means it wrapped past 2**31 - 1 violations, so the ring is full."""
+    return ring_capacity if write_index < 0 else min(write_index, ring_capacity)
+
+
 def decode_violations(log_or_ring: Any, write_index: Any | None = None, *, start: int = 0) -> list[ViolationRecord]:
     """Decodes recorded rows ``[start, min(write_index, R))``.
 
@@ -111,10 +137,11 @@ def decode_violations(log_or_ring: Any, write_index: Any | None = None, *, start
       start: first row to decode (SGLang's ``last_logged`` cursor).
 
     Raises:
-      ValueError: a ring of the wrong shape.
+      TypeError: a bare ring without ``write_index``, or a ring that is not 32-bit pairs / int64.
+      ValueError: a ring of the wrong shape, or a ``write_index`` that is not one value.
     """
     ring, wi = _ring_and_index(log_or_ring, write_index)
-    n = max(0, min(wi, ring.shape[0]))
+    n = recorded_rows(wi, ring.shape[0])
     return [ViolationRecord.from_row(i, ring[i]) for i in range(max(0, start), n)]
 
 
@@ -160,7 +187,7 @@ def format_violations(log_or_ring: Any, write_index: Any | None = None, *, start
                       step_when_pumped: int = 0) -> list[str]:
     """One formatted message per recorded row from ``start`` (what SGLang's reporter logs or raises)."""
     ring, wi = _ring_and_index(log_or_ring, write_index)
-    overflow = wi > ring.shape[0]
+    overflow = wi > ring.shape[0] or wi < 0
     return [
         format_violation(r, total=wi, ring_overflow=overflow, step_when_pumped=step_when_pumped)
         for r in decode_violations(ring, np.array([wi]), start=start)

@@ -18,6 +18,7 @@ Anything else raises ``TypeError`` naming the argument.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import jax
@@ -65,6 +66,41 @@ def int64_to_pairs_np(values: Any) -> np.ndarray:
         arr = arr.astype(np.int64)
     arr = np.ascontiguousarray(arr, dtype="<i8")
     return arr.view("<u4").reshape(arr.shape + (2,)).astype(np.uint32)
+
+
+def exact_int64_np(values: Any, *, name: str) -> np.ndarray:
+    """Host integer data as a numpy int64 array, exactly (no float truncation, no silent wrap).
+
+    Raises:
+      TypeError: non-integer data (floats, strings), naming ``name``.
+      ValueError: values outside int64, naming ``name``.
+    """
+    try:
+        return pairs_to_int64_np(int64_to_pairs_np(values))
+    except TypeError:
+        raise TypeError(f"kv-canary: {name} must hold integers, got {np.asarray(values).dtype} data") from None
+    except ValueError:
+        raise ValueError(f"kv-canary: {name} holds a value that does not fit int64") from None
+
+
+def check_int(value: Any, *, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    """A Python/numpy integer scalar as ``int`` (floats and bools refused, nothing rounded).
+
+    Raises:
+      TypeError: not an integer.
+      ValueError: outside ``[minimum, maximum]``.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"kv-canary: {name} must be an int, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"kv-canary: {name} must be an int, got {value!r}") from None
+    if minimum is not None and v < minimum:
+        raise ValueError(f"kv-canary: {name} must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise ValueError(f"kv-canary: {name} must be <= {maximum}, got {v}")
+    return v
 
 
 def pairs_to_int64_np(pairs: Any) -> np.ndarray:

@@ -52,10 +52,12 @@ def allocate_canary_buffer(num_slots: int, slot_stride_bytes: int = C.CANARY_SLO
     Raises:
       ValueError: ``num_slots < 1`` or an invalid stride (see :func:`check_canary_buffer`).
     """
-    if int(num_slots) < 1:
+    num_slots = ints.check_int(num_slots, name="num_slots")
+    slot_stride_bytes = ints.check_int(slot_stride_bytes, name="slot_stride_bytes")
+    if num_slots < 1:
         raise ValueError(f"kv-canary: num_slots must be positive, got {num_slots}")
-    check_canary_buffer(jax.ShapeDtypeStruct((int(num_slots), int(slot_stride_bytes)), jnp.uint8))
-    buf = jnp.zeros((int(num_slots), int(slot_stride_bytes)), jnp.uint8)
+    check_canary_buffer(jax.ShapeDtypeStruct((num_slots, slot_stride_bytes), jnp.uint8))
+    buf = jnp.zeros((num_slots, slot_stride_bytes), jnp.uint8)
     return jax.device_put(buf, device) if device is not None else buf
 
 
@@ -135,6 +137,8 @@ class ViolationLog:
         Raises:
           ValueError: ``ring_capacity <= 0`` or ``num_tags <= 0`` (SGLang's messages).
         """
+        ring_capacity = ints.check_int(ring_capacity, name="ViolationLog ring_capacity")
+        num_tags = ints.check_int(num_tags, name="CanaryDeviceState num_tags")
         if int(ring_capacity) <= 0:
             raise ValueError(f"kv-canary: ViolationLog ring_capacity must be positive, got {ring_capacity}")
         if int(num_tags) <= 0:

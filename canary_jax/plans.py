@@ -55,7 +55,7 @@ class VerifyPlan:
         Raises:
           ValueError: ``verify_capacity <= 0`` (SGLang's message).
         """
-        c = int(verify_capacity)
+        c = ints.check_int(verify_capacity, name="VerifyPlan verify_capacity")
         if c <= 0:
             raise ValueError(f"kv-canary: VerifyPlan verify_capacity must be positive, got {verify_capacity}")
         z = jnp.zeros((c, 2), jnp.uint32)
@@ -92,19 +92,19 @@ class VerifyPlan:
         Raises:
           ValueError: mismatched lengths or n > C.
         """
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        slots = ints.exact_int64_np(slots, name="slots").reshape(-1)
         n = slots.shape[0]
-        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
-        prev_slots = np.asarray(prev_slots, dtype=np.int64).reshape(-1)
+        positions = ints.exact_int64_np(positions, name="positions").reshape(-1)
+        prev_slots = ints.exact_int64_np(prev_slots, name="prev_slots").reshape(-1)
         tokens = (
             np.full((n,), -1, np.int64)
             if expected_tokens is None
-            else np.asarray(expected_tokens, dtype=np.int64).reshape(-1)
+            else ints.exact_int64_np(expected_tokens, name="expected_tokens").reshape(-1)
         )
         for name, a in (("positions", positions), ("prev_slots", prev_slots), ("expected_tokens", tokens)):
             if a.shape[0] != n:
                 raise ValueError(f"kv-canary: {name} has length {a.shape[0]}, slots has {n}")
-        cap = max(1, n) if verify_capacity is None else int(verify_capacity)
+        cap = max(1, n) if verify_capacity is None else ints.check_int(verify_capacity, name="verify_capacity")
         if cap <= 0:
             raise ValueError(f"kv-canary: VerifyPlan verify_capacity must be positive, got {cap}")
         if n > cap:
@@ -120,8 +120,10 @@ class VerifyPlan:
             verify_expected_tokens=pad(tokens, -1),
             verify_expected_positions=pad(positions),
             verify_prev_slot_indices=pad(prev_slots),
-            verify_num_valid=jnp.asarray(np.array([n if num_valid is None else num_valid], np.int32)),
-            enable=jnp.asarray(np.array([enable], np.int32)),
+            verify_num_valid=jnp.asarray(np.array([n if num_valid is None else ints.check_int(
+                num_valid, name="num_valid", minimum=-2**31, maximum=2**31 - 1)], np.int32)),
+            enable=jnp.asarray(np.array([ints.check_int(enable, name="enable", minimum=-2**31, maximum=2**31 - 1)],
+                                        np.int32)),
         )
 
     @property
@@ -170,7 +172,7 @@ class WritePlan:
         Raises:
           ValueError: ``write_req_capacity <= 0`` (SGLang's message).
         """
-        c = int(write_req_capacity)
+        c = ints.check_int(write_req_capacity, name="WritePlan write_req_capacity")
         if c <= 0:
             raise ValueError(f"kv-canary: WritePlan write_req_capacity must be positive, got {write_req_capacity}")
         return cls(
@@ -193,14 +195,14 @@ class WritePlan:
         Raises:
           ValueError: mismatched lengths, negative counts, or more requests than capacity.
         """
-        counts = np.asarray(counts, dtype=np.int64).reshape(-1)
-        seeds = np.asarray(seed_slots, dtype=np.int64).reshape(-1)
+        counts = ints.exact_int64_np(counts, name="counts").reshape(-1)
+        seeds = ints.exact_int64_np(seed_slots, name="seed_slots").reshape(-1)
         if counts.shape != seeds.shape:
             raise ValueError(f"kv-canary: counts has length {counts.shape[0]}, seed_slots has {seeds.shape[0]}")
         if (counts < 0).any():
             raise ValueError("kv-canary: request entry counts must be non-negative")
         bs = counts.shape[0]
-        cap = max(1, bs) if write_req_capacity is None else int(write_req_capacity)
+        cap = max(1, bs) if write_req_capacity is None else ints.check_int(write_req_capacity, name="write_req_capacity")
         if cap <= 0:
             raise ValueError(f"kv-canary: WritePlan write_req_capacity must be positive, got {cap}")
         if bs > cap:
@@ -212,7 +214,8 @@ class WritePlan:
         return cls(
             write_offsets=jnp.asarray(ints.int64_to_pairs_np(off)),
             write_seed_slot_indices=jnp.asarray(ints.int64_to_pairs_np(seed_arr)),
-            write_num_valid_reqs=jnp.asarray(np.array([bs if num_valid_reqs is None else num_valid_reqs], np.int32)),
+            write_num_valid_reqs=jnp.asarray(np.array([bs if num_valid_reqs is None else ints.check_int(
+                num_valid_reqs, name="num_valid_reqs", minimum=-2**31, maximum=2**31 - 1)], np.int32)),
         )
 
     @property

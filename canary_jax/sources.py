@@ -53,6 +53,10 @@ class RealKvSource:
     read_bytes: int
 
     def __post_init__(self) -> None:
+        for field in ("page_size", "num_bytes_per_token", "read_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"kv-canary: RealKvSource.{field} must be an int, got {value!r}")
         if self.page_size < 1:
             raise ValueError(f"kv-canary: RealKvSource.page_size must be >= 1, got {self.page_size}")
         if self.num_bytes_per_token <= 0 or self.num_bytes_per_token % 16 != 0:

@@ -166,5 +166,24 @@ class FormatTest(absltest.TestCase):
         self.assertTrue(all(m.endswith("total_violations=5 ring_overflow=True step_when_pumped=4") for m in msgs))
 
 
+
+class DecodeEdgeCasesTest(absltest.TestCase):
+    """Rows a live ring should never hold still decode to something visible."""
+
+    def test_unknown_fail_bits_are_labelled(self):
+        self.assertEqual(D.reason_labels(1 | (1 << 40)), ["verify_chain_hash", "unknown(0x10000000000)"])
+        self.assertEqual(D.reason_labels(0), [])
+
+    def test_bare_ring_needs_write_index(self):
+        ring = np.zeros((4, 8), np.int64)
+        with self.assertRaisesRegex(TypeError, "pass write_index together with a bare violation ring"):
+            D.decode_violations(ring)
+
+    def test_wrapped_int32_write_index_means_full_ring(self):
+        ring = np.zeros((4, 8), np.int64)
+        ring[:, 7] = 2
+        self.assertLen(D.decode_violations(ring, np.array([-5], np.int32)), 4)
+
+
 if __name__ == "__main__":
     absltest.main()
