@@ -72,13 +72,27 @@ def verify(
     check_verify_expected_token: bool = False,
     backend: str | None = None,
 ) -> VerifyOrWriteContext:
-    """Runs one verify launch; semantics of :func:`canary_jax.reference.verify_reference`.
+    """Runs one verify launch; semantics of :func:`canary_jax.reference.verify_reference` (SGLang's
+    ``launch_canary_verify_kernel``; SPEC section 5).
+
+    Args:
+      context: :class:`~canary_jax.plans.VerifyOrWriteContext`: canary buffer ``uint8[N, S]``, launch tag,
+        :class:`~canary_jax.layout.ViolationLog`, 0..4 real-KV sources and the hash mode.
+      plan: :class:`~canary_jax.plans.VerifyPlan` (entries as ``uint32[C, 2]`` int64 pairs). Slot 0 entries are
+        skipped but counted; slots outside ``[0, N)`` read as an all-zero record (so they fail and the row
+        names the bad slot); a negative prev slot means chain head, 0 means "chain check skipped".
+      check_verify_expected_token: when True, entries whose expected token is not -1 must match the stored
+        token (bit 32); when False the expected-token array is not read and column 4 holds -1.
+      backend: ``"reference"`` (jnp), ``"pallas"`` (compiled on GPU, interpreted on CPU), or None for
+        ``$CANARY_JAX_BACKEND`` / the platform default.
 
     Returns:
-      The context with the new violation log (the canary buffer is read-only for verify).
+      The context with the new violation log (the canary buffer is read-only for verify). Outside ``jit`` the
+      log you passed is donated: reusing it afterwards raises JAX's "buffer has been deleted or donated".
 
     Raises:
-      TypeError / ValueError: any static check (before tracing; nothing is mutated).
+      TypeError / ValueError: any static check (dtype, shape, stride, more than 4 sources, ...), before
+      tracing; nothing is mutated.
     """
     check_context(context)
     context = context.replace(real_kv_sources=device_sources(context.real_kv_sources))
@@ -155,19 +169,34 @@ def write(
     expected_input_positions=None,
     backend: str | None = None,
 ) -> VerifyOrWriteContext:
-    """Runs one write launch; semantics of :func:`canary_jax.reference.write_reference`.
+    """Runs one write launch; semantics of :func:`canary_jax.reference.write_reference` (SGLang's
+    ``launch_canary_write_kernel``; SPEC section 6).
 
     Args:
+      context: as for :func:`verify`; its canary buffer receives the stamps.
+      plan: :class:`~canary_jax.plans.WritePlan`: request ``r`` owns entries ``[off[r], off[r+1])`` and its
+        chain continues from seed slot ``seeds[r]`` (-1: chain head).
       input_ids, positions, out_cache_loc: int64-valued ``[T]`` arrays in any lossless form accepted by
         :func:`canary_jax.ints.as_int64_pairs` (int32, int64 with x64 on or numpy, or ``uint32[T, 2]``).
       expected_input_tokens, expected_input_positions: same forms, required iff
         ``enable_write_input_assert``.
 
+      enable_write_input_assert: compare every written entry with the expected tensors (bits 8 / 16).
+      backend: as for :func:`verify`.
+
+    Ring rows (SPEC 6): ``[tag, slot, actual position, actual token, expected token, running prev_hash,
+    expected position, bits]``. An input-assert row precedes the chain-position row of the same entry; the
+    chain-position row (bit 16, ``expected token`` = the actual token, ``expected position`` = previous
+    position + 1) fires when the request has a seed slot and ``log.enable_chain_position_assert`` is set.
+    Entries with a slot outside ``[0, N)`` are skipped; a seed slot ``>= N`` reads as an all-zero record.
+
     Returns:
-      The context with the new canary buffer and violation log.
+      The context with the new canary buffer and violation log. Outside ``jit`` both are donated: use the
+      returned context, not the arrays you passed.
 
     Raises:
-      TypeError / ValueError: any static check (before tracing; nothing is mutated).
+      TypeError / ValueError: any static check (dtype, shape, stride, more than 4 sources, expected tensors
+      present without the assert or missing with it), before tracing; nothing is mutated.
     """
     check_context(context)
     context = context.replace(real_kv_sources=device_sources(context.real_kv_sources))

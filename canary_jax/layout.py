@@ -111,9 +111,13 @@ class ViolationLog:
 
     Fields:
       ring: ``uint32[R, 8, 2]``: SGLang's ``int64[R, 8]`` violation ring, fill-once; row ``k`` is the
-        ``k``-th violation ever recorded; rows past ``write_index`` are zeros.
+        ``k``-th violation ever recorded; rows past ``write_index`` are zeros. Columns (SPEC 1.2):
+        kernel_kind, slot_idx, position, stored_token, expected_token, stored_chain_hash, expected_aux,
+        fail_reason_bits; verify and write rows fill them differently (see
+        :class:`~canary_jax.decode.ViolationRecord`).
       write_index: ``int32[1]``: number of violations ever recorded (keeps growing past ``R``).
-      slot_run_counters: ``uint32[num_tags, 2]``: per-tag int64 count of entries processed.
+      slot_run_counters: ``uint32[num_tags, 2]``: per-tag int64 count of entries processed, indexed by
+        ``CanaryLaunchTag`` value (as are the kernel counters).
       kernel_run_counters: ``uint32[num_tags, 2]``: per-tag int64 count of launches.
       enable_chain_position_assert: ``int32[1]``: write-kernel chain-position assert gate (1 = on).
     """

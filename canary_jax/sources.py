@@ -36,8 +36,11 @@ class RealKvSource:
     """One piece of real KV folded into the fingerprint.
 
     Fields:
-      tensor: the KV buffer (any dtype, at least 2-D; a launch needs it 2-D once viewed as uint8, i.e. 2-D).
-        A JAX array, or a numpy array for host-side tests.
+      tensor: the KV buffer, any dtype: rows (dim 0) are pages of ``page_size`` slots. Construction accepts
+        any rank >= 2 (as SGLang does); a launch needs it exactly 2-D (``[num_pages, row_elems]``, SGLang's
+        "viewed as uint8 must be 2-D"), so reshape a ``[pages, page_size, heads, dim]`` pool first. A JAX array
+        (inside your own ``jit`` always a JAX array), or a numpy array for host-side tests.
+        PARTIAL mode hashes the first 16 bytes of each slot whatever ``read_bytes`` says.
       page_size: slots per row of dim 0, ``>= 1``.
       num_bytes_per_token: bytes each slot owns in its row, a positive multiple of 16.
       read_bytes: leading bytes of each slot hashed in ALL mode, a positive multiple of 16,

@@ -318,7 +318,12 @@ def canary_head(
       ``(state, plans)``; pass ``plans`` unchanged to :func:`canary_tail`.
 
     Raises:
-      TypeError / ValueError: bad config or batch (before tracing).
+      TypeError / ValueError: bad config or batch, raised while tracing (the function is jitted), before any
+      computation runs; nothing is mutated.
+
+    In place: the state is not donated, because its groups hold the model's real-KV source arrays. Inside a
+    caller's jitted step (the intended use) XLA updates the canary buffers and log in place; called eagerly,
+    each call returns fresh buffers (a copy proportional to the pool size).
     """
     config = _check_config(config)
     _check_batch(batch, config)
@@ -352,6 +357,10 @@ def canary_tail(
 
     Returns:
       ``(state, summary)``.
+
+    Raises:
+      TypeError / ValueError: bad config or batch, or ``real_kv_sources`` not one pair per group; raised while
+      tracing, before any computation runs. The state is not donated (see :func:`canary_head`).
     """
     config = _check_config(config)
     _check_batch(batch, config)
