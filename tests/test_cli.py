@@ -23,10 +23,27 @@ def _run(capsys, argv):
     "argv, needle",
     [
         (["demo", "--inject", "kv_flip_lo,bogus"], "unknown fault kind 'bogus'"),
-        (["demo", "--pool-pages", "8"], "pool too small"),
-        (["demo", "--max-context", "40"], "max_context is 40"),
-        (["demo", "--max-running", "100"], "max_running"),
-        (["demo", "--kv-heads", "3"], "multiple of num_kv_heads"),
+        (["demo", "--pool-pages", "8"], "(--pool-pages=8, page 0 is reserved)"),
+        (["demo", "--pool-pages", "1"], "--pool-pages must be >= 2, got 1"),
+        (["demo", "--max-context", "40"], "--max-context is 40"),
+        (["demo", "--max-running", "100"], "--max-tokens-per-step (64) must be >= --max-running (100)"),
+        (["demo", "--kv-heads", "3"], "--q-heads (4) must be a multiple of --kv-heads (3)"),
+        (["demo", "--head-dim", "4", "--inject", "kv_flip_lo,kv_flip_hi"],
+         "--inject kv_flip_hi is impossible here: a slot's K row has only 16 bytes (--kv-heads 2 x --head-dim 4"),
+        (["demo", "--seed", "99999999999999999999999"],
+         "--seed must be between 0 and 4294967295, got 99999999999999999999999"),
+        (["demo", "--seed", "4294967296"], "--seed must be between 0 and 4294967295"),
+        (["demo", "--requests", "2", "--max-new-tokens", "2", "--trials", "1"],
+         "the workload is too short for page_reuse, orphan_flip: in its 6 forward steps"),
+        (["demo", "--requests", "2", "--max-new-tokens", "2"], "raise --requests or --max-new-tokens"),
+        (["demo", "--inject", ""], "--inject is empty"),
+        (["demo", "--inject", " , "], "--inject is empty"),
+        (["demo", "--json", "/proc/canary-x.json"], "--json '/proc/canary-x.json' is not writable"),
+        (["demo", "--json", "/proc/version"], "--json '/proc/version' is not writable: a kernel pseudo-file"),
+        (["demo", "--plot", "/proc/canary-x.png"], "--plot '/proc/canary-x.png' is not writable"),
+        (["demo", "--dump", "/proc/canary-x.npz"], "--dump '/proc/canary-x.npz' is not writable"),
+        (["verify-dump", "/nonexistent-dir/ring.npy", "--json", "/proc/canary-x.json"], "is not writable"),
+        (["verify-dump", "/"], "/ is a directory, not a .npy/.npz file"),
         (["demo", "--trials", "0"], "--trials must be >= 1"),
         (["demo", "--page-size", "x"], "--page-size must be an integer"),
         (["demo", "--json", "/nonexistent-dir/out.json"], "does not exist"),
@@ -43,6 +60,62 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     assert err.count("\n") == 1 and err.startswith("canary-jax: error: "), err
     assert needle in err
     assert "Traceback" not in err + out
+    if needle.startswith("--"):  # argparse's "argument --x:" prefix is dropped when the message names the flag
+        assert "argument --" not in err
+
+
+def test_seed_range_edges_parse():
+    p = cli.build_parser()
+    assert p.parse_args(["demo", "--seed", "4294967295"]).seed == 4294967295
+    assert p.parse_args(["demo", "--seed", "0"]).seed == 0
+
+
+def test_flagify_names_flags_not_fields():
+    assert cli.flagify("max_tokens_per_step (8) must be >= max_running (10)") == \
+        "--max-tokens-per-step (8) must be >= --max-running (10)"
+    assert cli.flagify("prompt 157 + max_new_tokens 16; num_pages=8") == \
+        "prompt 157 + --max-new-tokens 16; --pool-pages=8"
+    assert cli.flagify("my_num_pages and head_dims stay") == "my_num_pages and head_dims stay"
+
+
+def test_output_probe_leaves_no_stray_file_and_keeps_existing_content(tmp_path):
+    new = tmp_path / "new.json"
+    cli._check_out_path("--json", str(new))
+    assert not new.exists()
+    old = tmp_path / "old.json"
+    old.write_text("keep me")
+    cli._check_out_path("--json", str(old))
+    assert old.read_text() == "keep me"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_write_failure_at_write_time_is_one_line_exit_2(capsys, tmp_path):
+    ring = np.zeros((2, 8), np.int64)
+    ring[0] = [int(C.CanaryLaunchTag.HEAD_K_FULL), 3, 1, 5, 5, 0, 0, int(C.FailReason.VERIFY_POSITION_MISMATCH)]
+    p = tmp_path / "ring.npz"
+    np.savez(p, ring=ring, write_index=np.array([1], np.int32))
+    rc, out, err = _run(capsys, ["verify-dump", str(p), "--json", "/dev/full"])
+    assert rc == 2
+    assert "ring: 1 violations recorded, 1 decoded (ring capacity 2)" in out  # the report still printed
+    assert err == "canary-jax: error: --json '/dev/full': cannot write: No space left on device\n"
+    errors = []
+    cli._write_output("--plot", "/dev/full", lambda path: open(path, "w").write("x" * 70000), errors)
+    assert errors == ["--plot '/dev/full': cannot write: No space left on device"]
+
+
+def test_help_says_bare_runs_demo_and_lists_exit_codes(capsys):
+    for argv, needles in (
+        (["--help"], ["With no command, canary-jax runs the demo", "`canary-jax` is `canary-jax demo`"]),
+        (["demo", "--help"], ["exit status:", "2    bad input", "raise --requests / --max-new-tokens",
+                              "1    a fault that should be caught went undetected"]),
+        (["verify-dump", "--help"], ["exit status:", "1    violations found", "0    no violations"]),
+    ):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        for n in needles:
+            assert n in out, (argv, n)
 
 
 def test_prompt_file_without_prompts(capsys, tmp_path):
@@ -84,6 +157,41 @@ def test_verify_dump_sglang_int64_ring(capsys, tmp_path):
     np.savez(q, violation_ring=ring, violation_write_index=np.array([1], np.int32))
     rc, out, _ = _run(capsys, ["verify-dump", str(q)])
     assert rc == 1 and "1 violations recorded, 1 decoded" in out
+
+
+def test_verify_dump_without_write_index_infers_from_any_nonzero_column(capsys, tmp_path):
+    ring = np.zeros((6, 8), np.int64)
+    ring[0] = [int(C.CanaryLaunchTag.TAIL_K_FULL), 17, 5, 42, -1, 1, 2, 0]  # fail bits 0, but a recorded row
+    ring[1] = [99, 9, 3, 7, 8, 0, 4, int(C.FailReason.VERIFY_POSITION_MISMATCH)]
+    ring[2] = [int(C.CanaryLaunchTag.HEAD_K_FULL), 9, 3, 7, 8, 0, 4, 2**40]
+    p = tmp_path / "ring.npy"
+    np.save(p, ring)
+    rc, out, err = _run(capsys, ["verify-dump", str(p)])
+    assert rc == 1
+    assert "ring: 3 violations recorded, 3 decoded (ring capacity 6)" in out
+    assert "canary-jax: warning: ring: the file holds no write index; assuming 3 violations" in err
+    assert "launch_tag=unknown(99) fail_reason=verify_position slot_idx=9" in out
+    assert "launch_tag=HEAD_K_FULL fail_reason=unknown(0x10000000000) slot_idx=9" in out
+    assert "HEAD_K_FULL:unknown(0x10000000000)" in out  # the per-reason table
+    # --start past the recorded rows warns and decodes nothing.
+    rc, out, err = _run(capsys, ["verify-dump", str(p), "--start", "5"])
+    assert rc == 0
+    assert "3 violations recorded, 0 decoded from row 5" in out
+    assert "--start 5 is at or past the 3 recorded violations; nothing to decode" in err
+    # A saved write index wins over the inference, without a warning.
+    q = tmp_path / "ring.npz"
+    np.savez(q, ring=ring, write_index=np.array([1], np.int32))
+    rc, out, err = _run(capsys, ["verify-dump", str(q)])
+    assert rc == 1 and "1 violations recorded, 1 decoded" in out and err == ""
+
+
+def test_verify_dump_empty_archive_and_directory(capsys, tmp_path):
+    p = tmp_path / "empty.npz"
+    np.savez(p)
+    rc, _, err = _run(capsys, ["verify-dump", str(p)])
+    assert rc == 2 and err.strip() == f"canary-jax: error: {p} is an empty .npz archive (no arrays); nothing to decode"
+    rc, _, err = _run(capsys, ["verify-dump", str(tmp_path)])
+    assert rc == 2 and err.strip() == f"canary-jax: error: {tmp_path} is a directory, not a .npy/.npz file"
 
 
 def test_verify_dump_clean_canary_buffer(capsys, tmp_path):

@@ -1,13 +1,18 @@
 """End-to-end tests of ``canary-jax demo``: a shortened campaign asserted through its JSON, plus the pieces
 (prefix cache, scheduler invariants) it is built from."""
 
+import copy
+import io
 import json
 import os
+import re
 
 import numpy as np
 import pytest
 
+from canary_jax.demo import campaign as K
 from canary_jax.demo import cli
+from canary_jax.demo import render
 from canary_jax.demo import engine as E
 from canary_jax.demo import faults as F
 from canary_jax.demo import model as M
@@ -66,7 +71,32 @@ def test_verify_dump_of_demo_state(short_demo, capsys):
     out = capsys.readouterr().out
     assert rc == 1  # the saved episode holds the injected fault's violations
     assert "kv_canary violation: launch_tag=TAIL_K_FULL fail_reason=verify_real_kv_hash" in out
-    assert "verify of tail_buf" in out
+    # A re-verified buffer reports the entries it checked, not a "ring capacity".
+    line = next(x for x in out.splitlines() if x.startswith("verify of tail_buf:"))
+    m = re.fullmatch(r"verify of tail_buf: (\d+) violations in (\d+) verified entries \(the live requests' slots\), "
+                     r"(\d+) decoded", line)
+    assert m and int(m.group(1)) >= 1 and int(m.group(2)) > int(m.group(1)), line
+
+
+def test_report_fits_120_columns_with_footnote(short_demo):
+    _, summary, _ = short_demo
+    buf = io.StringIO()
+    render.render_text(summary, out=buf)
+    text = buf.getvalue()
+    assert max(len(x) for x in text.splitlines()) <= 120
+    assert "0 = caught in the same step" in text
+    assert "steps to" in text and "detect*" in text
+    # A failing run's long verdicts wrap too.
+    bad = copy.deepcopy(summary)
+    for f in bad["faults"]:
+        f.update(ok=False, status="not_injected", verdict="NOT INJECTED in 3 of 3 trials (the workload ended before "
+                                                         "the fault could act; serve more --requests)")
+    bad["ok"] = False
+    buf = io.StringIO()
+    render.render_text(bad, out=buf)
+    lines = buf.getvalue().splitlines()
+    assert max(len(x) for x in lines) <= 120
+    assert lines[-1].startswith("  ") and any(x.startswith("FAIL: kv_flip_lo NOT INJECTED") for x in lines)
 
 
 def test_partial_mode_misses_high_flip_as_expected(tmp_path):
@@ -81,6 +111,117 @@ def test_partial_mode_misses_high_flip_as_expected(tmp_path):
     assert not by["kv_flip_hi"]["expected_detect"]
     assert by["kv_flip_hi"]["verdict"].startswith("expected miss")
     assert s["false_positives"] == 0
+
+
+def test_small_workload_16_byte_rows_all_kinds(tmp_path, capsys):
+    """head_dim 4 leaves no byte beyond 16 for kv_flip_hi: under --inject all it is not applicable (no episodes,
+    not a failure). 4 requests x 3 tokens run 10 steps, fewer than the default injection step 6 + [0, 8): the
+    injection steps shrink to fit and every other kind is still injected and caught. A --plot that cannot be
+    written fails with one line and exit 2 after the report, the JSON still written."""
+    out = str(tmp_path / "s.json")
+    plot = None
+    if os.path.exists("/dev/full"):  # a .png name for a device that is always full
+        plot = str(tmp_path / "full.png")
+        os.symlink("/dev/full", plot)
+    capsys.readouterr()
+    rc = cli.main(["demo", "--requests", "4", "--max-new-tokens", "3", "--trials", "1", "--layers", "1",
+                   "--head-dim", "4", "--no-progress", "--json", out] + (["--plot", plot] if plot else []))
+    cap = capsys.readouterr()
+    with open(out) as f:
+        s = json.load(f)
+    assert s["ok"] and s["false_positives"] == 0
+    by = {f["kind"]: f for f in s["faults"]}
+    hi = by.pop("kv_flip_hi")
+    assert hi["status"] == "not_applicable" and hi["ok"] and hi["trials"] == 0 and hi["episodes"] == []
+    assert hi["verdict"].startswith("n/a: a slot's K row has only 16 bytes")
+    assert not hi["expected_detect"]
+    for kind, f in by.items():
+        assert f["injected"] == f["detected"] == 1, (kind, f["verdict"])
+        assert f["episodes"][0]["inject_step"] < 10, kind
+    assert "- kv_flip_hi: not applicable: a slot's K row has only 16 bytes" in cap.out
+    assert max(len(x) for x in cap.out.splitlines()) <= 120
+    if plot:
+        assert rc == 2
+        assert cap.err == f"canary-jax: error: --plot {plot!r}: cannot write: No space left on device\n"
+    else:
+        assert rc == 0
+
+
+def test_injection_steps_fit_the_workload():
+    small = K.CampaignConfig(engine=E.EngineConfig(), model=M.ModelConfig(num_layers=1), num_requests=4,
+                             max_new_tokens=3, trials=1)
+    trace = K.dry_run(small, list(F.ALL_FAULTS))
+    assert trace.num_steps == 10
+    assert trace.sweep_steps == (3, 7)
+    assert trace.ready["orphan_flip"] and min(trace.ready["orphan_flip"]) > 0  # needs a finished request first
+    camp = K.Campaign(small, list(F.ALL_FAULTS))
+    for f in F.ALL_FAULTS:
+        latest = camp.latest_inject[f.kind]
+        assert latest in trace.ready[f.kind] and f.detectable_after(trace, latest), f.kind
+        for trial in range(3):
+            assert camp.inject_step(f, np.random.default_rng([0, trial, 1])) <= latest
+    assert camp.latest_inject["orphan_flip"] <= 7  # a sweep (after step 7) must still come
+    # The default workload keeps the documented 6 + [0, 8) injection steps.
+    default = K.CampaignConfig(engine=E.EngineConfig(num_pages=256), model=M.ModelConfig(num_layers=1))
+    camp = K.Campaign(default, list(F.ALL_FAULTS))
+    assert camp.trace.num_steps == 64
+    for f in F.ALL_FAULTS:
+        rng_a, rng_b = np.random.default_rng([0, 1, 2]), np.random.default_rng([0, 1, 2])
+        assert camp.inject_step(f, rng_a) == 6 + int(rng_b.integers(0, 8)), f.kind
+    # A workload that never offers a kind its preconditions is refused up front.
+    with pytest.raises(E.ConfigError, match="too short for orphan_flip: in its 12 forward steps orphan_flip never"):
+        K.Campaign(K.CampaignConfig(engine=E.EngineConfig(), model=M.ModelConfig(num_layers=1), num_requests=2,
+                                    max_new_tokens=8, trials=1), [F.FAULTS_BY_KIND["orphan_flip"]])
+    with pytest.raises(E.ConfigError, match=r"seed must be an integer in \[0, 4294967295\]"):
+        K.CampaignConfig(engine=E.EngineConfig(), model=M.ModelConfig(), seed=2**32)
+
+
+def _fault(kind, trials, inj, det, lat, status, exp=True):
+    return dict(kind=kind, trials=trials, injected=inj, detected=det, steps_to_detect=lat,
+                mean_steps_to_detect=round(sum(lat) / len(lat), 2) if lat else None,
+                max_steps_to_detect=max(lat) if lat else None, status=status, expected_detect=exp,
+                ok=status != "missed")
+
+
+def test_plot_is_honest():
+    from matplotlib.colors import to_rgba
+    import matplotlib.pyplot as plt
+
+    faults = [_fault("r2t_remap", 3, 3, 2, [0, 1], "missed"), _fault("kv_flip_lo", 3, 3, 3, [0, 0, 0], "ok"),
+              _fault("kv_flip_hi", 0, 0, 0, [], "not_applicable", False),
+              _fault("page_reuse", 3, 3, 3, [1, 1, 2], "ok"), _fault("pos_shift", 3, 2, 2, [0, 0], "not_injected"),
+              _fault("token_swap", 3, 3, 0, [], "expected_miss", False), _fault("orphan_flip", 3, 3, 0, [], "missed")]
+    fig = render.plot_figure(dict(faults=faults, canary=dict(real_kv_hash_mode="ALL"), false_positives=0))
+    ax1, ax2 = fig.axes
+    leg = ax1.get_legend()
+    labels = [t.get_text() for t in leg.get_texts()]
+    assert labels == ["injected", "detected", "missed (should be caught)", "expected miss", "not injected",
+                      "not applicable"]
+    # The legend's colours are fixed, not the first bar's (the first kind here was missed).
+    assert leg.legend_handles[1].get_facecolor() == to_rgba(render.C_DETECTED)
+    assert leg.legend_handles[2].get_hatch() == "xx"
+    assert ax1.get_ylim()[0] == 0
+    # Latency: bars only for detected kinds; same-step detections get a diamond at 0; the others a labelled
+    # hatched placeholder, never a bar of height 0.
+    solid = [p for p in ax2.patches if not p.get_hatch()]
+    assert sorted(round(p.get_height(), 2) for p in solid) == [0.0, 0.0, 0.5, 1.33]
+    diamonds = [ln for ln in ax2.lines if ln.get_marker() == "D"]
+    assert sorted(ln.get_xdata()[0] for ln in diamonds) == [1, 4]
+    assert all(ln.get_ydata()[0] == 0 for ln in diamonds)
+    texts = {t.get_text() for t in ax2.texts}
+    assert {"MISSED", "expected miss", "n/a", "same step"} <= texts and "not injected" not in texts
+    assert len([p for p in ax2.patches if p.get_hatch() == "//"]) == 3  # kv_flip_hi, token_swap, orphan_flip
+    assert ax2.get_ylim()[0] == 0 and ax2.get_ylim()[1] > 2
+    plt.close(fig)
+    # Nothing detected: no bars of height 0 and no negative axis.
+    fig = render.plot_figure(dict(faults=[_fault("kv_flip_lo", 1, 1, 0, [], "missed")],
+                                  canary=dict(real_kv_hash_mode="ALL"), false_positives=2))
+    ax1, ax2 = fig.axes
+    assert ax2.get_ylim()[0] == 0 and ax2.get_ylim()[1] >= 1
+    assert ax2.get_title() == "detection latency: no fault kind was detected"
+    assert [t.get_text() for t in ax1.get_legend().get_texts()] == ["injected", "detected",
+                                                                   "missed (should be caught)"]
+    plt.close(fig)
 
 
 # --- pieces ----------------------------------------------------------------------------------------------
@@ -154,6 +295,16 @@ def test_parse_kinds():
     assert [f.kind for f in F.parse_kinds("token_swap, kv_flip_lo,token_swap")] == ["token_swap", "kv_flip_lo"]
     with pytest.raises(ValueError, match="unknown fault kind 'nope'"):
         F.parse_kinds("kv_flip_lo,nope")
+    for empty in ("", "  ", ",", " , ,"):
+        with pytest.raises(ValueError, match="--inject is empty"):
+            F.parse_kinds(empty)
+
+
+def test_kv_flip_hi_applicability():
+    hi = F.FAULTS_BY_KIND["kv_flip_hi"]
+    assert "only 16 bytes" in hi.not_applicable(M.ModelConfig(head_dim=4, num_kv_heads=2))
+    assert hi.not_applicable(M.ModelConfig(head_dim=8, num_kv_heads=2)) == ""
+    assert F.FAULTS_BY_KIND["kv_flip_lo"].not_applicable(M.ModelConfig(head_dim=4, num_kv_heads=2)) == ""
 
 
 def test_health_check_flags_a_canary_path_that_stops_launching():

@@ -6,6 +6,12 @@ request); the episode then runs until the canary reports a violation (plus one s
 fail reasons) or until ``detect_window`` steps have passed. A violation before the injection is a false
 positive. The clean phase serves the whole workload with no fault; every violation there is a false
 positive. Jitted functions are shared by all episodes (fixed shapes), so only the first step compiles.
+
+``inject_at`` is ``inject_after`` plus a per-trial offset in ``[0, 8)``, capped at the last step where the
+fault can still act and be seen before the workload ends. Those steps come from a scheduler-only dry run of
+the workload (no model, no canary: milliseconds), which also refuses up front (``ConfigError``) a workload
+too short for a fault kind. A kind the model cannot host at all (``kv_flip_hi`` with 16-byte K rows) runs
+no episodes and is reported as not applicable.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from canary_jax.demo import engine as E
 from canary_jax.demo import faults as F
 from canary_jax.demo import model as M
 from canary_jax.demo import workload as W
+
+# jax.random.PRNGKey keeps 32 bits of a seed with x64 off (2**32 would silently equal seed 0).
+MAX_SEED = 2**32 - 1
+INJECT_SPREAD = 8  # per-trial offsets of the injection step: inject_after + [0, INJECT_SPREAD)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,6 +54,9 @@ class CampaignConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
                 raise E.ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise E.ConfigError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+
 
 
 @dataclasses.dataclass
@@ -88,6 +101,40 @@ class CampaignResult:
     total_steps: int
     scheduler_stats: dict
     kinds: list  # list[Fault]
+    not_applicable: dict = dataclasses.field(default_factory=dict)  # kind -> why it ran no episodes
+
+
+def dry_run(cfg: CampaignConfig, kinds: list[F.Fault], requests=None) -> F.WorkloadTrace:
+    """Schedules the workload with no model and no canary and records, per step, which kinds could act.
+
+    Sampled tokens are replaced by PAD (never part of a prompt), so the schedule (which depends on lengths and
+    prompt prefixes only) is the one a fault-free episode runs.
+    """
+    if requests is None:
+        requests = W.build_requests(W.load_prompts(cfg.prompt_path), num_requests=cfg.num_requests,
+                                    max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    reqs = [E.Request(rid=r.rid, prompt=list(r.prompt), max_new_tokens=r.max_new_tokens) for r in requests]
+    sched = E.Scheduler(cfg.engine, reqs)
+    ready = {f.kind: [] for f in kinds}
+    allocs, sweeps = [], []
+    step = 0
+    pad = np.full((cfg.engine.max_running,), M.PAD_TOKEN, np.int32)
+    while True:
+        before = sched.stats["pages_allocated"]
+        batch = sched.schedule()
+        if batch is None:
+            break
+        if sched.stats["pages_allocated"] > before:
+            allocs.append(step)
+        for f in kinds:
+            if f.ready(sched, batch):
+                ready[f.kind].append(step)
+        sched.complete(batch, pad)
+        if cfg.engine.sweep_interval > 0 and (step + 1) % cfg.engine.sweep_interval == 0:
+            sweeps.append(step)
+        step += 1
+    return F.WorkloadTrace(num_steps=step, ready={k: tuple(v) for k, v in ready.items()},
+                           alloc_steps=tuple(allocs), sweep_steps=tuple(sweeps))
 
 
 def _reason_keys(records) -> collections.Counter:
@@ -112,10 +159,37 @@ class Campaign:
         probe = W.build_requests(self.prompts, num_requests=cfg.num_requests, max_new_tokens=cfg.max_new_tokens,
                                  seed=cfg.seed)
         cfg.engine.check_workload([len(r.prompt) for r in probe], cfg.max_new_tokens)
+        self.not_applicable = {f.kind: f.not_applicable(cfg.model) for f in kinds if f.not_applicable(cfg.model)}
+        self.trace = dry_run(cfg, kinds, probe)
+        self.latest_inject = self._latest_inject_steps()
         self.params = M.init_params(cfg.model)
         self.dump_path = dump_path
         self.dumped: str | None = None
+        self.dump_error: str | None = None  # why --dump could not be written (the CLI reports it, exit 2)
         self.last_engine: E.Engine | None = None
+
+    def _latest_inject_steps(self) -> dict[str, int]:
+        """Per kind, the last step at which it can act and still be seen; refuses a too-short workload."""
+        out, short = {}, []
+        for f in self.kinds:
+            if f.kind in self.not_applicable:
+                continue
+            must_see = f.expected(self.cfg.engine).detect
+            ok = [s for s in self.trace.ready[f.kind] if not must_see or f.detectable_after(self.trace, s)]
+            if ok:
+                out[f.kind] = max(ok)
+            else:
+                short.append(f)
+        if short:
+            raise E.ConfigError(
+                f"the workload is too short for {', '.join(f.kind for f in short)}: in its {self.trace.num_steps} "
+                "forward steps " + "; ".join(f"{f.kind} never finds {f.needs}" for f in short)
+                + "; raise --requests or --max-new-tokens, or leave these kinds out of --inject")
+        return out
+
+    def inject_step(self, fault: F.Fault, rng: np.random.Generator) -> int:
+        """The first step a trial tries to inject at (draws the per-trial offset from ``rng``)."""
+        return min(self.cfg.inject_after + int(rng.integers(0, INJECT_SPREAD)), self.latest_inject[fault.kind])
 
     def _engine(self) -> E.Engine:
         reqs = W.build_requests(self.prompts, num_requests=self.cfg.num_requests,
@@ -157,7 +231,7 @@ class Campaign:
         self.on_episode(label)
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, trial, F.FAULT_KINDS.index(fault.kind)])
-        inject_at = cfg.inject_after + int(rng.integers(0, 8))
+        inject_at = self.inject_step(fault, rng)
         eng = self._engine()
         window = max(cfg.detect_window, cfg.engine.sweep_interval + 1)  # a sweep must get its chance
         out = TrialResult(kind=fault.kind, trial=trial)
@@ -200,7 +274,7 @@ class Campaign:
                 break
         out.reasons = dict(reasons)
         out.health_errors = list(eng.health_errors)
-        if self.dump_path and out.detected and self.dumped is None:
+        if self.dump_path and out.detected and self.dumped is None and self.dump_error is None:
             self._dump(eng, label)
         return out
 
@@ -208,11 +282,15 @@ class Campaign:
         from canary_jax.demo.dump import save_dump
 
         running = eng.scheduler.running
-        save_dump(self.dump_path, log=eng.canary.log, head_buf=eng.canary.buffer("k_head"),
-                  tail_buf=eng.canary.buffer("k_tail"),
-                  req_to_token=eng.scheduler.req_to_token, req_pool_indices=[r.row for r in running],
-                  seq_lens=[r.kv_len for r in running], k_pool_layer0=eng.k_pool[0],
-                  page_size=self.cfg.engine.page_size, real_kv_hash_mode=self.cfg.engine.real_kv_hash_mode)
+        try:
+            save_dump(self.dump_path, log=eng.canary.log, head_buf=eng.canary.buffer("k_head"),
+                      tail_buf=eng.canary.buffer("k_tail"),
+                      req_to_token=eng.scheduler.req_to_token, req_pool_indices=[r.row for r in running],
+                      seq_lens=[r.kv_len for r in running], k_pool_layer0=eng.k_pool[0],
+                      page_size=self.cfg.engine.page_size, real_kv_hash_mode=self.cfg.engine.real_kv_hash_mode)
+        except OSError as e:  # disk full, /dev/full, permissions: reported by the CLI after the run
+            self.dump_error = e.strerror or str(e)
+            return
         self.dumped = label
 
     def run(self) -> CampaignResult:
@@ -220,6 +298,8 @@ class Campaign:
         total = clean.steps
         trials = []
         for fault in self.kinds:
+            if fault.kind in self.not_applicable:
+                continue
             for t in range(self.cfg.trials):
                 tr = self.run_trial(fault, t)
                 total += tr.steps
@@ -228,8 +308,8 @@ class Campaign:
         return CampaignResult(
             config=self.cfg, backend=self.last_engine.canary.backend if self.last_engine else "?",
             device=f"{jax.default_backend()} ({jax.devices()[0].device_kind})", clean_false_positives=fps,
-            clean_reasons=clean_reasons, clean_health_errors=self.clean_health_errors, clean=clean, trials=trials, total_steps=total,
-            scheduler_stats=sched_stats, kinds=self.kinds)
+            clean_reasons=clean_reasons, clean_health_errors=self.clean_health_errors, clean=clean, trials=trials,
+            total_steps=total, scheduler_stats=sched_stats, kinds=self.kinds, not_applicable=dict(self.not_applicable))
 
 
 # --- summaries ------------------------------------------------------------------------------------------
@@ -248,19 +328,27 @@ def summarize(result: CampaignResult) -> dict:
     for fault in result.kinds:
         trs = [t for t in result.trials if t.kind == fault.kind]
         exp = fault.expected(ecfg)
+        na = result.not_applicable.get(fault.kind, "")
         injected = sum(t.injected for t in trs)
         detected = sum(t.detected for t in trs)
         lat = [t.steps_to_detect for t in trs if t.steps_to_detect is not None]
         reasons = collections.Counter()
         for t in trs:
             reasons.update(t.reasons)
-        if injected < len(trs):
+        # status: a fixed vocabulary for tables and charts; verdict: the words shown to people.
+        if na:
+            status, verdict = "not_applicable", f"n/a: {na}"
+        elif injected < len(trs):
+            status = "not_injected"
             verdict = (f"NOT INJECTED in {len(trs) - injected} of {len(trs)} trials (the workload ended before the "
                        "fault could act; serve more --requests)")
         elif exp.detect:
+            status = "ok" if detected == injected else "missed"
             verdict = "ok" if detected == injected else "MISSED"
+        elif detected < injected:
+            status, verdict = "expected_miss", f"expected miss: {exp.why_not}"
         else:
-            verdict = f"expected miss: {exp.why_not}" if detected < injected else "ok (detected anyway)"
+            status, verdict = "ok_anyway", "ok (detected anyway)"
         faults.append(dict(
             kind=fault.kind,
             summary=fault.summary,
@@ -268,14 +356,17 @@ def summarize(result: CampaignResult) -> dict:
             trials=len(trs),
             injected=injected,
             detected=detected,
-            expected_detect=exp.detect,
-            expected_miss_reason=exp.why_not or None,
+            applicable=not na,
+            not_applicable_reason=na or None,
+            expected_detect=exp.detect and not na,
+            expected_miss_reason=(na or exp.why_not) or None,
             steps_to_detect=lat,
             mean_steps_to_detect=round(statistics.fmean(lat), 2) if lat else None,
             max_steps_to_detect=max(lat) if lat else None,
             fail_reasons=dict(sorted(reasons.items())),
+            status=status,
             verdict=verdict,
-            ok=verdict == "ok" or verdict.startswith("expected miss") or verdict.startswith("ok "),
+            ok=status in ("ok", "expected_miss", "ok_anyway", "not_applicable"),
             episodes=[dataclasses.asdict(t) for t in trs],
         ))
     c = result.clean

@@ -4,8 +4,9 @@ A dump is a ``.npy`` array or an ``.npz`` archive. Recognised contents:
 
 * a violation ring: ``int64[R, 8]`` (SGLang's layout, e.g. ``state.violation_log.ring.cpu().numpy()``) or
   canary-jax's ``uint32[R, 8, 2]``; in an ``.npz`` under ``ring`` / ``violation_ring`` with the count under
-  ``write_index`` / ``violation_write_index``. Without a count, the number of leading rows with a non-zero
-  fail-reason column is used (the ring is fill-once and zero-initialised).
+  ``write_index`` / ``violation_write_index``. Without a count, the rows up to the last row with any non-zero
+  column are taken (the ring is fill-once and zero-initialised), with a warning: trailing all-zero rows and
+  an overflow cannot be seen that way.
 * canary buffers: ``uint8[num_slots, stride >= 32]`` (a bare ``.npy``, or ``canary_buf`` / ``head_buf`` /
   ``tail_buf`` / ``k_head`` / ``k_tail`` in an ``.npz``). With ``req_to_token`` (``int32[rows, L]``),
   ``req_pool_indices`` and ``seq_lens`` in the archive each buffer is verified like a per-forward verify of
@@ -25,8 +26,7 @@ import numpy as np
 
 from canary_jax import constants as C
 from canary_jax import hashing as H
-from canary_jax.decode import decode_violations, format_violations
-
+from canary_jax.decode import decode_violations, format_violations, recorded_rows
 
 class DumpError(ValueError):
     """A dump file that cannot be read or holds nothing the decoder recognises."""
@@ -63,6 +63,8 @@ def _ring_int64(log) -> np.ndarray:
 
 
 def _load(path: str) -> dict[str, np.ndarray]:
+    if os.path.isdir(path):
+        raise DumpError(f"{path} is a directory, not a .npy/.npz file")
     if not os.path.isfile(path):
         raise DumpError(f"dump file not found: {path}")
     try:
@@ -70,16 +72,19 @@ def _load(path: str) -> dict[str, np.ndarray]:
             magic = f.read(6)
     except OSError as e:
         raise DumpError(f"cannot read {path}: {e.strerror}") from None
-    if magic != b"\x93NUMPY" and magic[:4] != b"PK\x03\x04":
+    if magic != b"\x93NUMPY" and magic[:4] not in (b"PK\x03\x04", b"PK\x05\x06"):
         raise DumpError(f"{path} is not a .npy or .npz file")
     try:
         obj = np.load(path, allow_pickle=False)
+        if isinstance(obj, np.ndarray):
+            return {"": obj}
+        with obj:
+            data = {k: obj[k] for k in obj.files}
     except Exception as e:  # numpy raises several types for bad files
         raise DumpError(f"cannot read {path} as .npy/.npz: {e}") from None
-    if isinstance(obj, np.ndarray):
-        return {"": obj}
-    with obj:
-        return {k: obj[k] for k in obj.files}
+    if not data:
+        raise DumpError(f"{path} is an empty .npz archive (no arrays); nothing to decode")
+    return data
 
 
 def _is_ring(a: np.ndarray) -> bool:
@@ -100,10 +105,9 @@ def _ring_as_int64(a: np.ndarray) -> np.ndarray:
 
 
 def _infer_write_index(ring: np.ndarray) -> int:
-    n = 0
-    while n < ring.shape[0] and ring[n, C.VIOLATION_FIELD_FAIL_REASON_BITS] != 0:
-        n += 1
-    return n
+    """Rows up to and including the last row with any non-zero column (a fill-once, zeroed ring)."""
+    used = np.nonzero(np.any(ring != 0, axis=1))[0]
+    return int(used[-1]) + 1 if used.size else 0
 
 
 def _records(buf: np.ndarray) -> np.ndarray:
@@ -181,7 +185,7 @@ def _verify_buffer(buf: np.ndarray, tag: C.CanaryLaunchTag, meta: dict, k_buffer
     ctx = VerifyOrWriteContext(canary_buf=jnp.asarray(buf), kernel_kind=tag, log=ViolationLog.allocate(
         ring_capacity=max(1, cap)), real_kv_sources=sources, real_kv_hash_mode=mode)
     ctx = launch.verify(ctx, vplan, backend="reference")
-    return ctx.log, checked_rkv
+    return ctx.log, checked_rkv, int(lens.sum())
 
 
 def load_and_report(path: str, *, write_index: int | None = None, start: int = 0) -> dict[str, Any]:
@@ -191,7 +195,7 @@ def load_and_report(path: str, *, write_index: int | None = None, start: int = 0
       DumpError: unreadable file or nothing recognisable in it.
     """
     data = _load(path)
-    out: dict[str, Any] = dict(path=path, rings=[], buffers=[])
+    out: dict[str, Any] = dict(path=path, rings=[], buffers=[], warnings=[])
     ring_key = next((k for k in _RING_KEYS if k in data), None)
     if ring_key is None and "" in data and _is_ring(data[""]):
         ring_key = ""
@@ -201,14 +205,29 @@ def load_and_report(path: str, *, write_index: int | None = None, start: int = 0
             raise DumpError(f"{ring_key or 'array'} has shape {ring.shape} dtype {ring.dtype}; a violation ring is "
                             "int64[R, 8] or uint32[R, 8, 2]")
         ring = _ring_as_int64(ring)
+        name = ring_key or "ring"
         wi_key = next((k for k in _INDEX_KEYS if k in data), None)
         if write_index is not None:
-            wi = int(write_index)
+            wi, source = int(write_index), "--write-index"
         elif wi_key is not None:
-            wi = int(np.asarray(data[wi_key]).reshape(-1)[0])
+            wi_arr = np.asarray(data[wi_key]).reshape(-1)
+            if wi_arr.size != 1 or wi_arr.dtype.kind not in "iu":
+                raise DumpError(f"{wi_key} has shape {data[wi_key].shape} dtype {data[wi_key].dtype}; a write index "
+                                "is one integer")
+            wi, source = int(wi_arr[0]), wi_key
         else:
-            wi = _infer_write_index(ring)
-        out["rings"].append(_ring_report(ring_key or "ring", ring, wi, start))
+            wi, source = _infer_write_index(ring), "inferred"
+            full = " (every row is used, so the ring may also have overflowed)" if wi == ring.shape[0] else ""
+            out["warnings"].append(
+                f"{name}: the file holds no write index; assuming {wi} violations, the rows up to the last "
+                f"non-zero row{full}; pass --write-index N if you know the count")
+        rep = _ring_report(name, ring, wi, start)
+        rep["write_index_source"] = source
+        if start > 0 and start >= rep["recorded_rows"]:
+            past = (f"the {wi} recorded violations" if not rep["ring_overflow"]
+                    else f"the ring's {ring.shape[0]} rows (it overflowed: {wi} violations recorded)")
+            out["warnings"].append(f"{name}: --start {start} is at or past {past}; nothing to decode")
+        out["rings"].append(rep)
     bufs = [(k, data[k]) for k in _BUF_KEYS if k in data]
     if not bufs and "" in data and _is_canary_buf(data[""]):
         bufs = [("canary_buf", data[""])]
@@ -223,8 +242,10 @@ def load_and_report(path: str, *, write_index: int | None = None, start: int = 0
         entry: dict[str, Any] = dict(name=name, num_slots=int(buf.shape[0]), census=chain_census(buf))
         if meta_ok:
             tag = C.CanaryLaunchTag.TAIL_K_FULL if "tail" in name else C.CanaryLaunchTag.HEAD_K_FULL
-            log, checked = _verify_buffer(buf, tag, data, k_buffer, page_size, mode)
+            log, checked, entries = _verify_buffer(buf, tag, data, k_buffer, page_size, mode)
             rep = _ring_report(f"verify of {name}", _ring_int64(log), log.num_violations(), 0)
+            del rep["ring_capacity"]  # the scratch ring is sized to the entries; not a property of the dump
+            rep["verified_entries"] = entries
             rep["real_kv_checked"] = checked
             entry["verify"] = rep
         out["buffers"].append(entry)
@@ -235,11 +256,14 @@ def load_and_report(path: str, *, write_index: int | None = None, start: int = 0
 
 
 def _ring_report(name: str, ring: np.ndarray, wi: int, start: int) -> dict[str, Any]:
+    """Decodes rows ``[start, recorded)``. Unknown tags and fail bits are labelled ``unknown(...)`` by
+    :mod:`canary_jax.decode`; a negative (wrapped int32) index means a full, overflowed ring."""
     recs = decode_violations(ring, np.array([wi]), start=start)
     counts = collections.Counter()
     for r in recs:
         counts[f"{r.tag}:{'+'.join(r.reasons) or 'none'}"] += 1
-    return dict(name=name, ring_capacity=int(ring.shape[0]), write_index=int(wi),
-                ring_overflow=bool(wi > ring.shape[0]), decoded=len(recs), by_reason=dict(counts),
+    return dict(name=name, ring_capacity=int(ring.shape[0]), write_index=int(wi), start=int(start),
+                recorded_rows=recorded_rows(int(wi), ring.shape[0]),
+                ring_overflow=bool(wi > ring.shape[0] or wi < 0), decoded=len(recs), by_reason=dict(counts),
                 violations=[r.as_dict() for r in recs],
                 messages=format_violations(ring, np.array([wi]), start=start))

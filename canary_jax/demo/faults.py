@@ -43,17 +43,52 @@ class Expectation:
 
 
 class Fault:
-    """Base class: ``try_inject`` returns a dict describing what it broke, or None if it cannot act now."""
+    """Base class: ``try_inject`` returns a dict describing what it broke, or None if it cannot act now.
+
+    ``ready(scheduler, batch)`` says, without changing anything, whether ``try_inject`` could act on this
+    batch; ``detectable_after(trace, step)`` whether a fault injected at ``step`` of a workload (a
+    :class:`WorkloadTrace` of a fault-free run) can still be seen before the workload ends. The campaign
+    uses both to pick injection steps that fit the workload, and to refuse a workload too short for a kind.
+    """
 
     kind: str = ""
     summary: str = ""
     caught_by: str = ""
+    needs: str = "a request with a verified prefix"  # what ``ready`` waits for (for error messages)
 
     def expected(self, cfg) -> Expectation:
         return Expectation(True)
 
+    def not_applicable(self, model_cfg) -> str:
+        """Why this kind cannot be injected into this model at all ("" when it can)."""
+        return ""
+
+    def ready(self, sched, batch) -> bool:
+        return bool(_verified_prefix_candidates(batch))
+
+    def detectable_after(self, trace: "WorkloadTrace", step: int) -> bool:
+        """Default: the step's own canary launches see the fault."""
+        return step < trace.num_steps
+
     def try_inject(self, engine, batch, rng: np.random.Generator, trial: int) -> dict[str, Any] | None:
         raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadTrace:
+    """What a fault-free run of the workload looks like, step by step (from a scheduler-only dry run).
+
+    Fields:
+      num_steps: forward steps until every request has finished.
+      ready: per fault kind, the steps at which that kind's ``ready`` holds.
+      alloc_steps: steps whose scheduling allocated at least one page.
+      sweep_steps: steps followed by a sweep of the prefix cache.
+    """
+
+    num_steps: int
+    ready: dict
+    alloc_steps: tuple
+    sweep_steps: tuple
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
@@ -96,6 +131,12 @@ class KvFlip(Fault):
             return Expectation(False, "PARTIAL hashes only the first 16 bytes of a slot")
         return Expectation(True)
 
+    def not_applicable(self, model_cfg) -> str:
+        if self._hi is None and model_cfg.kv_bytes_per_token <= self._lo:
+            return (f"a slot's K row has only {model_cfg.kv_bytes_per_token} bytes (--kv-heads "
+                    f"{model_cfg.num_kv_heads} x --head-dim {model_cfg.head_dim} x 2), none beyond byte {self._lo}")
+        return ""
+
     def try_inject(self, engine, batch, rng, trial):
         rows = _verified_prefix_candidates(batch)
         if not rows:
@@ -104,6 +145,8 @@ class KvFlip(Fault):
         p = int(rng.integers(row.start))
         slot = int(engine.scheduler.req_to_token[row.req.row, p])
         hi = engine.model_cfg.kv_bytes_per_token if self._hi is None else self._hi
+        if hi <= self._lo:
+            raise ValueError(f"{self.kind}: {self.not_applicable(engine.model_cfg)}")
         byte, bit = int(rng.integers(self._lo, hi)), int(rng.integers(8))
         _flip_k_bit(engine, slot, byte, bit)
         return dict(rid=row.req.rid, position=p, slot=slot, byte=byte, bit=bit)
@@ -113,6 +156,14 @@ class ReqToTokenRemap(Fault):
     kind = "r2t_remap"
     summary = "req_to_token entry of a running request remapped to another live slot"
     caught_by = "HEAD/TAIL verify position + chain"
+    needs = "a request with a verified prefix and another live slot"
+
+    def ready(self, sched, batch) -> bool:
+        # Approximate (the exact candidates depend on the drawn position): another request has KV, or the
+        # prefix cache holds slots.
+        if not _verified_prefix_candidates(batch):
+            return False
+        return sum(1 for r in sched.running if r.kv_len > 0) > 1 or sched.tree.total_pages() > 0
 
     def try_inject(self, engine, batch, rng, trial):
         sched = engine.scheduler
@@ -145,10 +196,10 @@ class FreedPageReuse(Fault):
     kind = "page_reuse"
     summary = "a page still read by a running request goes back on the free list and is reallocated"
     caught_by = "verify position / chain of the reader"
+    needs = "a request with >= 2 tokens left that owns a written page, then a later page allocation"
 
-    def try_inject(self, engine, batch, rng, trial):
-        sched = engine.scheduler
-        ps = engine.cfg.page_size
+    @staticmethod
+    def _candidates(sched, ps: int):
         best = None
         for req in sched.running:
             remaining = req.max_new_tokens - req.num_generated
@@ -168,9 +219,22 @@ class FreedPageReuse(Fault):
                     best = (key, [(req, i, page)])
                 elif key == best[0]:
                     best[1].append((req, i, page))
-        if best is None:
+        return [] if best is None else best[1]
+
+    def ready(self, sched, batch) -> bool:
+        return bool(self._candidates(sched, sched.cfg.page_size))
+
+    def detectable_after(self, trace, step) -> bool:
+        # The freed page must be handed out again (a later step allocates) and the reader verify it after.
+        return any(step < s < trace.num_steps - 1 for s in trace.alloc_steps)
+
+    def try_inject(self, engine, batch, rng, trial):
+        sched = engine.scheduler
+        ps = engine.cfg.page_size
+        cands = self._candidates(sched, ps)
+        if not cands:
             return None
-        req, i, page = best[1][rng.integers(len(best[1]))]
+        req, i, page = cands[rng.integers(len(cands))]
         sched.allocator.free_pages.appendleft(page)  # the bug: freed while still owned and read
         return dict(rid=req.rid, page=int(page), positions=[i * ps, min((i + 1) * ps, req.kv_len) - 1])
 
@@ -179,6 +243,9 @@ class PositionShift(Fault):
     kind = "pos_shift"
     summary = "one token fed at position + 1 (the EAGLE draft-position bug class)"
     caught_by = "write position (input + chain-position assert), verify position next step"
+
+    def ready(self, sched, batch) -> bool:
+        return any(r.start >= 1 for r in batch.rows)
 
     def try_inject(self, engine, batch, rng, trial):
         rows = [r for r in batch.rows if r.start >= 1]
@@ -198,6 +265,10 @@ class TokenSwap(Fault):
     kind = "token_swap"
     summary = "one token fed to the model differs from the request's token history"
     caught_by = "write token (input assert), verify token next step (token oracle)"
+    needs = "a batch"
+
+    def ready(self, sched, batch) -> bool:
+        return bool(batch.rows)
 
     def expected(self, cfg) -> Expectation:
         if not cfg.token_oracle:
@@ -222,6 +293,10 @@ class CanaryFieldCorruption(Fault):
     kind = "canary_corrupt"
     summary = "one field of a canary record (token / position / prev_hash) in the HEAD or TAIL buffer"
     caught_by = "verify chain (successor) / position / chain"
+    needs = "a request with a verified prefix of >= 2 tokens"
+
+    def ready(self, sched, batch) -> bool:
+        return bool(_verified_prefix_candidates(batch, min_prefix=2))
 
     FIELDS = ((C.CANARY_FIELD_TOKEN, "token"), (C.CANARY_FIELD_POSITION, "position"),
               (C.CANARY_FIELD_PREV_HASH, "prev_hash"))
@@ -244,6 +319,13 @@ class OrphanPrefixFlip(Fault):
     kind = "orphan_flip"
     summary = "one bit in bytes [0, 16) of a cached prefix slot that no running request reads"
     caught_by = "SWEEP verify real_kv"
+    needs = "a finished request's cached prefix that no running request reads, then a sweep"
+
+    def ready(self, sched, batch) -> bool:
+        return bool(sched.tree.unlocked_nodes())
+
+    def detectable_after(self, trace, step) -> bool:
+        return any(s >= step for s in trace.sweep_steps)
 
     def expected(self, cfg) -> Expectation:
         if cfg.sweep_interval <= 0:
@@ -283,10 +365,12 @@ def parse_kinds(spec: str) -> list[Fault]:
     """``"all"``, ``"none"`` or a comma list of kinds.
 
     Raises:
-      ValueError: an unknown kind (the message lists the known ones).
+      ValueError: an empty spec, or an unknown kind (the message lists the known ones).
     """
     spec = (spec or "").strip()
-    if spec.lower() in ("all", ""):
+    if not spec.replace(",", "").strip():
+        raise ValueError(f"--inject is empty; give all, none, or a comma list of {', '.join(FAULT_KINDS)}")
+    if spec.lower() == "all":
         return list(ALL_FAULTS)
     if spec.lower() == "none":
         return []
