@@ -47,7 +47,7 @@ def _run(capsys, argv):
         (["demo", "--trials", "0"], "--trials must be >= 1"),
         (["demo", "--page-size", "x"], "--page-size must be an integer"),
         (["demo", "--json", "/nonexistent-dir/out.json"], "does not exist"),
-        (["demo", "--plot", "/tmp/chart.jpg"], "must end in .png"),
+        (["demo", "--plot", "chart.jpg"], "must end in .png"),
         (["demo", "--prompts", "/nonexistent-dir/p.txt"], "file not found"),
         (["demo", "--real-kv", "some"], "invalid choice"),
         (["verify-dump", "/nonexistent-dir/ring.npy"], "dump file not found"),
