@@ -74,6 +74,13 @@ class Case:
     length: int = 0
 
 
+def _print_mode(case, tag: str, rec: dict) -> None:
+    """One progress line per case and x64 mode: the Pallas time and, when measured, the reference's."""
+    ref = rec.get(f"reference_{tag}")
+    print(f"  {case.id} {tag}: pallas {rec[f'pallas_{tag}']['us_per_call']:.1f} us"
+          + (f", reference {ref['us_per_call']:.1f} us" if ref is not None else ""), flush=True)
+
+
 def cases(args) -> list[Case]:
     out = []
     for mode, k in ((NONE, 0), (PARTIAL, 1), (PARTIAL, 4), (ALL, 1), (ALL, 4)):
@@ -251,9 +258,7 @@ def run_verify(case: Case, data: Data, args, cfg, peer, results, x64_modes):
                 rec[f"equal_to_reference_{tag}"] = bool(same)
         finally:
             jax.config.update("jax_enable_x64", False)
-        print(f"  {case.id} {tag}: pallas {rec[f'pallas_{tag}']['us_per_call']:.1f} us"
-              + (f", reference {rec[f'reference_{tag}']['us_per_call']:.1f} us" if f"reference_{tag}" in rec else ""),
-              flush=True)
+        _print_mode(case, tag, rec)
     if peer is not None:
         import cupy as cp
 
@@ -332,9 +337,7 @@ def run_write(case: Case, data: Data, args, cfg, peer, results, x64_modes):
                     and int(state[1].write_index[0]) == int(rstate[1].write_index[0]))
         finally:
             jax.config.update("jax_enable_x64", False)
-        print(f"  {case.id} {tag}: pallas {rec[f'pallas_{tag}']['us_per_call']:.1f} us"
-              + (f", reference {rec[f'reference_{tag}']['us_per_call']:.1f} us" if f"reference_{tag}" in rec else ""),
-              flush=True)
+        _print_mode(case, tag, rec)
     if peer is not None:
         import cupy as cp
 

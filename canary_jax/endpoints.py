@@ -330,23 +330,12 @@ jax.tree_util.register_pytree_node(
                                    real_kv_sources=tuple(ch[2]), buffer_name=aux[1]),
 )
 
+# Per group, its tags in SGLang's endpoint order (HEAD-K, HEAD-V, TAIL-K, TAIL-V, SWEEP-K, SWEEP-V), which is
+# the tags' value order, as (tag, phase, half): e.g. (TAIL_V_SWA, "TAIL", "v").
 _LAYOUT = {
-    PoolKind.FULL: (
-        (C.CanaryLaunchTag.HEAD_K_FULL, "HEAD", "k"),
-        (C.CanaryLaunchTag.HEAD_V_FULL, "HEAD", "v"),
-        (C.CanaryLaunchTag.TAIL_K_FULL, "TAIL", "k"),
-        (C.CanaryLaunchTag.TAIL_V_FULL, "TAIL", "v"),
-        (C.CanaryLaunchTag.SWEEP_K_FULL, "SWEEP", "k"),
-        (C.CanaryLaunchTag.SWEEP_V_FULL, "SWEEP", "v"),
-    ),
-    PoolKind.SWA: (
-        (C.CanaryLaunchTag.HEAD_K_SWA, "HEAD", "k"),
-        (C.CanaryLaunchTag.HEAD_V_SWA, "HEAD", "v"),
-        (C.CanaryLaunchTag.TAIL_K_SWA, "TAIL", "k"),
-        (C.CanaryLaunchTag.TAIL_V_SWA, "TAIL", "v"),
-        (C.CanaryLaunchTag.SWEEP_K_SWA, "SWEEP", "k"),
-        (C.CanaryLaunchTag.SWEEP_V_SWA, "SWEEP", "v"),
-    ),
+    kind: tuple((t, t.name.split("_")[0], t.name.split("_")[1].lower()) for t in C.CanaryLaunchTag
+                if t.group == kind.name)
+    for kind in PoolKind
 }
 
 

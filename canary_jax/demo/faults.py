@@ -97,6 +97,15 @@ def _verified_prefix_candidates(batch, min_prefix: int = 1):
     return [row for row in batch.rows if row.start >= min_prefix]
 
 
+def _pick_verified_position(batch, rng):
+    """A random ``(row, position)`` inside the already-verified prefix of a batch row, or None."""
+    rows = _verified_prefix_candidates(batch)
+    if not rows:
+        return None
+    row = rows[rng.integers(len(rows))]
+    return row, int(rng.integers(row.start))
+
+
 def _flip_k_bit(engine, slot: int, byte: int, bit: int) -> None:
     """XOR one bit of ``slot``'s layer-0 K bytes (a host round trip; the pool is small)."""
     ps = engine.cfg.page_size
@@ -138,11 +147,10 @@ class KvFlip(Fault):
         return ""
 
     def try_inject(self, engine, batch, rng, trial):
-        rows = _verified_prefix_candidates(batch)
-        if not rows:
+        picked = _pick_verified_position(batch, rng)
+        if picked is None:
             return None
-        row = rows[rng.integers(len(rows))]
-        p = int(rng.integers(row.start))
+        row, p = picked
         slot = int(engine.scheduler.req_to_token[row.req.row, p])
         hi = engine.model_cfg.kv_bytes_per_token if self._hi is None else self._hi
         if hi <= self._lo:
@@ -167,11 +175,10 @@ class ReqToTokenRemap(Fault):
 
     def try_inject(self, engine, batch, rng, trial):
         sched = engine.scheduler
-        rows = _verified_prefix_candidates(batch)
-        if not rows:
+        picked = _pick_verified_position(batch, rng)
+        if picked is None:
             return None
-        row = rows[rng.integers(len(rows))]
-        p = int(rng.integers(row.start))
+        row, p = picked
         own = set(int(s) for s in sched.req_to_token[row.req.row, : row.start])
         others = []
         for req in sched.running:  # slots other running requests have written
