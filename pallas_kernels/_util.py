@@ -162,10 +162,19 @@ def bump_pair_scalar(ref, word: int, delta: jax.Array) -> None:
 
 
 # --- grid loops ------------------------------------------------------------------------------------------------
-def for_each_block(num_blocks: jax.Array, body) -> None:
-    """Calls ``body(b)`` for blocks ``b = pid, pid + G, ... < num_blocks`` (persistent grid)."""
-    pid = jnp.asarray(pl.program_id(0)).astype(I32)  # int64 in interpret mode with x64 on
-    g = jnp.asarray(pl.num_programs(0)).astype(I32)
+def program_id() -> jax.Array:
+    """``pl.program_id(0)`` as int32 (it is int64 in interpret mode with x64 on)."""
+    return jnp.asarray(pl.program_id(0)).astype(I32)
+
+
+def for_each_block(num_blocks: jax.Array, body, *, pid: jax.Array | None = None, programs=None) -> None:
+    """Calls ``body(b)`` for blocks ``b = pid, pid + G, ... < num_blocks`` (persistent grid).
+
+    ``pid`` / ``programs`` default to this program's id and the grid size; a kernel whose programs play
+    several roles passes its role-local id and role size.
+    """
+    pid = program_id() if pid is None else pid
+    g = jnp.asarray(pl.num_programs(0) if programs is None else programs).astype(I32)
     trips = jax.lax.div(jnp.maximum(jnp.asarray(num_blocks).astype(I32) - pid, 0) + g - 1, g)
 
     def step(k, carry):

@@ -32,6 +32,8 @@ class PallasConfig:
       write_lanes: requests per chain program (power of 2): each lane runs one request's serial chain.
       write_num_warps: warps per chain program.
       write_prefetch: chain steps whose token / position / slot loads are issued one chunk ahead.
+      write_entry_block: entries per block of the entry-parallel role of the first write launch (real-KV
+        fingerprints, claim words), which runs beside the chains with ``write_num_warps`` warps (power of 2).
       write_block: entries per block of the parallel write passes (power of 2).
       write_max_programs: grid cap of the write passes.
       gather: canary records and plan fields: ``quad`` (16-byte), ``pair`` (8-byte) vector gathers or ``word``.
@@ -48,6 +50,7 @@ class PallasConfig:
     write_lanes: int = 32
     write_num_warps: int = 1
     write_prefetch: int = 8
+    write_entry_block: int = 32
     write_block: int = 128
     write_max_programs: int = 2048
     gather: str = "pair"
@@ -56,7 +59,7 @@ class PallasConfig:
     multiplier: str = "auto"
 
     def __post_init__(self):
-        for name in ("verify_block", "write_lanes", "write_block", "verify_num_warps", "write_num_warps"):
+        for name in ("verify_block", "write_lanes", "write_block", "write_entry_block", "verify_num_warps", "write_num_warps"):
             v = getattr(self, name)
             if not isinstance(v, int) or not _pow2(v):
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a power of 2, got {v!r}")

@@ -3,23 +3,29 @@
 Semantics: exactly :func:`canary_jax.reference.write_reference` (SPEC 6), bit for bit, with
 ``jax_enable_x64`` off and on.
 
-Four ``pallas_call`` s and one XLA scatter; only the first is serial, and only in the chain itself:
+Three ``pallas_call`` s, one XLA scatter-max and one XLA memset (the flag words); only the chain is serial:
 
-1. ``canary_write_chain`` (``_write_chain_kernel``): each lane of a program runs one request's chain
-   (``write_lanes`` requests per program, so a decode batch of thousands of 1-token requests fills the GPU).
-   It reads the seed slot (before anything is stored; seeds never read field 3), then walks the request's
-   entries; the slot / token / position loads of the next ``write_prefetch`` steps are issued one chunk ahead
-   so only three splitmix64 per token sit on the serial path. Per entry it writes the running prev_hash, a
-   flag word (written, chain-position fail, input-assert bits) and, for a chain-position fail, the expected
-   position; it zeroes field 3's low word of every written slot (the claim word of step 2).
+1. ``canary_write_chain`` (``_write_chain_kernel``), one launch with two kinds of program:
+
+   * chain programs (``_chain_role``): each lane runs one request's chain (``write_lanes`` requests per
+     program, so a decode batch of thousands of 1-token requests fills the GPU). A lane reads its seed slot
+     (before anything is stored; seeds never read field 3), then walks its entries; the slot / token /
+     position loads of the next ``write_prefetch`` steps are issued one chunk ahead so only three splitmix64
+     per token sit on the serial path. Per written entry it stores the running prev_hash, a flag word
+     (written, chain-position fail, input-assert bits) and, for a chain-position fail, the expected position,
+     and zeroes field 3's low word of the slot (the claim word of step 2).
+   * entry programs (``_entry_role``, only with real-KV sources), parallel over entries with
+     ``write_entry_block`` entries each: the real-KV fingerprint of every entry with a valid slot. They run
+     beside the chains, so real-KV hashing never sits on the serial path nor waits for it.
+
 2. An XLA scatter-max ``claim word[slot] = max(., entry + 1)`` over written entries, so that the last entry
-   (request-major order) writing a slot wins, as in the reference; then ``canary_write_hash``
-   (``_write_hash_kernel``), parallel over entries: the real-KV fingerprint of each written slot and, per
-   block, the number of violation rows and of written entries.
-3. ``canary_write_rows`` (``_write_rows_kernel``): each entry learns whether it won its slot; blocks with
-   violations scatter their rows at ``write_index + exclusive prefix`` (the order does not depend on atomics).
-4. ``canary_write_store`` (``_write_store_kernel``): winners store ``(token, position, prev_hash,
-   real_kv_hash)``; program 0 bumps ``write_index`` and the counters.
+   (request-major order) writing a slot wins, as in the reference.
+3. ``canary_write_won`` (``_write_won_kernel``): each written entry reads its claim word to learn whether it
+   won its slot; per block, the number of violation rows and of written entries. (Winners must all be known
+   before any store overwrites a claim word, hence the launch boundary.)
+4. ``canary_write_store`` (``_write_commit_kernel``): winners store ``(token, position, prev_hash,
+   real_kv_hash)``; blocks with violations scatter their rows at ``write_index + exclusive prefix`` (the order
+   does not depend on atomics); program 0 bumps ``write_index`` and the counters.
 
 The canary buffer, ring, write index and counters alias their outputs (``input_output_aliases``); the public
 :func:`canary_jax.write` donates them, so a launch costs time in the number of entries, not the pool size.
@@ -54,24 +60,10 @@ _F_WINNER = 32
 _CLAIM_WORD = 2 * C.CANARY_FIELD_REAL_KV_HASH  # low word of field 3
 
 
-def _write_chain_kernel(
-    num_reqs_ref,  # i32[1]
-    assert_flag_ref,  # i32[1]: enable_chain_position_assert
-    offsets_ref,  # u32[Cw + 1, 2]
-    seeds_ref,  # u32[Cw, 2]
-    ids_ref,  # u32[T, 2]
-    pos_ref,  # u32[T, 2]
-    loc_ref,  # u32[T, 2]
-    exp_tok_ref,  # u32[T, 2] (read only with the input assert)
-    exp_pos_ref,  # u32[T, 2] (read only with the input assert)
-    words_in_ref, flags_in_ref,  # aliased to words_ref / flags_ref; unused
-    words_ref,  # u32[N, S/4]: seeds read (fields 0..2), claim words zeroed
-    flags_ref,  # u32[T]: zero on entry; set for the entries of live requests
-    prev_at_ref,  # u32[T, 2]: running prev_hash per written entry
-    chain_exp_ref,  # u32[T, 2]: run_pos + 1, where the chain-position check failed
-    *, n_slots, cw, num_tokens, lanes, prefetch, hasher, gather, assert_inputs,
-):
-    del words_in_ref, flags_in_ref
+def _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, pos_ref, loc_ref, exp_tok_ref,
+                exp_pos_ref, words_ref, flags_ref, prev_at_ref, chain_exp_ref, *, pid, programs, n_slots, cw,
+                num_tokens, lanes, prefetch, hasher, gather, assert_inputs):
+    """Serial chains, one request per lane: flags, running prev_hash and chain-position expectations."""
     nv = jnp.clip(num_reqs_ref[0], 0, cw)
     gate_on = assert_flag_ref[0] != 0
     per_step = 2 * (5 if assert_inputs else 3)
@@ -115,19 +107,18 @@ def _write_chain_kernel(
             i = start + j
             loc, tok, pos = H.U64(vals[0], vals[1]), H.U64(vals[2], vals[3]), H.U64(vals[4], vals[5])
             ok = live & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
-            s = jnp.where(ok, loc.lo, U.u32(0)).astype(jnp.int32)
             want = U.add_small(run_pos, 1)
             cfail = ok & gate & U.ne(pos, want)
-            fl = jnp.where(ok, _F_WRITTEN, 0) | jnp.where(cfail, _F_CHAIN, 0)
+            fl = _F_WRITTEN | jnp.where(cfail, _F_CHAIN, 0)
             if assert_inputs:
                 etok, epos = H.U64(vals[6], vals[7]), H.U64(vals[8], vals[9])
-                in_bits = (jnp.where(U.ne(tok, etok), int(C.FailReason.WRITE_TOKEN_MISMATCH), 0)
-                           | jnp.where(U.ne(pos, epos), int(C.FailReason.WRITE_POSITION_MISMATCH), 0))
-                fl = fl | jnp.where(ok, in_bits, 0)
+                fl = (fl | jnp.where(U.ne(tok, etok), int(C.FailReason.WRITE_TOKEN_MISMATCH), 0)
+                      | jnp.where(U.ne(pos, epos), int(C.FailReason.WRITE_POSITION_MISMATCH), 0))
             U.store_pair(prev_at_ref, i, 0, running, ok)
-            U.store_vec(flags_ref, i, fl.astype(jnp.uint32), live)
+            U.store_vec(flags_ref, i, fl.astype(jnp.uint32), ok)
             U.store_pair(chain_exp_ref, i, 0, want, cfail)
-            U.store_word(words_ref, s, _CLAIM_WORD, jnp.zeros((lanes,), jnp.uint32), ok)
+            U.store_word(words_ref, jnp.where(ok, loc.lo, U.u32(0)).astype(jnp.int32), _CLAIM_WORD,
+                         jnp.zeros((lanes,), jnp.uint32), ok)
             running = U.sel(ok, hasher.mix3(running, tok, pos), running)
             run_pos = U.sel(ok & gate, pos, run_pos)
             return running, run_pos
@@ -144,49 +135,74 @@ def _write_chain_kernel(
         init = (running0.lo, running0.hi, run_pos0.lo, run_pos0.hi) + load_chunk(jnp.int32(0))
         jax.lax.fori_loop(0, num_chunks, chunk_body, init)
 
-    U.for_each_block(U.cdiv(nv, lanes), block_body)
+    U.for_each_block(U.cdiv(nv, lanes), block_body, pid=pid, programs=programs)
 
 
-def _write_hash_kernel(
-    loc_ref,  # u32[T, 2]
-    flags_ref,  # u32[T]
-    *refs,  # u32[rows_s, row_words_s] per source; then rkv_ref u32[T, 2], counts_ref i32[NB, 2]
-    descs, num_tokens, block, hasher, gather, source_gather, source_unroll,
-):
-    del gather
-    src_refs = refs[: len(descs)]
-    rkv_ref, counts_ref = refs[len(descs):]
+def _entry_role(loc_ref, src_refs, rkv_ref, *, pid, programs, descs, n_slots, num_tokens, block, hasher, gather,
+                source_gather, source_unroll):
+    """Parallel over entries: the real-KV fingerprint of every entry whose slot is in range.
+
+    It runs beside the chains, so it cannot know which entries they write: it hashes every entry with a valid
+    slot (a superset; padding entries with a valid slot cost a hash that nobody reads)."""
 
     def block_body(b):
         i = b * block + U.iota(block)
         inw = i < num_tokens
-        fl = U.load_vec(flags_ref, i, inw, 0)
-        written = inw & ((fl & _F_WRITTEN) != 0)
-        s = jnp.where(written, U.load_word(loc_ref, i, 0, written), U.u32(0)).astype(jnp.int32)
-        rkv = U.real_kv_hash(src_refs, descs, s, written, hasher, source_gather, source_unroll)
-        U.store_pair(rkv_ref, i, 0, rkv, written)
-        rows = jnp.where(written, ((fl & _F_INPUT) != 0).astype(jnp.int32)
-                         + ((fl & _F_CHAIN) != 0).astype(jnp.int32), 0)
-        counts_ref[b, 0] = jnp.sum(rows, dtype=jnp.int32)
-        counts_ref[b, 1] = jnp.sum(written.astype(jnp.int32), dtype=jnp.int32)
+        loc = U.load_pair(loc_ref, i, 0, inw, gather)
+        valid = inw & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
+        s = jnp.where(valid, loc.lo, U.u32(0)).astype(jnp.int32)
+        rkv = U.real_kv_hash(src_refs, descs, s, valid, hasher, source_gather, source_unroll)
+        U.store_pair(rkv_ref, i, 0, rkv, valid)
 
-    U.for_each_block(U.cdiv(num_tokens, block), block_body)
+    U.for_each_block(U.cdiv(num_tokens, block), block_body, pid=pid, programs=programs)
 
 
-def _write_rows_kernel(
-    write_index_ref,  # i32[1], read only here
+def _write_chain_kernel(
+    num_reqs_ref,  # i32[1]
+    assert_flag_ref,  # i32[1]: enable_chain_position_assert
+    write_index_ref,  # i32[1]: read only here
+    offsets_ref,  # u32[Cw + 1, 2]
+    seeds_ref,  # u32[Cw, 2]
     ids_ref, pos_ref, loc_ref,  # u32[T, 2]
     exp_tok_ref, exp_pos_ref,  # u32[T, 2] (read only with the input assert)
-    prev_at_ref, chain_exp_ref,  # u32[T, 2]
-    counts_ref,  # i32[NB, 2]
-    words_ref,  # u32[N, S/4]: claim words, read only here
-    flags_in_ref, ring_in_ref,  # aliased; unused
-    flags_ref,  # u32[T]: winners get _F_WINNER
-    ring_ref,  # u32[R, 16]
-    *, tag, num_tokens, block, ring_capacity, gather, assert_inputs,
+    *refs,  # sources u32[rows_s, row_words_s]; words_in, flags_in (aliased); outputs: words, flags, prev_at,
+            # chain_exp, base[, rkv]
+    descs, chain_programs, entry_programs, n_slots, cw, num_tokens, lanes, prefetch, entry_block, hasher,
+    gather, source_gather, source_unroll, assert_inputs,
 ):
-    del flags_in_ref, ring_in_ref
-    base = write_index_ref[0]
+    src_refs = refs[: len(descs)]
+    _, _, words_ref, flags_ref, prev_at_ref, chain_exp_ref, base_ref, *rkv = refs[len(descs):]
+    rkv_ref = rkv[0] if rkv else None
+    pid = U.program_id()
+
+    @pl.when(pid == 0)
+    def _():
+        base_ref[0] = write_index_ref[0]
+
+    @pl.when(pid < chain_programs)
+    def _():
+        _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, pos_ref, loc_ref, exp_tok_ref,
+                    exp_pos_ref, words_ref, flags_ref, prev_at_ref, chain_exp_ref, pid=pid,
+                    programs=chain_programs, n_slots=n_slots, cw=cw, num_tokens=num_tokens, lanes=lanes,
+                    prefetch=prefetch, hasher=hasher, gather=gather, assert_inputs=assert_inputs)
+
+    if descs:
+        @pl.when(pid >= chain_programs)
+        def _():
+            _entry_role(loc_ref, src_refs, rkv_ref, pid=pid - chain_programs, programs=entry_programs,
+                        descs=descs, n_slots=n_slots, num_tokens=num_tokens, block=entry_block, hasher=hasher,
+                        gather=gather, source_gather=source_gather, source_unroll=source_unroll)
+
+
+def _write_won_kernel(
+    loc_ref,  # u32[T, 2]
+    words_ref,  # u32[N, S/4]: claim words after the scatter-max, read only here
+    flags_in_ref,  # aliased to flags_ref
+    flags_ref,  # u32[T]: winners get _F_WINNER
+    counts_ref,  # i32[NB, 2]: per block, violation rows and written entries
+    *, num_tokens, block,
+):
+    del flags_in_ref
 
     def block_body(b):
         i = b * block + U.iota(block)
@@ -196,12 +212,52 @@ def _write_rows_kernel(
         s = jnp.where(written, U.load_word(loc_ref, i, 0, written), U.u32(0)).astype(jnp.int32)
         won = written & (U.load_word(words_ref, s, _CLAIM_WORD, written) == (i + 1).astype(jnp.uint32))
         U.store_vec(flags_ref, i, fl | jnp.where(won, _F_WINNER, 0).astype(jnp.uint32), inw)
+        rows = ((fl & _F_INPUT) != 0).astype(jnp.int32) + ((fl & _F_CHAIN) != 0).astype(jnp.int32)
+        counts_ref[b, 0] = jnp.sum(rows, dtype=jnp.int32)
+        counts_ref[b, 1] = jnp.sum(written.astype(jnp.int32), dtype=jnp.int32)
+
+    U.for_each_block(U.cdiv(num_tokens, block), block_body)
+
+
+def _write_commit_kernel(
+    base_ref,  # i32[1]: write_index before this launch
+    ids_ref, pos_ref, loc_ref,  # u32[T, 2]
+    exp_tok_ref, exp_pos_ref,  # u32[T, 2] (read only with the input assert)
+    prev_at_ref, chain_exp_ref,  # u32[T, 2]
+    flags_ref,  # u32[T]: 0 unless written
+    counts_ref,  # i32[NB, 2]
+    *refs,  # [rkv u32[T, 2]]; words, ring, wi, slot counters, kernel counters (in, aliased), then the same out
+    has_rkv, tag, num_tokens, block, ring_capacity, gather, assert_inputs,
+):
+    rkv_ref = refs[0] if has_rkv else None
+    words_ref, ring_ref, wi_ref, slot_counters_ref, kernel_counters_ref = refs[len(refs) - 5:]
+    num_blocks = U.cdiv(num_tokens, block)
+    base = base_ref[0]
+
+    @pl.when(U.program_id() == 0)
+    def _():
+        rows = U.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK, column=0)
+        written = U.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK, column=1)
+        wi_ref[0] = base + rows
+        U.bump_pair_scalar(slot_counters_ref, 2 * tag, written)
+        U.bump_pair_scalar(kernel_counters_ref, 2 * tag, jnp.int32(1))
+
+    def block_body(b):
+        i = b * block + U.iota(block)
+        inw = i < num_tokens
+        fl = U.load_vec(flags_ref, i, inw, 0)
+        won = inw & ((fl & _F_WINNER) != 0)
+        s = jnp.where(won, U.load_word(loc_ref, i, 0, won), U.u32(0)).astype(jnp.int32)
+        fields = [U.load_pair(r, i, 0, won, gather) for r in (ids_ref, pos_ref, prev_at_ref)]
+        fields.append(U.load_pair(rkv_ref, i, 0, won, gather) if has_rkv else U.zeros_u64((block,)))
+        for f, v in enumerate(fields):
+            U.store_pair(words_ref, s, 2 * f, v, won)
 
         @pl.when(counts_ref[b, 0] > 0)
         def _():
             start = base + U.sum_counts(counts_ref, 0, b, chunk=_COUNT_CHUNK, column=0)
-            in_rec = (written & ((fl & _F_INPUT) != 0)).astype(jnp.int32)
-            ch_rec = (written & ((fl & _F_CHAIN) != 0)).astype(jnp.int32)
+            in_rec = ((fl & _F_INPUT) != 0).astype(jnp.int32)
+            ch_rec = ((fl & _F_CHAIN) != 0).astype(jnp.int32)
             n = in_rec + ch_rec
             d_in = start + jnp.cumsum(n, axis=0) - n
             d_ch = d_in + in_rec
@@ -228,58 +284,7 @@ def _write_rows_kernel(
             for k, v in enumerate(ch_cols):
                 U.store_word(ring_ref, d_ch, k, v, keep_ch)
 
-    U.for_each_block(U.cdiv(num_tokens, block), block_body)
-
-
-def _write_store_kernel(
-    ids_ref, pos_ref, loc_ref,  # u32[T, 2]
-    prev_at_ref, rkv_ref,  # u32[T, 2]
-    flags_ref,  # u32[T]
-    counts_ref,  # i32[NB, 2]
-    words_in_ref, wi_in_ref, src_in_ref, krc_in_ref,  # aliased; unused
-    words_ref,  # u32[N, S/4]
-    wi_ref,  # i32[1]
-    slot_counters_ref,  # u32[2 * tags]
-    kernel_counters_ref,  # u32[2 * tags]
-    *, tag, num_tokens, block, gather,
-):
-    del words_in_ref, wi_in_ref, src_in_ref, krc_in_ref
-    num_blocks = U.cdiv(num_tokens, block)
-
-    @pl.when(jnp.asarray(pl.program_id(0)).astype(jnp.int32) == 0)
-    def _():
-        rows = U.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK, column=0)
-        written = U.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK, column=1)
-        wi_ref[0] = wi_ref[0] + rows
-        U.bump_pair_scalar(slot_counters_ref, 2 * tag, written)
-        U.bump_pair_scalar(kernel_counters_ref, 2 * tag, jnp.int32(1))
-
-    def block_body(b):
-        i = b * block + U.iota(block)
-        inw = i < num_tokens
-        won = inw & ((U.load_vec(flags_ref, i, inw, 0) & _F_WINNER) != 0)
-        s = jnp.where(won, U.load_word(loc_ref, i, 0, won), U.u32(0)).astype(jnp.int32)
-        fields = [U.load_pair(r, i, 0, won, gather) for r in (ids_ref, pos_ref, prev_at_ref, rkv_ref)]
-        for f, v in enumerate(fields):
-            U.store_pair(words_ref, s, 2 * f, v, won)
-
     U.for_each_block(num_blocks, block_body)
-
-
-def _claim_slots(words, plan: WritePlan, out_cache_loc, flags, *, cw: int, num_tokens: int):
-    """``claim[slot] = max(claim[slot], entry + 1)`` over written entries: one XLA scatter-max.
-
-    After it, entry ``i`` owns its slot iff the claim word reads ``i + 1``: the last entry (request-major)
-    writing a slot wins, as in the reference. XLA's scatter-max is exact with duplicate slots on every
-    backend (it uses atomicMax on the GPU); Pallas-Triton's vector atomics do not lower for integer vectors
-    in the JAX versions we run (see README).
-    """
-    del plan, cw
-    n_slots = words.shape[0]
-    i = jnp.arange(num_tokens, dtype=jnp.int32)
-    written = (flags & _F_WRITTEN) != 0
-    dest = jnp.where(written, out_cache_loc[:, 0].astype(jnp.int32), n_slots)
-    return words.at[dest, _CLAIM_WORD].max((i + 1).astype(jnp.uint32), mode="drop")
 
 
 def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, positions, out_cache_loc,
@@ -305,70 +310,84 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
     block = config.write_block
     num_blocks = -(-num_tokens // block)
     grid_entries = (max(1, min(num_blocks, config.write_max_programs)),)
-    grid_reqs = (max(1, min(-(-cw // config.write_lanes), config.write_max_programs)),)
-    chain_params = pltriton.CompilerParams(num_warps=config.write_num_warps, num_stages=1)
+    chain_programs = max(1, min(-(-cw // config.write_lanes), config.write_max_programs))
+    has_rkv = bool(descs)
+    entry_programs = max(1, min(-(-num_tokens // config.write_entry_block), config.write_max_programs)) if has_rkv else 0
     params = pltriton.CompilerParams(num_warps=4, num_stages=1)
-    nr, off = plan.write_num_valid_reqs, plan.write_offsets
 
-    words, flags, prev_at, chain_exp = pl.pallas_call(
+    # 1. Chains and, in the same launch, the entry-parallel work (claims zeroed, real-KV fingerprints).
+    out_shape = [sds(words.shape, u32), sds((num_tokens,), u32), sds((num_tokens, 2), u32),
+                 sds((num_tokens, 2), u32), sds((1,), i32)]
+    if has_rkv:
+        out_shape.append(sds((num_tokens, 2), u32))
+    words_arg = 10 + len(srcs)
+    words, flags, prev_at, chain_exp, base, *rkv = pl.pallas_call(
         functools.partial(
-            _write_chain_kernel, n_slots=n_slots, cw=cw, num_tokens=num_tokens, lanes=config.write_lanes,
-            prefetch=config.write_prefetch, hasher=hasher, gather=gather, assert_inputs=assert_inputs),
-        out_shape=(sds(words.shape, u32), sds((num_tokens,), u32), sds((num_tokens, 2), u32),
-                   sds((num_tokens, 2), u32)),
-        grid=grid_reqs,
-        input_output_aliases={9: 0, 10: 1},
-        compiler_params=chain_params,
+            _write_chain_kernel, descs=descs, chain_programs=chain_programs, entry_programs=entry_programs,
+            n_slots=n_slots, cw=cw, num_tokens=num_tokens, lanes=config.write_lanes,
+            prefetch=config.write_prefetch, entry_block=config.write_entry_block, hasher=hasher, gather=gather,
+            source_gather=config.source_gather, source_unroll=config.source_unroll, assert_inputs=assert_inputs),
+        out_shape=tuple(out_shape),
+        grid=(chain_programs + entry_programs,),
+        input_output_aliases={words_arg: 0, words_arg + 1: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=config.write_num_warps, num_stages=1),
         interpret=interpret,
         name="canary_write_chain",
-    )(nr, log.enable_chain_position_assert, off, plan.write_seed_slot_indices, input_ids, positions,
-      out_cache_loc, expected_input_tokens, expected_input_positions, words, jnp.zeros((num_tokens,), u32))
+    )(plan.write_num_valid_reqs, log.enable_chain_position_assert, log.write_index, plan.write_offsets,
+      plan.write_seed_slot_indices, input_ids, positions, out_cache_loc, expected_input_tokens,
+      expected_input_positions, *srcs, words, jnp.zeros((num_tokens,), u32))
 
-    words = _claim_slots(words, plan, out_cache_loc, flags, cw=cw, num_tokens=num_tokens)
+    # 2. claim[slot] = max(claim, entry + 1) over written entries: the last writer of a slot owns it.
+    words = _claim_slots(words, out_cache_loc, flags, num_tokens=num_tokens)
 
-    rkv, counts = pl.pallas_call(
-        functools.partial(
-            _write_hash_kernel, descs=descs, num_tokens=num_tokens, block=block, hasher=hasher,
-            gather=gather, source_gather=config.source_gather, source_unroll=config.source_unroll),
-        out_shape=(sds((num_tokens, 2), u32), sds((num_blocks, 2), i32)),
+    # 3. Winners and per-block counts.
+    flags, counts = pl.pallas_call(
+        functools.partial(_write_won_kernel, num_tokens=num_tokens, block=block),
+        out_shape=(sds(flags.shape, u32), sds((num_blocks, 2), i32)),
         grid=grid_entries,
+        input_output_aliases={2: 0},
         compiler_params=params,
         interpret=interpret,
-        name="canary_write_hash",
-    )(out_cache_loc, flags, *srcs)
+        name="canary_write_won",
+    )(out_cache_loc, words, flags)
 
+    # 4. Stores, violation rows, write index and counters.
     r = log.ring.shape[0]
     ring = log.ring.reshape(r, 2 * C.VIOLATION_FIELDS)
-    flags, ring = pl.pallas_call(
-        functools.partial(
-            _write_rows_kernel, tag=tag, num_tokens=num_tokens, block=block, ring_capacity=r,
-            gather=gather, assert_inputs=assert_inputs),
-        out_shape=(sds(flags.shape, u32), sds(ring.shape, u32)),
-        grid=grid_entries,
-        input_output_aliases={10: 0, 11: 1},
-        compiler_params=params,
-        interpret=interpret,
-        name="canary_write_rows",
-    )(log.write_index, input_ids, positions, out_cache_loc, expected_input_tokens,
-      expected_input_positions, prev_at, chain_exp, counts, words, flags, ring)
-
     slot_counters = log.slot_run_counters.reshape(-1)
     kernel_counters = log.kernel_run_counters.reshape(-1)
-    words, wi, slot_counters, kernel_counters = pl.pallas_call(
-        functools.partial(_write_store_kernel, tag=tag, num_tokens=num_tokens, block=block, gather=gather),
-        out_shape=(sds(words.shape, u32), sds(log.write_index.shape, i32), sds(slot_counters.shape, u32),
-                   sds(kernel_counters.shape, u32)),
+    first = 10 + len(rkv)
+    words, ring, wi, slot_counters, kernel_counters = pl.pallas_call(
+        functools.partial(
+            _write_commit_kernel, has_rkv=has_rkv, tag=tag, num_tokens=num_tokens, block=block, ring_capacity=r,
+            gather=gather, assert_inputs=assert_inputs),
+        out_shape=(sds(words.shape, u32), sds(ring.shape, u32), sds(log.write_index.shape, i32),
+                   sds(slot_counters.shape, u32), sds(kernel_counters.shape, u32)),
         grid=grid_entries,
-        input_output_aliases={7: 0, 8: 1, 9: 2, 10: 3},
+        input_output_aliases={first + k: k for k in range(5)},
         compiler_params=params,
         interpret=interpret,
         name="canary_write_store",
-    )(input_ids, positions, out_cache_loc, prev_at, rkv, flags, counts, words, log.write_index,
-      slot_counters, kernel_counters)
+    )(base, input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions, prev_at,
+      chain_exp, flags, counts, *rkv, words, ring, log.write_index, slot_counters, kernel_counters)
 
     new_log = U.updated_log(log, ring=ring, write_index=wi, slot_counters=slot_counters,
                             kernel_counters=kernel_counters)
     return context.replace(canary_buf=layout.canary_bytes(words), log=new_log)
+
+
+def _claim_slots(words, out_cache_loc, flags, *, num_tokens: int):
+    """``claim[slot] = max(claim[slot], entry + 1)`` over written entries: one XLA scatter-max.
+
+    After it, entry ``i`` owns its slot iff the claim word reads ``i + 1``: the last entry (request-major)
+    writing a slot wins, as in the reference. XLA's scatter-max is exact with duplicate slots on every
+    backend (it uses atomicMax on the GPU); Pallas-Triton's vector atomics do not lower for integer vectors
+    in the JAX versions we run (see README).
+    """
+    n_slots = words.shape[0]
+    i = jnp.arange(num_tokens, dtype=jnp.int32)
+    dest = jnp.where((flags & _F_WRITTEN) != 0, out_cache_loc[:, 0].astype(jnp.int32), n_slots)
+    return words.at[dest, _CLAIM_WORD].max((i + 1).astype(jnp.uint32), mode="drop")
 
 
 _write_jit = jax.jit(_write_pallas, static_argnames=("assert_inputs", "interpret", "config"))
