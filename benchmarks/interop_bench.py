@@ -1,23 +1,31 @@
-"""GPU figures for the torch interop: per-call overhead of torch-launched verify / write versus the same launch
-from JAX, and the cost at 1M and 16M slots.
+"""GPU figures for the torch interop: per-call overhead of torch-launched verify / write versus the same
+program launched from JAX, where that overhead goes, and the cost at 1M and 16M slots.
 
 For each pool size N (canary ``uint8 [N, 32]``, one real-KV source = layer-0 K as ``bf16 [N, 64]``, i.e.
-128 bytes per slot, PARTIAL mode) and each backend:
+128 bytes per slot, PARTIAL mode) and each backend, two cases (``--cases``, tiny first):
 
-* ``verify``: a clean verify plan of C entries (32 requests x C/32 prefix positions, random unique slots,
-  previously stamped by the torch write launcher so nothing fires);
-* ``write``: 32 requests x 8 new tokens each, seeded on the prefix ends (re-stamping the same slots);
-* ``tiny`` variants (C = 64 entries, 1 request x 1 token) expose the fixed per-call cost.
+* ``tiny``: verify 64 clean entries (request 0's first 64 positions), write 1 request x 1 token; the fixed
+  per-call cost.
+* ``full``: verify C = ``--cap`` clean entries (32 requests x C/32 positions), write 32 requests x 8 tokens.
 
-Each is timed (a) torch-launched through ``interop.sglang`` on the torch tensors, (b) JAX-launched through
-``canary_jax.verify`` / ``canary_jax.write`` on JAX-owned copies (donating), in two ways: ``us_per_call``
-= wall time of 100 back-to-back launches then one device sync (throughput; what a serving loop pays), and
-``latency_us`` = median over 30 single launches each followed by a device sync. ``overhead_us`` = torch -
-JAX. The report also records what the probes measured (import alignment, whether donation aliases) and
-which outputs came back aliased (the torch memory itself) or copied back.
+The verified slots are stamped beforehand by the case's own write program (64 one-token writes, or C/256
+writes of 32 x 8 tokens), so stamping compiles nothing extra and no violation fires.
+
+Each op is timed (a) torch-launched through ``interop.sglang`` on the torch tensors, (b) JAX-launched: the
+very same jitted program (``interop.inplace.last_launch_program``) called from JAX on JAX-side copies of its
+inputs, donating, without the torch handshake; nothing extra to compile. ``us_per_call`` = wall time of 100
+back-to-back launches then one device sync (throughput; what a serving loop pays), ``latency_us`` = median
+over 30 single launches each followed by a device sync. ``overhead_us`` = torch - JAX. ``--api-twin`` also
+times ``canary_jax.verify`` / ``canary_jax.write`` on JAX-owned copies (compiles two more programs).
+
+Attribution (tiny case, first size): the launch's host time per phase (``interop.inplace.phase_times``), the
+stream modes ``fence`` / ``host`` / ``none`` and the alias-check modes ``first`` (default) / ``every``, and
+``overhead_profile``: each handshake step timed alone.
 
 Usage: python3 benchmarks/interop_bench.py --out DIR [--sizes 1048576 16777216] [--backends pallas reference]
-Writes DIR/interop_gpu.json and DIR/interop_gpu.md and prints the table.
+       [--cases tiny full] [--deadline-s S]
+Writes DIR/interop_gpu.json, DIR/interop_gpu.md (rewritten after every case) and DIR/interop_gpu_log.txt.
+``INTEROP_BENCH_DEVICE=cpu`` runs the same code on CPU tensors (dry run).
 """
 
 from __future__ import annotations
@@ -89,34 +97,57 @@ class Setup:
         self.ctx = self.state.context(canary_buf=self.buf, kernel_kind=G.CanaryLaunchTag.TAIL_K_FULL,
                                       real_kv_sources=(self.src,), real_kv_hash_mode=G.RealKvHashMode.PARTIAL)
         per = cap // REQS
+        if per % WRITE_TOKENS or per < 64:
+            raise ValueError(f"--cap must be a multiple of {REQS * WRITE_TOKENS} and >= {REQS * 64}, got {cap}")
         perm = torch.randperm(n_slots - 1, generator=g, device=DEV)[: cap + REQS * WRITE_TOKENS] + 1
         self.prefix_slots = perm[:cap].reshape(REQS, per)
         self.new_slots = perm[cap:].reshape(REQS, WRITE_TOKENS)
         self.per = per
         self.cap = cap
 
-    def stamp_prefix(self, backend):
-        """One big write of every prefix (so the verify plan is clean)."""
-        wp = G.WritePlan.allocate(write_req_capacity=REQS, device=DEV)
-        wp.write_offsets.copy_(torch.arange(REQS + 1, device=DEV) * self.per)
-        wp.write_seed_slot_indices.fill_(-1)
-        wp.write_num_valid_reqs.fill_(REQS)
-        t = REQS * self.per
-        ids = torch.randint(0, 50000, (t,), device=DEV)
-        pos = torch.arange(self.per, device=DEV).repeat(REQS)
-        G.launch_canary_write_kernel(context=self.ctx, plan=wp, input_ids=ids, positions=pos,
-                                     out_cache_loc=self.prefix_slots.reshape(-1).contiguous(),
-                                     enable_write_input_assert=False, expected_input_tokens=None,
-                                     expected_input_positions=None, backend=backend)
-        sync()
+    def write_args(self, tiny, backend):
+        """The case's write tensors (timed launch: new slots after the stamped prefix) and a stamp function
+        that writes the verified prefix through the same tensors, i.e. the same compiled program."""
+        reqs, tok = (1, 1) if tiny else (REQS, WRITE_TOKENS)
+        plen = 64 if tiny else self.per  # stamped positions per request
+        wp = G.WritePlan.allocate(write_req_capacity=reqs, device=DEV)
+        wp.write_offsets.copy_(torch.arange(reqs + 1, device=DEV) * tok)
+        wp.write_num_valid_reqs.fill_(reqs)
+        kw = dict(input_ids=torch.randint(0, 50000, (reqs * tok,), device=DEV),
+                  positions=torch.zeros(reqs * tok, dtype=torch.int64, device=DEV),
+                  out_cache_loc=torch.zeros(reqs * tok, dtype=torch.int64, device=DEV),
+                  enable_write_input_assert=False, expected_input_tokens=None, expected_input_positions=None)
 
-    def verify_plan(self, tiny=False):
+        def launch():
+            G.launch_canary_write_kernel(context=self.ctx, plan=wp, backend=backend, **kw)
+
+        def set_chunk(first):
+            """Positions first .. first + tok - 1 of requests 0 .. reqs - 1 (first == plen: the new slots)."""
+            if first >= plen:
+                slots = self.new_slots[:reqs, :tok]
+            else:
+                slots = self.prefix_slots[:reqs, first : first + tok]
+            seeds = self.prefix_slots[:reqs, first - 1] if first > 0 else torch.full((reqs,), -1, device=DEV)
+            wp.write_seed_slot_indices.copy_(seeds)
+            kw["out_cache_loc"].copy_(slots.reshape(-1))
+            kw["positions"].copy_((torch.arange(tok, device=DEV) + first).repeat(reqs))
+            kw["input_ids"].copy_(torch.randint(0, 50000, (reqs * tok,), device=DEV))
+
+        def stamp():
+            for first in range(0, plen, tok):
+                set_chunk(first)
+                launch()
+            set_chunk(plen)
+            sync()
+
+        return launch, stamp, reqs * tok
+
+    def verify_plan(self, tiny):
         """Clean entries: tiny = the first 64 positions of request 0, full = every prefix position."""
         if tiny:
-            k = min(64, self.per)
-            slots = self.prefix_slots[0, :k]
+            slots = self.prefix_slots[0, :64]
             prev = torch.cat([torch.tensor([-1], device=DEV), slots[:-1]])
-            pos = torch.arange(k, device=DEV)
+            pos = torch.arange(64, device=DEV)
         else:
             slots = self.prefix_slots.reshape(-1)
             prev = torch.cat([torch.full((REQS, 1), -1, device=DEV, dtype=torch.int64),
@@ -131,19 +162,7 @@ class Setup:
         vp.enable.fill_(1)
         return vp
 
-    def write_args(self, tiny=False):
-        reqs, tok = (1, 1) if tiny else (REQS, WRITE_TOKENS)
-        wp = G.WritePlan.allocate(write_req_capacity=reqs, device=DEV)
-        wp.write_offsets.copy_(torch.arange(reqs + 1, device=DEV) * tok)
-        wp.write_seed_slot_indices.copy_(self.prefix_slots[:reqs, -1])
-        wp.write_num_valid_reqs.fill_(reqs)
-        kw = dict(input_ids=torch.randint(0, 50000, (reqs * tok,), device=DEV),
-                  positions=(torch.arange(tok, device=DEV) + self.per).repeat(reqs),
-                  out_cache_loc=self.new_slots[:reqs, :tok].reshape(-1).contiguous(),
-                  enable_write_input_assert=False, expected_input_tokens=None, expected_input_positions=None)
-        return wp, kw
-
-    # --- JAX-owned twins ---------------------------------------------------------------------------------
+    # --- canary_jax API twins (--api-twin) ----------------------------------------------------------------
     def jax_context(self):
         buf = jnp.array(D.to_jax(self.buf, name="buf"))  # a JAX-owned copy
         src = cj.RealKvSource(tensor=jnp.array(D.to_jax(self.k0.view(torch.uint8), name="k0")), page_size=1,
@@ -166,123 +185,204 @@ def jax_verify_plan(vp):
                         enable=jnp.array(D.to_jax(vp.enable, name="en")))
 
 
-def jax_write_plan(wp):
-    return P.WritePlan(write_offsets=jax_pairs(wp.write_offsets),
-                       write_seed_slot_indices=jax_pairs(wp.write_seed_slot_indices),
-                       write_num_valid_reqs=jnp.array(D.to_jax(wp.write_num_valid_reqs, name="nvr")))
+_TWIN_FENCE = []
 
 
-def bench_size(n_slots, cap, backends, results, log):
-    s = Setup(n_slots, cap)
-    for backend in backends:
-        try:
-            t0 = time.perf_counter()
-            s.stamp_prefix(backend)
-            log(f"N={n_slots} {backend}: stamped {cap} prefix slots in {time.perf_counter() - t0:.1f}s (incl. compile)")
-            for tiny in (True, False):
-                case = "tiny" if tiny else "full"
-                vp = s.verify_plan(tiny)
-                wp, wkw = s.write_args(tiny)
-                before = int(s.state.violation_write_index.item())
-
-                def tv():
-                    G.launch_canary_verify_kernel(context=s.ctx, plan=vp, check_verify_expected_token=False,
-                                                  backend=backend)
-
-                def tw():
-                    G.launch_canary_write_kernel(context=s.ctx, plan=wp, backend=backend, **wkw)
-
-                t0 = time.perf_counter()
-                tv(), tw()
-                sync()
-                log(f"  {case}: first torch launches (compile) {time.perf_counter() - t0:.1f}s")
-                v_thr, v_lat = timeit(tv)
-                v_rep = IP.last_launch_report()
-                w_thr, w_lat = timeit(tw)
-                w_rep = IP.last_launch_report()
-                viol = int(s.state.violation_write_index.item()) - before
-                # JAX-launched twins
-                jctx = s.jax_context()
-                jvp, jwp = jax_verify_plan(vp), jax_write_plan(wp)
-                jw = {k: jax_pairs(v) for k, v in wkw.items() if isinstance(v, torch.Tensor)}
-                holder = {"ctx": jctx}
-
-                def jv():
-                    holder["ctx"] = cj.verify(holder["ctx"], jvp, check_verify_expected_token=False, backend=backend)
-
-                def jwf():
-                    holder["ctx"] = cj.write(holder["ctx"], jwp, jw["input_ids"], jw["positions"],
-                                             jw["out_cache_loc"], backend=backend)
-
-                blk = lambda: jax.block_until_ready(holder["ctx"].log.write_index)  # noqa: E731
-                t0 = time.perf_counter()
-                jv(), jwf()
-                blk()
-                log(f"  {case}: first JAX launches (compile) {time.perf_counter() - t0:.1f}s")
-                jv_thr, jv_lat = timeit(jv, block=blk)
-                jw_thr, jw_lat = timeit(jwf, block=blk)
-                for op, thr, lat, jthr, jlat, rep in (("verify", v_thr, v_lat, jv_thr, jv_lat, v_rep),
-                                                     ("write", w_thr, w_lat, jw_thr, jw_lat, w_rep)):
-                    row = dict(slots=n_slots, backend=backend, op=op, case=case,
-                               entries=vp.verify_slot_indices.shape[0] if op == "verify" else wkw["input_ids"].shape[0],
-                               torch_us_per_call=thr, jax_us_per_call=jthr, overhead_us=round(thr - jthr, 1),
-                               torch_latency_us=lat, jax_latency_us=jlat, aliased=rep["aliased"],
-                               copied_back=rep["copied_back"], violations_during_timing=viol)
-                    results.append(row)
-                    log("  " + json.dumps(row))
-                del jctx, holder
-        except Exception:  # noqa: BLE001 - record and go on with the next backend
-            log(f"N={n_slots} {backend}: FAILED\n{traceback.format_exc()}")
-            results.append(dict(slots=n_slots, backend=backend, error=traceback.format_exc()[-2000:]))
-    del s
+def program_twin(torch_launch):
+    """Runs ``torch_launch`` once, then returns ``(step, block)``: the launch's own jitted program dispatched
+    from JAX on JAX-side copies of its inputs (mutable ones donated and carried from call to call)."""
+    torch_launch()
     sync()
-    torch.cuda.empty_cache()
+    fn, mut, views, _dev = IP.last_launch_program()
+    if not _TWIN_FENCE:
+        t = torch.zeros(64 if DEV == "cuda" else 16, dtype=torch.uint8, device=DEV)
+        _TWIN_FENCE.append((t, D._import_exact(t, name="fence")))
+    fence = _TWIN_FENCE[0][1]
+    copies = [v.clone() for v in views]  # keeps the torch memory alive for the imports
+    state = [D._import_exact(c, name="twin") for c in copies]
+
+    def step():
+        outs = fn(fence, *state)
+        for i, o in zip(mut, outs):
+            state[i] = o
+
+    def block():
+        jax.block_until_ready([state[i] for i in mut])
+
+    step.copies = copies  # lifetime
+    return step, block
+
+
+def _rows_for(op, case, entries, thr, lat, jthr, jlat, rep, viol, n_slots, backend, extra=None):
+    row = dict(slots=n_slots, backend=backend, op=op, case=case, entries=entries, torch_us_per_call=thr,
+               jax_us_per_call=jthr, overhead_us=round(thr - jthr, 1) if jthr is not None else None,
+               torch_latency_us=lat, jax_latency_us=jlat, aliased=rep["aliased"], copied_back=rep["copied_back"],
+               violations_during_timing=viol)
+    if extra:
+        row.update(extra)
+    return row
+
+
+def attribution(tv, tw, results, log, n_slots, backend):
+    """Tiny launches: host time per phase; stream modes x alias-check modes."""
+    out = {}
+    for op, fn in (("verify", tv), ("write", tw)):
+        for alias in ("first", "every"):
+            IP.set_alias_check(alias)
+            for _ in range(5):
+                fn()
+            sync()
+            IP.set_phase_timing(True)
+            for _ in range(100):
+                fn()
+            sync()
+            out[f"{op} phases (fence, alias check {alias})"] = IP.phase_times()
+            IP.set_phase_timing(False)
+        IP.set_alias_check("first")
+        modes = {}
+        for sync_mode in ("fence", "host", "none"):
+            for alias in ("first", "every"):
+                IP.set_stream_sync(sync_mode)
+                IP.set_alias_check(alias)
+                try:
+                    modes[f"{sync_mode}/{alias}"] = timeit(fn)
+                finally:
+                    IP.set_stream_sync("fence")
+                    IP.set_alias_check("first")
+        out[f"{op} stream/alias modes (us/call, latency us)"] = modes
+        log(f"  attribution {op}: modes {modes}")
+        for alias in ("first", "every"):
+            log(f"  attribution {op} phases alias={alias}: {out[f'{op} phases (fence, alias check {alias})']}")
+    results.append(dict(slots=n_slots, backend=backend, attribution=out))
+
+
+def bench_case(s, backend, tiny, results, log, *, attribute, api_twin):
+    case = "tiny" if tiny else "full"
+    n_slots = s.n
+    tw, stamp, w_entries = s.write_args(tiny, backend)
+    t0 = time.perf_counter()
+    stamp()
+    log(f"N={n_slots} {backend} {case}: stamped the verified prefix with the write program in "
+        f"{time.perf_counter() - t0:.1f}s (incl. its compile)")
+    vp = s.verify_plan(tiny)
+
+    def tv():
+        G.launch_canary_verify_kernel(context=s.ctx, plan=vp, check_verify_expected_token=False, backend=backend)
+
+    t0 = time.perf_counter()
+    tv()
+    sync()
+    log(f"  {case}: first torch verify (compile) {time.perf_counter() - t0:.1f}s")
+    before = int(s.state.violation_write_index.item())
+    v_thr, v_lat = timeit(tv)
+    v_rep = IP.last_launch_report()
+    w_thr, w_lat = timeit(tw)
+    w_rep = IP.last_launch_report()
+    viol = int(s.state.violation_write_index.item()) - before
+    jv, jv_blk = program_twin(tv)
+    jv_thr, jv_lat = timeit(jv, block=jv_blk)
+    jw, jw_blk = program_twin(tw)
+    jw_thr, jw_lat = timeit(jw, block=jw_blk)
+    v_entries = int(vp.verify_slot_indices.shape[0])
+    for op, thr, lat, jthr, jlat, rep, ent in (("verify", v_thr, v_lat, jv_thr, jv_lat, v_rep, v_entries),
+                                                ("write", w_thr, w_lat, jw_thr, jw_lat, w_rep, w_entries)):
+        row = _rows_for(op, case, ent, thr, lat, jthr, jlat, rep, viol, n_slots, backend,
+                        dict(jax_twin="same jitted program from JAX"))
+        results.append(row)
+        log("  " + json.dumps(row))
+    if attribute:
+        attribution(tv, tw, results, log, n_slots, backend)
+    if api_twin:
+        api_twin_rows(s, backend, tiny, vp, results, log)
+
+
+def api_twin_rows(s, backend, tiny, vp, results, log):
+    """canary_jax.verify / write on JAX-owned copies (separate programs: compiles)."""
+    jctx = s.jax_context()
+    jvp = jax_verify_plan(vp)
+    holder = {"ctx": jctx}
+
+    def jv():
+        holder["ctx"] = cj.verify(holder["ctx"], jvp, check_verify_expected_token=False, backend=backend)
+
+    blk = lambda: jax.block_until_ready(holder["ctx"].log.write_index)  # noqa: E731
+    t0 = time.perf_counter()
+    jv()
+    blk()
+    log(f"  api twin verify first call (compile) {time.perf_counter() - t0:.1f}s")
+    thr, lat = timeit(jv, block=blk)
+    results.append(dict(slots=s.n, backend=backend, op="verify", case="tiny" if tiny else "full",
+                        canary_jax_api_us_per_call=thr, canary_jax_api_latency_us=lat))
+    log(f"  api twin verify: {thr} us/call, latency {lat}")
 
 
 def overhead_profile(results, log):
-    """Where a torch launch's per-call cost goes: each handshake step timed alone (no canary compile)."""
+    """Where a torch launch's per-call cost goes: each handshake step timed alone (no canary compile; the one
+    program is the donation probe's ``x + 1`` on int32[16])."""
     t = torch.zeros(64, dtype=torch.uint8, device=DEV)
-    a = jnp.zeros((16,), jnp.int32) + 1
-    f = jax.jit(lambda x: x + 1)
     g = jax.jit(lambda x: x + 1, donate_argnums=0)
-    holder = {"x": D.to_jax(torch.zeros(16, dtype=torch.int32, device=DEV), name="x")}
+    src = torch.zeros(16, dtype=torch.int32, device=DEV)
+    holder = {"x": D._import_exact(src, name="x")}
+    ready = g(D._import_exact(torch.zeros(16, dtype=torch.int32, device=DEV), name="r"))
+    jax.block_until_ready(ready)
 
     def donate_step():
         holder["x"] = g(holder["x"])
 
+    def donate_ptr():
+        holder["x"] = g(holder["x"])
+        holder["x"].unsafe_buffer_pointer()
+
+    def donate_export():
+        holder["x"] = g(holder["x"])
+        D.to_torch(holder["x"])
+
     steps = {
-        "fresh DLPack import of a torch tensor (fence)": lambda: D._import_exact(t, name="fence"),
-        "torch.from_dlpack(jax array) (stream wait)": lambda: D.to_torch(a),
-        "jit dispatch, 1 arg": lambda: f(a),
-        "jit dispatch + unsafe_buffer_pointer of the pending output": lambda: f(a).unsafe_buffer_pointer(),
+        "fence import: jax.dlpack.from_dlpack(torch, copy=False) (fresh, no pointer check)":
+            lambda: jax.dlpack.from_dlpack(t, copy=False),
+        "fresh import + unsafe_buffer_pointer (interop.dlpack._import_exact)": lambda: D._import_exact(t, name="fence"),
         "donating jit dispatch on an imported buffer": donate_step,
+        "donating jit dispatch + unsafe_buffer_pointer of its pending output": donate_ptr,
+        "donating jit dispatch + torch.from_dlpack of its pending output": donate_export,
+        "torch.from_dlpack(ready jax array)": lambda: D.to_torch(ready),
         "torch.cuda.Event record (for scale)": (lambda: torch.cuda.Event().record()) if DEV == "cuda" else (lambda: None),
     }
     prof = {}
     for name, fn in steps.items():
-        prof[name] = timeit(fn, n=200, lat_n=20)
+        prof[name] = timeit(fn, n=200, lat_n=20, block=lambda: jax.block_until_ready(holder["x"]))
         log(f"overhead step: {name}: us/call {prof[name][0]}, latency {prof[name][1]}")
     results.append(dict(overhead_steps={k: {"us_per_call": v[0], "latency_us": v[1]} for k, v in prof.items()}))
 
 
-def sync_mode_figure(results, log):
-    """fence (default, asynchronous) versus host synchronisation, tiny verify, reference backend."""
-    s = Setup(1 << 20 if DEV == "cuda" else 4096, 64 * REQS)
-    s.stamp_prefix("reference")
-    vp = s.verify_plan(True)
-    out = {}
-    for mode in ("fence", "host", "none"):
-        IP.set_stream_sync(mode)
-
-        def tv():
-            G.launch_canary_verify_kernel(context=s.ctx, plan=vp, check_verify_expected_token=False,
-                                          backend="reference")
-
-        out[mode] = timeit(tv)
-    IP.set_stream_sync("fence")
-    results.append(dict(op="verify", case="tiny", sync_modes={k: {"us_per_call": v[0], "latency_us": v[1]}
-                                                              for k, v in out.items()}))
-    log(f"sync modes (tiny verify, reference): {out}")
+def write_report(out_dir, probes, results):
+    json.dump(dict(probes=probes, results=results), open(os.path.join(out_dir, "interop_gpu.json"), "w"), indent=1)
+    lines = ["| slots | backend | op | case | entries | torch us/call | JAX us/call (same program) | overhead us | "
+             "torch latency us | JAX latency us | aliased (in place, no copy) | copied back | violations |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    extra = []
+    for r in results:
+        if "torch_us_per_call" in r:
+            lines.append(f"| {r['slots']} | {r['backend']} | {r['op']} | {r['case']} | {r['entries']} | "
+                         f"{r['torch_us_per_call']} | {r['jax_us_per_call']} | {r['overhead_us']} | "
+                         f"{r['torch_latency_us']} | {r['jax_latency_us']} | {', '.join(r['aliased']) or '-'} | "
+                         f"{', '.join(r['copied_back']) or '-'} | {r['violations_during_timing']} |")
+        elif "error" in r:
+            lines.append(f"| {r['slots']} | {r['backend']} | FAILED ({r.get('case', '')}): "
+                         f"{r['error'].strip().splitlines()[-1][:120]} |")
+        elif "copy_back_canary_buf_us" in r:
+            extra.append(f"* torch copy_ of a whole {r['slots']}-slot canary buffer (the no-donation fallback): "
+                         f"{r['copy_back_canary_buf_us']} us")
+        elif "overhead_steps" in r:
+            extra.append("* handshake steps alone (us/call, latency us): " + json.dumps(r["overhead_steps"]))
+        elif "attribution" in r:
+            for k, v in r["attribution"].items():
+                extra.append(f"* {r['slots']} slots, {r['backend']}, {k}: {json.dumps(v)}")
+        elif "canary_jax_api_us_per_call" in r:
+            extra.append(f"* canary_jax API twin {r['op']} {r['case']} at {r['slots']}: "
+                         f"{r['canary_jax_api_us_per_call']} us/call, latency {r['canary_jax_api_latency_us']} us")
+    md = "\n".join([f"probes: {json.dumps(probes)}", ""] + lines + [""] + extra)
+    open(os.path.join(out_dir, "interop_gpu.md"), "w").write(md + "\n")
+    return md
 
 
 def main():
@@ -290,9 +390,14 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1 << 20, 1 << 24])
     ap.add_argument("--backends", nargs="+", default=["pallas", "reference"])
+    ap.add_argument("--cases", nargs="+", default=["tiny", "full"], choices=["tiny", "full"])
     ap.add_argument("--cap", type=int, default=32768)
-    ap.add_argument("--sync-modes-first", action="store_true", help="time fence/host/none before the sizes")
+    ap.add_argument("--deadline-s", type=float, default=0.0, help="start no new case after this many seconds")
+    ap.add_argument("--no-attribution", action="store_true")
+    ap.add_argument("--no-profile", action="store_true", help="skip overhead_profile")
+    ap.add_argument("--api-twin", action="store_true", help="also time canary_jax.verify (compiles more)")
     args = ap.parse_args()
+    start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "interop_gpu_log.txt"), "a")
 
@@ -302,16 +407,22 @@ def main():
         logf.flush()
 
     dev = torch.device(DEV)
+    client = jax.devices()[0].client
     probes = dict(torch=torch.__version__, jax=jax.__version__,
                   gpu=torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu",
+                  jax_platform_version=str(getattr(client, "platform_version", "?")),
+                  jax_client=type(client).__name__, jax_runtime_type=str(getattr(client, "runtime_type", "?")),
                   import_alignment_bytes=D.device_alignment(dev), donation_aliases=IP.donation_aliases(dev),
-                  x64=bool(jax.config.read("jax_enable_x64")))
+                  x64=bool(jax.config.read("jax_enable_x64")),
+                  compilation_cache=os.environ.get("JAX_COMPILATION_CACHE_DIR", "") != "")
     log(f"probes: {probes}")
     results = []
-    try:
-        overhead_profile(results, log)
-    except Exception:  # noqa: BLE001
-        log(traceback.format_exc())
+    if not args.no_profile:
+        try:
+            overhead_profile(results, log)
+        except Exception:  # noqa: BLE001
+            log(traceback.format_exc())
+        write_report(args.out, probes, results)
     if DEV == "cuda":  # what the fallback would cost: copying a whole canary buffer back, per launch
         for n in args.sizes:
             a = torch.empty(n, 32, dtype=torch.uint8, device=DEV)
@@ -320,43 +431,33 @@ def main():
             results.append(dict(slots=n, copy_back_canary_buf_us=thr))
             log(f"torch copy_ of a {n}-slot canary buffer: {thr} us")
             del a, b
-    if args.sync_modes_first:
-        try:
-            sync_mode_figure(results, log)
-        except Exception:  # noqa: BLE001
-            log(traceback.format_exc())
+    attributed = args.no_attribution
     for backend in args.backends:  # production backend first: partial runs still give its figures
-        for n in args.sizes:
-            bench_size(n, args.cap, [backend], results, log)
-            json.dump(dict(probes=probes, results=results), open(os.path.join(args.out, "interop_gpu.json"), "w"),
-                      indent=1)
-    if not args.sync_modes_first:
-        try:
-            sync_mode_figure(results, log)
-        except Exception:  # noqa: BLE001
-            log(traceback.format_exc())
-    json.dump(dict(probes=probes, results=results), open(os.path.join(args.out, "interop_gpu.json"), "w"), indent=1)
-    lines = ["| slots | backend | op | case | entries | torch us/call | JAX us/call | overhead us | torch latency us | "
-             "JAX latency us | aliased (in place, no copy) | copied back |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        if "torch_us_per_call" in r:
-            lines.append(f"| {r['slots']} | {r['backend']} | {r['op']} | {r['case']} | {r['entries']} | "
-                         f"{r['torch_us_per_call']} | {r['jax_us_per_call']} | {r['overhead_us']} | "
-                         f"{r['torch_latency_us']} | {r['jax_latency_us']} | {', '.join(r['aliased'])} | "
-                         f"{', '.join(r['copied_back']) or '-'} |")
-        elif "error" in r:
-            lines.append(f"| {r['slots']} | {r['backend']} | FAILED: {r['error'].strip().splitlines()[-1][:120]} |")
-        elif "copy_back_canary_buf_us" in r:
-            lines.append(f"| {r['slots']} | - | torch copy_ of the whole canary buffer (the no-donation fallback) | "
-                         f"{r['copy_back_canary_buf_us']} us |")
-        elif "overhead_steps" in r:
-            lines.append("\nper-call handshake steps (us/call, latency us): " + json.dumps(r["overhead_steps"]))
-        elif "sync_modes" in r:
-            lines.append(f"\nsync modes (tiny verify, reference, 1M slots): {json.dumps(r['sync_modes'])}")
-    md = "\n".join([f"probes: {json.dumps(probes)}", ""] + lines)
-    open(os.path.join(args.out, "interop_gpu.md"), "w").write(md + "\n")
-    print(md)
+        for case in args.cases:  # tiny first: the overhead figures
+            for n in args.sizes:
+                elapsed = time.perf_counter() - start
+                if args.deadline_s and elapsed > args.deadline_s:
+                    log(f"deadline: skipping N={n} {backend} {case} ({elapsed:.0f}s > {args.deadline_s:.0f}s)")
+                    results.append(dict(slots=n, backend=backend, case=case, error="skipped: deadline"))
+                    continue
+                try:
+                    s = Setup(n, args.cap)
+                    bench_case(s, backend, case == "tiny", results, log, attribute=not attributed and case == "tiny",
+                               api_twin=args.api_twin)
+                    attributed = attributed or case == "tiny"
+                except Exception:  # noqa: BLE001 - record and go on
+                    log(f"N={n} {backend} {case}: FAILED\n{traceback.format_exc()}")
+                    results.append(dict(slots=n, backend=backend, case=case, error=traceback.format_exc()[-2000:]))
+                finally:
+                    IP.set_stream_sync("fence")
+                    IP.set_alias_check("first")
+                    s = None
+                    sync()
+                    if DEV == "cuda":
+                        torch.cuda.empty_cache()
+                write_report(args.out, probes, results)
+    print(write_report(args.out, probes, results))
+    log(f"total {time.perf_counter() - start:.1f}s")
 
 
 if __name__ == "__main__":

@@ -15,10 +15,12 @@
    steady-state launch never re-traces (:func:`trace_count` lets tests pin that).
 5. **In place**: mutable buffers are donated where the platform hands a donated imported buffer back as the
    output (measured once per device type by :func:`donation_aliases`; true on our H200, false on XLA:CPU
-   with jax 0.10.2). Each output is checked by pointer: if it is the torch memory, nothing is copied and the
-   output becomes the cached import for the next call; otherwise it is copied back with ``torch.copy_`` -
-   the whole array for ordinary buffers (the canary buffer costs O(num_slots) then), only the element bytes
-   for windowed scalars.
+   with jax 0.10.2). The first launch of each compiled program checks every output by pointer: if it is
+   the torch memory, nothing is copied and the output becomes the cached import for the next call;
+   otherwise it is copied back with ``torch.copy_`` - the whole array for ordinary buffers (the canary
+   buffer costs O(num_slots) then), only the element bytes for windowed scalars. Later launches reuse that
+   decision without asking for pointers (see :func:`set_alias_check` for why), and re-check every
+   ``ALIAS_RECHECK_PERIOD``-th launch.
 
 The body sees a dict ``name -> jax.Array`` (int64 arguments as ``uint32[..., 2]``, everything else in its
 torch dtype and shape) and returns a dict with a new value, of the same shape and dtype, for every mutable
@@ -31,6 +33,7 @@ import collections
 import dataclasses
 import functools
 import threading
+import time
 import warnings
 from typing import Any, Callable, Hashable, Sequence
 
@@ -44,8 +47,13 @@ __all__ = [
     "TensorArg",
     "donation_aliases",
     "import_cache",
+    "alias_check_count",
+    "last_launch_program",
     "last_launch_report",
+    "phase_times",
     "run_in_place",
+    "set_alias_check",
+    "set_phase_timing",
     "set_stream_sync",
     "stream_sync",
     "trace_count",
@@ -55,6 +63,11 @@ _CACHE = D.ImportCache()
 _TRACES = [0]
 _LAST_REPORT: dict[str, Any] = {}
 _STREAM_SYNC = ["fence"]
+_ALIAS_CHECK = ["first"]
+_ALIAS_CHECKS = [0]  # pointer queries of launch outputs made by run_in_place (tests pin steady state)
+ALIAS_RECHECK_PERIOD = 1024  # launches of one prepared program between two pointer re-checks
+_PHASES: dict[str, list] = {}  # name -> [count, seconds] while phase timing is on
+_TIMING = [False]
 
 
 def import_cache() -> D.ImportCache:
@@ -78,6 +91,53 @@ def set_stream_sync(mode: str) -> None:
 
 def stream_sync() -> str:
     return _STREAM_SYNC[0]
+
+
+def set_alias_check(mode: str) -> None:
+    """When launches ask the runtime for their outputs' buffer pointers: ``"first"`` (default) or ``"every"``.
+
+    Asking is not free: an output's pointer (``unsafe_buffer_pointer``, an external reference in PJRT) is
+    only known once the runtime has dispatched the computation, so a per-launch query makes the host wait
+    for every launch (XLA's TFRT GPU client blocks ``AcquireExternalReference`` on the buffer's definition
+    event). Whether a donated input comes back as the output is fixed by the compiled program (its
+    input/output aliases), and a donation that cannot happen fails at dispatch, so the first launch of each
+    compiled program decides and later launches (any tensors of the same layout) reuse the decision,
+    re-checked every ``ALIAS_RECHECK_PERIOD``-th launch: an output found not aliased then is copied back (the
+    launches in between kept their results in the cached output, so nothing is lost) and that program
+    switches to ``"every"`` with a warning. ``"every"`` checks each launch (debugging; the old behaviour).
+    """
+    if mode not in ("first", "every"):
+        raise ValueError(f"kv-canary: alias check mode must be 'first' or 'every', got {mode!r}")
+    _ALIAS_CHECK[0] = mode
+
+
+def alias_check_count() -> int:
+    """How many output pointers launches have queried in this process."""
+    return _ALIAS_CHECKS[0]
+
+
+def set_phase_timing(on: bool) -> None:
+    """Accumulate host time per launch phase (see :func:`phase_times`); off by default. Resets the totals."""
+    _TIMING[0] = bool(on)
+    _PHASES.clear()
+
+
+def phase_times() -> dict[str, dict[str, float]]:
+    """Host time per phase of the launches since :func:`set_phase_timing`: ``{phase: {"calls", "us_per_call"}}``.
+
+    Phases: ``prepare`` (cached layout lookup), ``import`` (cached imports), ``fence`` (the stream fence
+    import), ``dispatch`` (the jitted call), ``outputs`` (alias decisions, pointer checks, copies back),
+    ``export`` (the ``torch.from_dlpack`` that orders torch's stream after JAX), ``total``.
+    """
+    return {k: {"calls": n, "us_per_call": round(t / max(n, 1) * 1e6, 2)} for k, (n, t) in _PHASES.items()}
+
+
+def _phase(name: str, t0: float) -> float:
+    t1 = time.perf_counter()
+    e = _PHASES.setdefault(name, [0, 0.0])
+    e[0] += 1
+    e[1] += t1 - t0
+    return t1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -162,7 +222,9 @@ def _fence(device: "torch.device", sync: str) -> jax.Array:
     if t is None:
         t = _FENCES[key] = torch.zeros(64, dtype=torch.uint8, device=device)
     if sync == "fence":
-        return D._import_exact(t, name="fence")
+        # The fence's bytes are never read, so no zero-copy / pointer check (a pointer query is an external
+        # reference in PJRT, see set_alias_check): only the stream handshake of the import matters.
+        return jax.dlpack.from_dlpack(t, copy=False)
     hit = _CACHE.get(("fence", key))
     if hit is None:
         hit = D._import_exact(t, name="fence")
@@ -350,11 +412,25 @@ def _compiled(op: Hashable, statics: Hashable, body_factory: Callable, layout: t
         return tuple(_pack(bufs[i], layout[i], new) for i in mutable_idx)
 
     donate_argnums = tuple(i + 1 for i in mutable_idx) if donate else ()
-    return jax.jit(program, donate_argnums=donate_argnums, keep_unused=True), mutable_idx
+    # One _Program per compiled program: which outputs alias their donated inputs is a property of the program
+    # (its input/output aliases), so launches on other tensors of the same layout share the decision.
+    return _Program(jax.jit(program, donate_argnums=donate_argnums, keep_unused=True), mutable_idx)
 
 
 # --- the launch -------------------------------------------------------------------------------------------
 _LAYOUTS = D.ImportCache(max_entries=256)
+
+
+@dataclasses.dataclass
+class _Program:
+    """A jitted launch program, and what its first launch found about aliasing (shared by every prepared
+    launch of the same layout and statics)."""
+
+    fn: Callable
+    mutable_idx: tuple
+    aliases: tuple | None = None  # per mutable output: the torch memory itself (decided by pointer)
+    launches: int = 0
+    every: bool = False  # a re-check disagreed once: check every launch of this program
 
 
 @dataclasses.dataclass
@@ -403,19 +479,29 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
       ValueError / TypeError: device mix, aliasing outputs, or a tensor that cannot be imported zero-copy;
         raised before anything runs, so no tensor is modified.
     """
+    timing = _TIMING[0]
+    t0 = t = time.perf_counter() if timing else 0.0
     prep = _prepare(args)
     dev, buffers = prep.dev, prep.buffers
     donate = donation_aliases(dev)
-    prog = prep.programs.get((op, statics, body_factory))
+    key = (op, statics, body_factory)
+    prog = prep.programs.get(key)
     if prog is None:
-        prog = prep.programs[(op, statics, body_factory)] = _compiled(op, statics, body_factory, prep.layout, donate)
-    fn, mutable_idx = prog
+        prog = prep.programs[key] = _compiled(op, statics, body_factory, prep.layout, donate)
+    fn, mutable_idx = prog.fn, prog.mutable_idx
     sync = _STREAM_SYNC[0] if dev.type == "cuda" else "none"
+    if timing:
+        t = _phase("prepare", t)
     arrays = [_import(b) for b in buffers]
     if sync == "host":
         torch.cuda.current_stream(dev).synchronize()
+    if timing:
+        t = _phase("import", t)
+    fence = _fence(dev, sync)
+    if timing:
+        t = _phase("fence", t)
     try:
-        outs = fn(_fence(dev, sync), *arrays)
+        outs = fn(fence, *arrays)
     except Exception as e:  # noqa: BLE001
         if not donate:
             raise
@@ -430,13 +516,38 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
         return run_in_place(op, statics, body_factory, args)
     if dev.type == "cpu" or sync == "host":
         jax.block_until_ready(outs)
+    if timing:
+        t = _phase("dispatch", t)
     if _PENDING:
         _retire_pending()
+    # Which outputs are the torch memory: decided by pointer on the first launch of this program, then reused
+    # (a pointer query waits for the launch to be dispatched; see set_alias_check).
+    prog.launches += 1
+    check = donate and (prog.aliases is None or prog.every or _ALIAS_CHECK[0] == "every"
+                        or prog.launches % ALIAS_RECHECK_PERIOD == 0)
+    if check:
+        found = []
+        for i, out in zip(mutable_idx, outs):
+            b = buffers[i]
+            if b.view.numel() == 0:
+                found.append(True)
+                continue
+            _ALIAS_CHECKS[0] += 1
+            found.append(out.unsafe_buffer_pointer() == b.view.data_ptr())
+        found = tuple(found)
+        if prog.aliases is not None and found != prog.aliases:
+            warnings.warn(
+                f"kv-canary: {op}: outputs that aliased torch memory on the first launch did not on launch "
+                f"{prog.launches}; copying them back and checking every launch of this program from now on"
+            )
+            prog.every = True
+        prog.aliases = found
+    aliases = prog.aliases if donate else (False,) * len(mutable_idx)
     aliased, copied = [], []
     ordered = False
-    for i, out in zip(mutable_idx, outs):
+    for i, out, alias in zip(mutable_idx, outs, aliases):
         b = buffers[i]
-        if donate and (b.view.numel() == 0 or out.unsafe_buffer_pointer() == b.view.data_ptr()):
+        if alias:
             _CACHE.put(b.key, out, b.owners)
             aliased.append(i)
             continue
@@ -451,25 +562,42 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
         else:
             b.view.copy_(src)
         copied.append(i)
+    if timing:
+        t = _phase("outputs", t)
     if sync == "fence" and not ordered and outs:
         D.to_torch(outs[0])  # torch's current stream waits for the JAX computation
     if copied and dev.type == "cuda":
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(dev))
         _PENDING.append((ev, outs))
+    if timing:
+        t = _phase("export", t)
+        _phase("total", t0)
     _LAST_REPORT["layout"] = prep.layout
     _LAST_REPORT["aliased"] = aliased
     _LAST_REPORT["copied"] = copied
     _LAST_REPORT["donated"] = donate
+    _LAST_REPORT["alias_checked"] = check
+    _LAST_REPORT["program"] = (fn, mutable_idx, [b.view for b in buffers], dev)
+    _LAST_REPORT["_prog"] = prog
 
 
 def last_launch_report() -> dict[str, Any]:
     """What the last :func:`run_in_place` did: names of the mutable buffers that came back ``aliased`` (the
-    torch memory itself, nothing copied) and ``copied_back``, and whether they were ``donated``."""
+    torch memory itself, nothing copied) and ``copied_back``, whether they were ``donated``, and whether this
+    launch asked for its outputs' pointers (``alias_checked``; see :func:`set_alias_check`)."""
     layout = _LAST_REPORT.get("layout", ())
     name = lambda i: "+".join(m.name for m in layout[i][1] if m.mutable)  # noqa: E731
     return {
         "aliased": [name(i) for i in _LAST_REPORT.get("aliased", [])],
         "copied_back": [name(i) for i in _LAST_REPORT.get("copied", [])],
         "donated": _LAST_REPORT.get("donated"),
+        "alias_checked": _LAST_REPORT.get("alias_checked"),
     }
+
+
+def last_launch_program() -> tuple:
+    """``(jitted_fn, mutable_idx, views, device)`` of the last launch, for benchmarks that dispatch the very
+    same program from JAX: ``jitted_fn(fence, *arrays)`` with one array per torch view (same shape and dtype;
+    the arrays at ``mutable_idx`` are donated and come back, in that order, as the outputs)."""
+    return _LAST_REPORT["program"]

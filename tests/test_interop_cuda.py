@@ -10,7 +10,8 @@ Skipped without a CUDA device (and a JAX GPU backend). What each test establishe
   stream is busy;
 * the random launches and the plan produce the bytes of SGLang's torch references (re-implemented in
   test_interop_torchref), and CUDA equals CPU;
-* bad input (CPU mixed with CUDA, two GPUs, wrong dtype, non-contiguous, aliasing outputs, consumed capsule)
+* bad input (CPU mixed with CUDA, two GPUs (skipped with one GPU), wrong dtype, non-contiguous, aliasing
+  outputs, consumed capsule)
   raises naming the argument and leaves the tensors untouched;
 * donated buffers that alias torch memory survive many allocate/launch/free cycles (no double free).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import gc
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -183,13 +185,17 @@ def test_cuda_jax_waits_for_a_side_stream_write_the_current_stream_waits_for(bac
     assert rows[0, 1].item() == 10 and rows[0, 7].item() == 4
 
 
+@jax.jit
+def _busy(x):
+    """Eight 8192^3 matmuls in one program (one compile; each first compile is slow on the H200 machine)."""
+    return jax.lax.fori_loop(0, 8, lambda _, y: (y @ y) * 1e-4, x)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cuda_torch_sees_results_while_jax_stream_is_busy(backend):
     rng = random.Random(4)
     w = World.make(rng, device="cuda")
-    x = jnp.ones((8192, 8192), jnp.float32)
-    for _ in range(8):  # tens of milliseconds queued on JAX's stream
-        x = (x @ x) * 1e-4
+    x = _busy(D.to_jax(torch.ones(8192, 8192, device="cuda"), name="x"))  # tens of ms queued on JAX's stream
     plan = G.WritePlan.allocate(write_req_capacity=1, device="cuda")
     plan.write_offsets.copy_(torch.tensor([0, 2]))
     plan.write_seed_slot_indices.fill_(-1)
@@ -240,15 +246,24 @@ def test_cuda_bad_input_names_the_argument_and_touches_nothing():
         (ValueError, r"input_ids is a DLPack capsule that was already consumed",
          dict(kw, input_ids=_consumed(kw["input_ids"]))),
     ]
-    if torch.cuda.device_count() > 1:
-        cases.append((ValueError, r"positions must be on canary_buf's device cuda:0, got cuda:1",
-                      dict(kw, positions=kw["positions"].to("cuda:1"))))
     for exc, pattern, args in cases:
         args.setdefault("context", ctx)
         with pytest.raises(exc, match=pattern):
             G.launch_canary_write_kernel(plan=plan, **args)
     torch.cuda.synchronize()
     assert_same_bytes(_snapshot(w), before, "refused calls")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_tensors_on_two_gpus_are_refused_and_touch_nothing():
+    w = World.make(random.Random(6), device="cuda")
+    plan, kw = _write_once(w, backend="reference")
+    before = _snapshot(w)
+    with pytest.raises(ValueError, match=r"positions must be on canary_buf's device cuda:0, got cuda:1"):
+        G.launch_canary_write_kernel(context=w.context(2), plan=plan,
+                                     **dict(kw, positions=kw["positions"].to("cuda:1")))
+    torch.cuda.synchronize()
+    assert_same_bytes(_snapshot(w), before, "refused two-GPU call")
 
 
 def _consumed(t):
@@ -264,7 +279,7 @@ def test_cuda_donated_buffers_survive_alloc_free_cycles():
         rng = random.Random(i)
         w = World.make(rng, device="cuda", num_slots=4096)
         _write_once(w, backend="reference")
-        junk = jnp.zeros((1 << 20,), jnp.float32) + i  # JAX allocations in between
+        junk = jax.device_put(np.full((1 << 20,), i, np.float32), jax.devices("gpu")[0])  # JAX allocations
         del w, junk
         if i % 10 == 9:
             gc.collect()
