@@ -388,15 +388,20 @@ PROBE_VARIANTS_MINI = {
 }
 
 
-def run_probe(data: Data, args, results, *, mini: bool):
-    want = ("verify_none", "verify_all_x4", f"write_1x{args.long_tokens}_none", f"write_{args.decode_reqs}x1_all_x4")
-    if mini:
-        want = ("verify_all_x4", f"write_1x{args.long_tokens}_none")
+def run_probe(data: Data, args, results, *, mini: bool, variants=None, want=None, base_config=None):
+    """Times knob variants (``variants``: op -> list of PallasConfig overrides on top of ``base_config``) of
+    the cases ``want`` (ids), Pallas only, x64 off."""
+    if want is None:
+        want = ("verify_none", "verify_all_x4", f"write_1x{args.long_tokens}_none",
+                f"write_{args.decode_reqs}x1_all_x4")
+        if mini:
+            want = ("verify_all_x4", f"write_1x{args.long_tokens}_none")
     base = [c for c in cases(dataclasses.replace(args, only="")) if c.id in want]
-    variants = PROBE_VARIANTS_MINI if mini else PROBE_VARIANTS
+    if variants is None:
+        variants = PROBE_VARIANTS_MINI if mini else PROBE_VARIANTS
     for case in base:
-        for kw in variants[case.op]:
-            cfg = PallasConfig(**kw)
+        for kw in variants.get(case.op, ()):
+            cfg = PallasConfig(**{**(base_config or {}), **kw})
             name = "probe:" + case.id + ":" + (",".join(f"{k}={v}" for k, v in kw.items()) or "default")
             sub = {}
             try:
@@ -528,14 +533,22 @@ def main():
     ap.add_argument("--ref-x64-on", action="store_true")
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config", default="{}", help="JSON PallasConfig overrides for every Pallas launch")
+    ap.add_argument("--probe-json", default="", help='JSON {"verify": [overrides...], "write": [...]}: the probe '
+                    "variants (default: the built-in lists)")
+    ap.add_argument("--probe-cases", default="", help="comma-separated case ids the probe runs (default: built-in)")
     a = ap.parse_args()
+    base_config = json.loads(a.config)
+    probe_variants = json.loads(a.probe_json) if a.probe_json else None
+    probe_cases = tuple(a.probe_cases.split(",")) if a.probe_cases else None
     args = Args(pool=a.pool, entries=a.entries, long_tokens=a.long_tokens, decode_reqs=a.decode_reqs, reps=3 if a.quick else 5,
                 n_verify=20, n_write=10, n_ref=3, n_peer=20, seed=a.seed, only=a.only, ref_x64_on=a.ref_x64_on,
                 skip_reference=a.skip_reference)
     os.makedirs(a.out, exist_ok=True)
     env = environment()
     print(json.dumps(env), flush=True)
-    results: dict = {"environment": env, "args": dataclasses.asdict(args)}
+    results: dict = {"environment": env, "args": dataclasses.asdict(args), "config": base_config,
+                     "probe_variants": probe_variants}
     t_start = time.perf_counter()
     data = Data(args)
     peer = None
@@ -556,9 +569,9 @@ def main():
             json.dump(results, f, indent=1, default=str)
 
     if a.probe == "full":
-        run_probe(data, args, results, mini=False)
+        run_probe(data, args, results, mini=False, variants=probe_variants, want=probe_cases, base_config=base_config)
     else:
-        cfg = PallasConfig()
+        cfg = PallasConfig(**base_config)
         for case in cases(args):
             print(f"[{time.perf_counter() - t_start:6.1f}s] {case.id}", flush=True)
             try:
@@ -568,7 +581,7 @@ def main():
                 traceback.print_exc()
             dump()
     if a.probe == "mini":
-        run_probe(data, args, results, mini=True)
+        run_probe(data, args, results, mini=True, variants=probe_variants, want=probe_cases, base_config=base_config)
     rows, table = summarize(results, args)
     results["summary"] = rows
     dump()

@@ -203,8 +203,10 @@ def sum_counts(counts_ref, lo, hi, *, chunk: int, column: int | None = None) -> 
 
 # --- real-KV fingerprint ---------------------------------------------------------------------------------------
 def real_kv_hash(src_refs, descs, slot: jax.Array, mask: jax.Array, hasher: PairHash, mode: str,
-                 unroll: int = 2) -> U64:
+                 unroll: int = 2, tile_words: int = 16) -> U64:
     """Combined real-KV fingerprint of int32 ``slot`` (SPEC 2.5); 0 with no descriptors.
+
+    ``mode == "tile"``: see :func:`_real_kv_hash_tiles` (coalesced 2-D row loads).
 
     ``unroll >= 1``: one loop over 16-byte chunks serves every source at once: iteration ``k`` folds chunks
     ``k * unroll ..`` of each source (independent chains, so their hashing overlaps) while the loads of the
@@ -225,6 +227,8 @@ def real_kv_hash(src_refs, descs, slot: jax.Array, mask: jax.Array, hasher: Pair
             col0 = jax.lax.rem(slot, jnp.asarray(d.page_size, I32)) * (d.num_bytes_per_token // 4)
         geo.append((ref, row, col0, mask & (row < d.num_rows), d.effective_read_bytes // 16))
     total = max(g[4] for g in geo)
+    if mode == "tile":
+        return _real_kv_hash_tiles(geo, shape, hasher, unroll, tile_words)
     if unroll == 0:  # straight-line code: every chunk load of every source visible to the scheduler at once
         acc = zeros_u64(shape)
         for ref, row, col0, ok, n in geo:
@@ -265,6 +269,86 @@ def real_kv_hash(src_refs, descs, slot: jax.Array, mask: jax.Array, hasher: Pair
     acc = zeros_u64(shape)
     for si in range(len(geo)):
         acc = hasher.fold_step(acc, U64(out[2 * si], out[2 * si + 1]))
+    return acc
+
+
+def columns(x: jax.Array) -> list[jax.Array]:
+    """The columns of a ``[B, W]`` array (``W`` a power of 2) as ``W`` vectors ``[B]``, in order.
+
+    A tree of reshape + ``unstack`` along a trailing axis of 2 (``tt.split`` on Triton): Triton moves the
+    tile once into a layout where each thread holds whole rows, then the splits are register renames."""
+    b, w = x.shape
+    if w == 1:
+        return [x.reshape(b)]
+    even, odd = jax.lax.unstack(x.reshape(b, w // 2, 2), axis=2)
+    out = []
+    for e, o in zip(columns(even), columns(odd)):
+        out += [e, o]
+    return out
+
+
+def _real_kv_hash_tiles(geo, shape, hasher: PairHash, unroll: int, tile_words: int) -> U64:
+    """Real-KV fingerprint from coalesced 2-D tile loads: ``[B, tile_words]`` words of every entry's row per
+    load, so a warp reads whole 64/128-byte row segments (a few L1 wavefronts per load instead of one per
+    lane, as the per-lane gathers cost), then the fold walks the columns in order.
+
+    ``unroll == 0``: straight-line code over all tiles of all sources; ``unroll >= 1``: a loop whose iteration
+    folds ``unroll`` tiles of every source while the next iteration's tiles are already loading."""
+    tw = tile_words
+
+    def load_tile(ref, row, col0, ok, n_words, t):
+        col = col0[:, None] + (t * tw + iota(tw))[None, :]
+        m = ok[:, None] & ((t * tw + iota(tw)) < n_words)[None, :]
+        rows = jnp.where(m, row[:, None], 0)
+        cols = jnp.where(m, col, 0)
+        return pltriton.load(ref.at[rows, cols], mask=m, other=0)
+
+    geo_w = [(ref, row, col0, ok, 4 * n) for ref, row, col0, ok, n in geo]  # words to hash per source
+    tiles = [-(-n_words // tw) for *_, n_words in geo_w]
+    accs = []
+    if unroll == 0:
+        for (ref, row, col0, ok, n_words), nt in zip(geo_w, tiles):
+            xs = [load_tile(ref, row, col0, ok, n_words, t) for t in range(nt)]
+            h = zeros_u64(shape)
+            for t, x in enumerate(xs):
+                cols = columns(x)
+                for k in range(0, min(tw, n_words - t * tw), 2):
+                    h = hasher.fold_step(h, U64(cols[k], cols[k + 1]))
+            accs.append(h)
+    else:
+        total = max(tiles)
+        unroll = max(1, min(unroll, total))
+        steps = -(-total // unroll)
+
+        def load(k):
+            out = []
+            for ref, row, col0, ok, n_words in geo_w:
+                for u in range(unroll):
+                    out.append(load_tile(ref, row, col0, ok, n_words, k * unroll + u))
+            return tuple(out)
+
+        def body(k, carry):
+            hs, cur = carry[: 2 * len(geo_w)], carry[2 * len(geo_w):]
+            nxt = load(k + 1)
+            new = []
+            for si, (*_, n_words) in enumerate(geo_w):
+                h = U64(hs[2 * si], hs[2 * si + 1])
+                for u in range(unroll):
+                    t = k * unroll + u
+                    cols = columns(cur[si * unroll + u])
+                    for c in range(0, min(tw, n_words), 2):
+                        folded = hasher.fold_step(h, U64(cols[c], cols[c + 1]))
+                        exact = n_words % tw == 0 and tiles[si] == steps * unroll
+                        h = folded if exact else sel(t * tw + c < n_words, folded, h)
+                new += [h.lo, h.hi]
+            return tuple(new) + nxt
+
+        zero = jnp.zeros(shape, U32)
+        out = jax.lax.fori_loop(0, steps, body, (zero,) * (2 * len(geo_w)) + load(jnp.int32(0)))
+        accs = [U64(out[2 * si], out[2 * si + 1]) for si in range(len(geo_w))]
+    acc = zeros_u64(shape)
+    for h in accs:
+        acc = hasher.fold_step(acc, h)
     return acc
 
 

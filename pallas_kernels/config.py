@@ -12,7 +12,7 @@ import dataclasses
 import jax
 
 GATHER_MODES = ("quad", "pair", "word")
-SOURCE_GATHER_MODES = ("quad", "pair", "word")
+SOURCE_GATHER_MODES = ("quad", "pair", "word", "tile")
 MULTIPLIERS = ("auto", "portable", "asm")
 
 
@@ -39,7 +39,9 @@ class PallasConfig:
       gather: canary records and plan fields: ``quad`` (16-byte), ``pair`` (8-byte) vector gathers or ``word``.
       source_gather: real-KV bytes per load: ``pair`` (8 B), ``quad`` (16 B; its in-register split costs a
         layout conversion on Triton, measured 2x slower) or ``word`` (4 B).
-      source_unroll: 16-byte chunks per source per iteration of the real-KV loop (loads run one iteration
+      source_tile_words: with ``source_gather="tile"``: uint32 words of a row per 2-D tile load (power of 2,
+        at least 2); a warp then loads whole row segments (coalesced) instead of one 8-byte piece per lane.
+      source_unroll: 16-byte chunks (tiles with ``tile``) per source per iteration of the real-KV loop (loads run one iteration
         ahead); 0 = no loop, fully unrolled straight-line code.
       multiplier: ``auto`` (``asm`` compiled, ``portable`` in interpret mode), ``portable`` or ``asm``.
     """
@@ -56,10 +58,11 @@ class PallasConfig:
     gather: str = "pair"
     source_gather: str = "pair"
     source_unroll: int = 2
+    source_tile_words: int = 16
     multiplier: str = "auto"
 
     def __post_init__(self):
-        for name in ("verify_block", "write_lanes", "write_block", "write_entry_block", "verify_num_warps", "write_num_warps"):
+        for name in ("verify_block", "write_lanes", "write_block", "write_entry_block", "source_tile_words", "verify_num_warps", "write_num_warps"):
             v = getattr(self, name)
             if not isinstance(v, int) or not _pow2(v):
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a power of 2, got {v!r}")

@@ -78,7 +78,7 @@ def _verify_kernel(
     prev_ref,  # u32[C, 2]
     words_ref,  # u32[N, S/4]
     *refs,  # u32[rows_s, row_words_s] per source, then bits_ref u8[C], counts_ref i32[NB], base_ref i32[1]
-    descs, check, n_slots, cap, block, hasher, gather, source_gather, source_unroll,
+    descs, check, n_slots, cap, block, hasher, gather, source_gather, source_unroll, source_tile_words,
 ):
     src_refs = refs[: len(descs)]
     bits_ref, counts_ref, base_ref = refs[len(descs):]
@@ -95,7 +95,8 @@ def _verify_kernel(
                          gather=gather, with_rkv_field=True)
         considered = e["considered"]
         exp_pos = U.load_pair(exp_pos_ref, idx, 0, considered, gather)
-        exp_rkv = U.real_kv_hash(src_refs, descs, e["s"], e["m"], hasher, source_gather, source_unroll)
+        exp_rkv = U.real_kv_hash(src_refs, descs, e["s"], e["m"], hasher, source_gather, source_unroll,
+                                 source_tile_words)
         bits = (
             jnp.where(e["reachable"] & U.ne(e["prev_h"], e["exp_chain"]), 1, 0)
             | jnp.where(U.ne(e["pos"], exp_pos), 2, 0)
@@ -193,7 +194,8 @@ def _verify_pallas(context: VerifyOrWriteContext, plan: VerifyPlan, *, check: bo
     bits, counts, base = pl.pallas_call(
         functools.partial(
             _verify_kernel, descs=descs, check=check, n_slots=n_slots, cap=cap, block=block, hasher=hasher,
-            gather=config.gather, source_gather=config.source_gather, source_unroll=config.source_unroll),
+            gather=config.gather, source_gather=config.source_gather, source_unroll=config.source_unroll,
+            source_tile_words=config.source_tile_words),
         out_shape=(
             jax.ShapeDtypeStruct((cap,), jnp.uint8),
             jax.ShapeDtypeStruct((num_blocks,), jnp.int32),

@@ -139,7 +139,7 @@ def _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, 
 
 
 def _entry_role(loc_ref, src_refs, rkv_ref, *, pid, programs, descs, n_slots, num_tokens, block, hasher, gather,
-                source_gather, source_unroll):
+                source_gather, source_unroll, source_tile_words):
     """Parallel over entries: the real-KV fingerprint of every entry whose slot is in range.
 
     It runs beside the chains, so it cannot know which entries they write: it hashes every entry with a valid
@@ -151,7 +151,7 @@ def _entry_role(loc_ref, src_refs, rkv_ref, *, pid, programs, descs, n_slots, nu
         loc = U.load_pair(loc_ref, i, 0, inw, gather)
         valid = inw & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
         s = jnp.where(valid, loc.lo, U.u32(0)).astype(jnp.int32)
-        rkv = U.real_kv_hash(src_refs, descs, s, valid, hasher, source_gather, source_unroll)
+        rkv = U.real_kv_hash(src_refs, descs, s, valid, hasher, source_gather, source_unroll, source_tile_words)
         U.store_pair(rkv_ref, i, 0, rkv, valid)
 
     U.for_each_block(U.cdiv(num_tokens, block), block_body, pid=pid, programs=programs)
@@ -168,7 +168,7 @@ def _write_chain_kernel(
     *refs,  # sources u32[rows_s, row_words_s]; words_in, flags_in (aliased); outputs: words, flags, prev_at,
             # chain_exp, base[, rkv]
     descs, chain_programs, entry_programs, n_slots, cw, num_tokens, lanes, prefetch, entry_block, hasher,
-    gather, source_gather, source_unroll, assert_inputs,
+    gather, source_gather, source_unroll, source_tile_words, assert_inputs,
 ):
     src_refs = refs[: len(descs)]
     _, _, words_ref, flags_ref, prev_at_ref, chain_exp_ref, base_ref, *rkv = refs[len(descs):]
@@ -191,7 +191,8 @@ def _write_chain_kernel(
         def _():
             _entry_role(loc_ref, src_refs, rkv_ref, pid=pid - chain_programs, programs=entry_programs,
                         descs=descs, n_slots=n_slots, num_tokens=num_tokens, block=entry_block, hasher=hasher,
-                        gather=gather, source_gather=source_gather, source_unroll=source_unroll)
+                        gather=gather, source_gather=source_gather, source_unroll=source_unroll,
+                        source_tile_words=source_tile_words)
 
 
 def _write_won_kernel(
@@ -326,7 +327,8 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
             _write_chain_kernel, descs=descs, chain_programs=chain_programs, entry_programs=entry_programs,
             n_slots=n_slots, cw=cw, num_tokens=num_tokens, lanes=config.write_lanes,
             prefetch=config.write_prefetch, entry_block=config.write_entry_block, hasher=hasher, gather=gather,
-            source_gather=config.source_gather, source_unroll=config.source_unroll, assert_inputs=assert_inputs),
+            source_gather=config.source_gather, source_unroll=config.source_unroll,
+            source_tile_words=config.source_tile_words, assert_inputs=assert_inputs),
         out_shape=tuple(out_shape),
         grid=(chain_programs + entry_programs,),
         input_output_aliases={words_arg: 0, words_arg + 1: 1},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,8 @@ from absl.testing import absltest
 
 import canary_jax as cj
 from canary_jax import hashing as H
+from canary_jax import ints
+from canary_jax import reference as R
 from pallas_kernels.config import PallasConfig, default_interpret
 from pallas_kernels.hashing import PairHash, const_pair
 from pallas_kernels.verify import verify_pallas
@@ -72,6 +76,61 @@ class ConfigTest(absltest.TestCase):
 
     def test_default_interpret_follows_platform(self):
         self.assertEqual(default_interpret(), jax.default_backend() not in ("gpu", "cuda", "rocm"))
+
+
+def _pairs(a) -> jax.Array:
+    return jnp.asarray(ints.int64_to_pairs_np(np.asarray(a, np.int64)))
+
+
+class SourceGatherVariantsTest(absltest.TestCase):
+    """Every real-KV load strategy gives the reference's bytes: write (entry programs) and verify, over
+    sources with page sizes 1 and 4, rows wider than needed, and read lengths that are not a multiple of the
+    tile (48 bytes = 12 words against tiles of 8 or 16 words)."""
+
+    VARIANTS = (
+        dict(source_gather="tile", source_tile_words=16, source_unroll=2),
+        dict(source_gather="tile", source_tile_words=8, source_unroll=0),
+        dict(source_gather="word", source_unroll=3),
+    )
+
+    def test_variants_match_reference(self):
+        rng = np.random.default_rng(7)
+        n = 96
+        geoms = ((1, 64, 48, 16), (4, 32, 32, 16), (1, 16, 16, 0))  # page_size, bytes/token, read_bytes, row pad
+        srcs = []
+        for page, nbpt, read, pad in geoms:
+            rows = -(-n // page)
+            data = jnp.asarray(rng.integers(0, 256, (rows, page * nbpt + pad), dtype=np.uint8))
+            srcs.append(cj.RealKvSource(tensor=data, page_size=page, num_bytes_per_token=nbpt, read_bytes=read))
+        slots = rng.permutation(np.arange(1, n))[:40]
+        slots[7] = slots[3]  # a duplicate slot: the later entry wins
+        counts = [10, 1, 1, 28]
+        seeds = [-1, int(slots[0]), -1, int(slots[12])]
+        plan = cj.WritePlan.from_requests(counts=counts, seed_slots=seeds)
+        ids, pos = _pairs(rng.integers(0, 1 << 40, 40)), _pairs(np.arange(40) % 9)
+        loc = _pairs(np.concatenate([slots[:38], [-1, n + 5]]))  # a skipped and an out-of-range entry
+        prev = np.concatenate([[-1], slots[:-1]])
+        vplan = cj.VerifyPlan.from_entries(slots=slots, positions=np.arange(40) % 9, prev_slots=prev)
+        for mode in (cj.RealKvHashMode.ALL, cj.RealKvHashMode.PARTIAL):
+            ctx = cj.VerifyOrWriteContext(canary_buf=jnp.zeros((n, 32), jnp.uint8),
+                                          kernel_kind=cj.CanaryLaunchTag.TAIL_K_FULL,
+                                          log=cj.ViolationLog.allocate(ring_capacity=64),
+                                          real_kv_sources=tuple(srcs), real_kv_hash_mode=mode)
+            want = R.write_reference(ctx, plan, ids, pos, loc)
+            # Corrupt one source byte of a written slot so that verify has a real-KV row to report.
+            bad = list(srcs)
+            bad[0] = dataclasses.replace(srcs[0], tensor=srcs[0].tensor.at[int(slots[5]), 0].add(1))
+            vwant = R.verify_reference(want.replace(real_kv_sources=tuple(bad)), vplan)
+            self.assertGreater(int(vwant.log.write_index[0]), 0)
+            for kw in self.VARIANTS if mode == cj.RealKvHashMode.ALL else self.VARIANTS[:1]:
+                cfg = PallasConfig(**kw)
+                with self.subTest(mode=mode.name, **kw):
+                    got = write_pallas(ctx, plan, ids, pos, loc, config=cfg)
+                    np.testing.assert_array_equal(np.asarray(got.canary_buf), np.asarray(want.canary_buf))
+                    vgot = verify_pallas(got.replace(real_kv_sources=tuple(bad)), vplan, config=cfg)
+                    np.testing.assert_array_equal(np.asarray(vgot.log.ring), np.asarray(vwant.log.ring))
+                    np.testing.assert_array_equal(np.asarray(vgot.log.write_index),
+                                                  np.asarray(vwant.log.write_index))
 
 
 class EarlyRefusalTest(absltest.TestCase):
