@@ -288,64 +288,68 @@ def columns(x: jax.Array) -> list[jax.Array]:
 
 
 def _real_kv_hash_tiles(geo, shape, hasher: PairHash, unroll: int, tile_words: int) -> U64:
-    """Real-KV fingerprint from coalesced 2-D tile loads: ``[B, tile_words]`` words of every entry's row per
-    load, so a warp reads whole 64/128-byte row segments (a few L1 wavefronts per load instead of one per
-    lane, as the per-lane gathers cost), then the fold walks the columns in order.
+    """Real-KV fingerprint from coalesced 2-D tile loads: ``[B, tile]`` words of every entry's row per load, so
+    a warp reads whole row segments (a few L1 wavefronts per load instead of one per lane, as the per-lane
+    gathers cost), then the fold walks the columns in order. A source's tile is ``tile_words`` wide, or
+    narrower when it hashes fewer words (PARTIAL: 4).
 
     ``unroll == 0``: straight-line code over all tiles of all sources; ``unroll >= 1``: a loop whose iteration
     folds ``unroll`` tiles of every source while the next iteration's tiles are already loading."""
-    tw = tile_words
+    srcs = []
+    for ref, row, col0, ok, n in geo:
+        n_words = 4 * n  # words to hash
+        tw = min(tile_words, 1 << (n_words - 1).bit_length())
+        srcs.append((ref, row, col0, ok, n_words, tw, -(-n_words // tw)))
 
-    def load_tile(ref, row, col0, ok, n_words, t):
-        col = col0[:, None] + (t * tw + iota(tw))[None, :]
-        m = ok[:, None] & ((t * tw + iota(tw)) < n_words)[None, :]
+    def load_tile(src, t):
+        ref, row, col0, ok, n_words, tw, _ = src
+        c = t * tw + iota(tw)
+        m = ok[:, None] & (c < n_words)[None, :]
         rows = jnp.where(m, row[:, None], 0)
-        cols = jnp.where(m, col, 0)
+        cols = jnp.where(m, col0[:, None] + c[None, :], 0)
         return pltriton.load(ref.at[rows, cols], mask=m, other=0)
 
-    geo_w = [(ref, row, col0, ok, 4 * n) for ref, row, col0, ok, n in geo]  # words to hash per source
-    tiles = [-(-n_words // tw) for *_, n_words in geo_w]
-    accs = []
+    def fold(h, src, x, t, exact):
+        n_words, tw = src[4], src[5]
+        cols = columns(x)
+        for c in range(0, tw, 2):
+            if isinstance(t, int) and t * tw + c >= n_words:
+                break
+            folded = hasher.fold_step(h, U64(cols[c], cols[c + 1]))
+            h = folded if exact else sel(t * tw + c < n_words, folded, h)
+        return h
+
     if unroll == 0:
-        for (ref, row, col0, ok, n_words), nt in zip(geo_w, tiles):
-            xs = [load_tile(ref, row, col0, ok, n_words, t) for t in range(nt)]
+        accs = []
+        for src in srcs:
+            xs = [load_tile(src, t) for t in range(src[6])]
             h = zeros_u64(shape)
             for t, x in enumerate(xs):
-                cols = columns(x)
-                for k in range(0, min(tw, n_words - t * tw), 2):
-                    h = hasher.fold_step(h, U64(cols[k], cols[k + 1]))
+                h = fold(h, src, x, t, True)
             accs.append(h)
     else:
-        total = max(tiles)
+        total = max(src[6] for src in srcs)
         unroll = max(1, min(unroll, total))
         steps = -(-total // unroll)
 
         def load(k):
-            out = []
-            for ref, row, col0, ok, n_words in geo_w:
-                for u in range(unroll):
-                    out.append(load_tile(ref, row, col0, ok, n_words, k * unroll + u))
-            return tuple(out)
+            return tuple(load_tile(src, k * unroll + u) for src in srcs for u in range(unroll))
 
         def body(k, carry):
-            hs, cur = carry[: 2 * len(geo_w)], carry[2 * len(geo_w):]
+            hs, cur = carry[: 2 * len(srcs)], carry[2 * len(srcs):]
             nxt = load(k + 1)
             new = []
-            for si, (*_, n_words) in enumerate(geo_w):
+            for si, src in enumerate(srcs):
                 h = U64(hs[2 * si], hs[2 * si + 1])
+                exact = src[4] == steps * unroll * src[5]  # every tile of every iteration is full
                 for u in range(unroll):
-                    t = k * unroll + u
-                    cols = columns(cur[si * unroll + u])
-                    for c in range(0, min(tw, n_words), 2):
-                        folded = hasher.fold_step(h, U64(cols[c], cols[c + 1]))
-                        exact = n_words % tw == 0 and tiles[si] == steps * unroll
-                        h = folded if exact else sel(t * tw + c < n_words, folded, h)
+                    h = fold(h, src, cur[si * unroll + u], k * unroll + u, exact)
                 new += [h.lo, h.hi]
             return tuple(new) + nxt
 
         zero = jnp.zeros(shape, U32)
-        out = jax.lax.fori_loop(0, steps, body, (zero,) * (2 * len(geo_w)) + load(jnp.int32(0)))
-        accs = [U64(out[2 * si], out[2 * si + 1]) for si in range(len(geo_w))]
+        out = jax.lax.fori_loop(0, steps, body, (zero,) * (2 * len(srcs)) + load(jnp.int32(0)))
+        accs = [U64(out[2 * si], out[2 * si + 1]) for si in range(len(srcs))]
     acc = zeros_u64(shape)
     for h in accs:
         acc = hasher.fold_step(acc, h)

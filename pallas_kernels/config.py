@@ -46,7 +46,7 @@ class PallasConfig:
       multiplier: ``auto`` (``asm`` compiled, ``portable`` in interpret mode), ``portable`` or ``asm``.
     """
 
-    verify_block: int = 256
+    verify_block: int = 128
     verify_num_warps: int = 4
     verify_max_programs: int = 4096
     write_lanes: int = 32
@@ -56,8 +56,8 @@ class PallasConfig:
     write_block: int = 128
     write_max_programs: int = 2048
     gather: str = "pair"
-    source_gather: str = "pair"
-    source_unroll: int = 2
+    source_gather: str = "tile"
+    source_unroll: int = 1
     source_tile_words: int = 16
     multiplier: str = "auto"
 

@@ -89,6 +89,7 @@ class SourceGatherVariantsTest(absltest.TestCase):
 
     VARIANTS = (
         dict(source_gather="tile", source_tile_words=16, source_unroll=2),
+        dict(source_gather="pair", source_unroll=2),
         dict(source_gather="tile", source_tile_words=8, source_unroll=0),
         dict(source_gather="word", source_unroll=3),
     )
