@@ -419,7 +419,7 @@ def run_probe(data: Data, args, results, *, mini: bool, variants=None, want=None
 def summarize(results, args) -> tuple[list[dict], str]:
     rows = []
     for cid, rec in results.items():
-        if "case" not in rec or cid.startswith("probe:"):
+        if not isinstance(rec, dict) or "case" not in rec or cid.startswith("probe:"):
             continue
         row = {"id": cid}
         peer_us = rec.get("peer", {}).get("us_per_call")

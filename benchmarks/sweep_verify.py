@@ -88,9 +88,9 @@ CORRUPT_RING = 256  # ring rows of the corrupted check: small enough that it ove
 # Presets; the first DEFAULT_VARIANTS run by default, most informative first.
 PRESETS: dict[str, dict] = {
     "default": {},
-    "b128w4": dict(verify_block=128, verify_num_warps=4),  # one entry per thread
-    "b64w2": dict(verify_block=64, verify_num_warps=2),  # one entry per thread, smaller programs
-    "b256w8": dict(verify_block=256, verify_num_warps=8),  # one entry per thread, bigger programs
+    "b128w4": dict(verify_source_block=128, verify_num_warps=4),  # one entry per thread
+    "b64w2": dict(verify_source_block=64, verify_num_warps=2),  # one entry per thread, smaller programs
+    "b256w8": dict(verify_source_block=256, verify_num_warps=8),  # one entry per thread, bigger programs
     "unroll1": dict(source_unroll=1),
     "unroll4": dict(source_unroll=4),
     "sg_word": dict(source_gather="word"),
@@ -98,11 +98,11 @@ PRESETS: dict[str, dict] = {
     "gather_quad": dict(gather="quad"),
     # extras (name them in --variants)
     "unroll0": dict(source_unroll=0),  # straight-line real-KV code: about 50 s of compile on the H200
-    "b128w4_unroll4": dict(verify_block=128, verify_num_warps=4, source_unroll=4),
-    "b128w4_sg_quad": dict(verify_block=128, verify_num_warps=4, source_gather="quad"),
-    "b128w4_p8192": dict(verify_block=128, verify_num_warps=4, verify_max_programs=8192),
-    "b64w2_p16384": dict(verify_block=64, verify_num_warps=2, verify_max_programs=16384),
-    "b512w8": dict(verify_block=512, verify_num_warps=8),
+    "b128w4_unroll4": dict(verify_source_block=128, verify_num_warps=4, source_unroll=4),
+    "b128w4_sg_quad": dict(verify_source_block=128, verify_num_warps=4, source_gather="quad"),
+    "b128w4_p8192": dict(verify_source_block=128, verify_num_warps=4, verify_max_programs=8192),
+    "b64w2_p16384": dict(verify_source_block=64, verify_num_warps=2, verify_max_programs=16384),
+    "b512w8": dict(verify_source_block=512, verify_num_warps=8),
     "w8": dict(verify_num_warps=8),
     "w2": dict(verify_num_warps=2),
     "p1056": dict(verify_max_programs=1056),

@@ -25,7 +25,9 @@ class PallasConfig:
     """Block shapes and code-generation choices.
 
     Fields:
-      verify_block: entries per verify block (power of 2).
+      verify_block: entries per verify block without real-KV sources (power of 2).
+      verify_source_block: entries per verify block with real-KV sources (power of 2; one entry per thread
+        at 4 warps, which the tile loads want).
       verify_num_warps: Triton warps per verify program.
       verify_max_programs: cap on the verify grid; programs loop over blocks (persistent grid), so the cost
         follows ``num_valid``, not the plan capacity.
@@ -46,7 +48,8 @@ class PallasConfig:
       multiplier: ``auto`` (``asm`` compiled, ``portable`` in interpret mode), ``portable`` or ``asm``.
     """
 
-    verify_block: int = 128
+    verify_block: int = 256
+    verify_source_block: int = 128
     verify_num_warps: int = 4
     verify_max_programs: int = 4096
     write_lanes: int = 32
@@ -62,7 +65,8 @@ class PallasConfig:
     multiplier: str = "auto"
 
     def __post_init__(self):
-        for name in ("verify_block", "write_lanes", "write_block", "write_entry_block", "source_tile_words", "verify_num_warps", "write_num_warps"):
+        for name in ("verify_block", "verify_source_block", "write_lanes", "write_block", "write_entry_block",
+                     "source_tile_words", "verify_num_warps", "write_num_warps"):
             v = getattr(self, name)
             if not isinstance(v, int) or not _pow2(v):
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a power of 2, got {v!r}")

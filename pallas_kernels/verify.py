@@ -183,7 +183,7 @@ def _verify_pallas(context: VerifyOrWriteContext, plan: VerifyPlan, *, check: bo
     words = layout.canary_words(context.canary_buf)
     n_slots = int(words.shape[0])
     cap = int(plan.verify_slot_indices.shape[0])
-    block = config.verify_block
+    block = config.verify_source_block if descs else config.verify_block
     num_blocks = -(-cap // block)
     grid = (max(1, min(num_blocks, config.verify_max_programs)),)
     hasher = PairHash(config.resolved_multiplier(interpret))
