@@ -5,9 +5,9 @@ Semantics: exactly :func:`canary_jax.reference.verify_reference` (SPEC 5), bit f
 
 Two ``pallas_call`` s, no atomics:
 
-1. ``canary_verify`` (``_verify_kernel``): a persistent grid walks blocks of ``verify_block`` entries up to
-   ``min(num_valid, C)`` (so the cost follows the live entries, never the capacity or the pool). Per entry it
-   gathers the slot's record and the predecessor's record, recomputes the chain hash and the real-KV
+1. ``canary_verify`` (``_verify_kernel``): a persistent grid walks blocks of ``verify_block`` entries
+   (``verify_source_block`` with real-KV sources) up to ``min(num_valid, C)`` (so the cost follows the live
+   entries, never the capacity or the pool). Per entry it gathers the slot's record and the predecessor's record, recomputes the chain hash and the real-KV
    fingerprint, and writes one fail-bit byte; per block it writes the number of failing entries.
 2. ``canary_verify_rows`` (``_verify_rows_kernel``): blocks with failures compute their ring base from the
    block counts (exclusive prefix), rank their failing entries with an in-block ``cumsum`` and scatter the
