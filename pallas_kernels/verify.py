@@ -7,8 +7,9 @@ Two ``pallas_call`` s, no atomics:
 
 1. ``canary_verify`` (``_verify_kernel``): a persistent grid walks blocks of ``verify_block`` entries
    (``verify_source_block`` with real-KV sources) up to ``min(num_valid, C)`` (so the cost follows the live
-   entries, never the capacity or the pool). Per entry it gathers the slot's record and the predecessor's record, recomputes the chain hash and the real-KV
-   fingerprint, and writes one fail-bit byte; per block it writes the number of failing entries.
+   entries, never the capacity or the pool). Per entry it gathers the slot's record and the predecessor's
+   record, recomputes the chain hash and the real-KV fingerprint, and writes one fail-bit byte; per block it
+   writes the number of failing entries.
 2. ``canary_verify_rows`` (``_verify_rows_kernel``): blocks with failures compute their ring base from the
    block counts (exclusive prefix), rank their failing entries with an in-block ``cumsum`` and scatter the
    8-field rows at ``write_index + rank`` (fill-once: ranks past the capacity are dropped). Program 0 adds
