@@ -202,6 +202,8 @@ def write_reference(
     n_slots = buf.shape[0]
     num_tokens = input_ids.shape[0]
     cw = plan.write_seed_slot_indices.shape[0]
+    if num_tokens == 0:  # nothing to store or check: only the launch counter moves (as every backend)
+        return context.replace(log=layout.bump_counters(context.log, tag, jnp.uint32(0)))
 
     active_reqs = jnp.clip(plan.write_num_valid_reqs[0], 0, cw)
     off = P.clamp_to_int32(plan.write_offsets, 0, num_tokens)

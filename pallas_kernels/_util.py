@@ -133,6 +133,52 @@ def load_pair(ref, row: jax.Array, col: int, mask: jax.Array, mode: str) -> U64:
     return U64(lo, hi)
 
 
+def load_pair_flat(ref, i: jax.Array, mask: jax.Array) -> U64:
+    """The int64 of entry ``i`` of a flat ``uint32[2 T]`` ref (a ``[T, 2]`` pair array reshaped), as a U64."""
+    idx = 2 * jnp.where(mask, i, 0)[:, None] + iota(2)[None, :]
+    m2 = jnp.broadcast_to(mask[:, None], idx.shape)
+    lo, hi = jax.lax.unstack(pltriton.load(ref.at[idx], mask=m2, other=0), axis=1)
+    return U64(lo, hi)
+
+
+def load_pair_run(ref, start: jax.Array, first: jax.Array, n: int, count: jax.Array) -> list[U64]:
+    """Entries ``start + first + k`` (``k < n``, a power of 2) of a flat ``uint32[2 T]`` pair ref for each
+    lane, as ``n`` U64 (0 where ``first + k >= count``): one ``[B, 2 n]`` load of contiguous words per lane
+    (a single memory op, so Triton's per-op compile passes see ``1`` op instead of ``n``)."""
+    k = iota(2 * n)
+    step = first + jax.lax.div(k, jnp.int32(2))
+    m = step[None, :] < count[:, None]
+    idx = jnp.where(m, 2 * start[:, None] + (2 * first + k)[None, :], 0)
+    cols = columns(pltriton.load(ref.at[idx], mask=m, other=0))
+    return [U64(cols[2 * j], cols[2 * j + 1]) for j in range(n)]
+
+
+def from_columns(cols: list[jax.Array]) -> jax.Array:
+    """``[B, W]`` from ``W`` (a power of 2) vectors ``[B]``: the inverse of :func:`columns` (a tree of
+    two-way stacks, ``tt.join`` on Triton)."""
+    if len(cols) == 1:
+        return cols[0][:, None]
+    even, odd = from_columns(cols[0::2]), from_columns(cols[1::2])
+    return jnp.stack([even, odd], axis=-1).reshape(even.shape[0], 2 * even.shape[1])
+
+
+def store_run(ref, first: jax.Array, values: jax.Array, mask: jax.Array) -> None:
+    """``ref[first + k] = values[:, k]`` where ``mask[:, k]``, for a 1-D ref: one masked store per call
+    (masked-out elements point one past the end, see :func:`store_word`)."""
+    idx = first[:, None] + iota(values.shape[1])[None, :]
+    pltriton.store(ref.at[jnp.where(mask, idx, ref.shape[0])], values, mask=mask)
+
+
+def store_pair_run(ref, first: jax.Array, values: list[U64], mask: jax.Array) -> None:
+    """Entries ``first + k`` of a flat ``uint32[2 T]`` pair ref get ``values[k]`` where ``mask[:, k]``: one
+    ``[B, 2 n]`` store."""
+    words = []
+    for v in values:
+        words += [v.lo, v.hi]
+    m2 = jnp.broadcast_to(mask[:, :, None], mask.shape + (2,)).reshape(mask.shape[0], 2 * mask.shape[1])
+    store_run(ref, 2 * first, from_columns(words), m2)
+
+
 def store_word(ref, row: jax.Array, col: int, value: jax.Array, mask: jax.Array) -> None:
     """Masked ``ref[row, col] = value``. Masked-out lanes point one past the end: Triton skips them, and the
     interpreter's scatter drops them instead of writing back a stale value over a live lane's store."""

@@ -33,7 +33,8 @@ class PallasConfig:
         follows ``num_valid``, not the plan capacity.
       write_lanes: requests per chain program (power of 2): each lane runs one request's serial chain.
       write_num_warps: warps per chain program.
-      write_prefetch: chain steps whose token / position / slot loads are issued one chunk ahead.
+      write_prefetch: chain steps whose token / position / slot loads are issued one chunk ahead (power of 2;
+        one ``[lanes, 2 * write_prefetch]`` load per array and chunk).
       write_entry_block: entries per block of the entry-parallel role of the first write launch (real-KV
         fingerprints, claim words), which runs beside the chains with ``write_num_warps`` warps (power of 2).
       write_block: entries per block of the parallel write passes (power of 2).
@@ -66,15 +67,17 @@ class PallasConfig:
 
     def __post_init__(self):
         for name in ("verify_block", "verify_source_block", "write_lanes", "write_block", "write_entry_block",
-                     "source_tile_words", "verify_num_warps", "write_num_warps"):
+                     "source_tile_words", "verify_num_warps", "write_num_warps", "write_prefetch"):
             v = getattr(self, name)
-            if not isinstance(v, int) or not _pow2(v):
+            if not isinstance(v, int) or isinstance(v, bool) or not _pow2(v):
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a power of 2, got {v!r}")
-        for name in ("verify_max_programs", "write_max_programs", "write_prefetch"):
+        if self.source_tile_words < 2:
+            raise ValueError(f"kv-canary: PallasConfig.source_tile_words must be at least 2, got {self.source_tile_words!r}")
+        for name in ("verify_max_programs", "write_max_programs"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a positive int, got {v!r}")
-        if not isinstance(self.source_unroll, int) or self.source_unroll < 0:
+        if not isinstance(self.source_unroll, int) or isinstance(self.source_unroll, bool) or self.source_unroll < 0:
             raise ValueError(f"kv-canary: PallasConfig.source_unroll must be a non-negative int, got {self.source_unroll!r}")
         if self.gather not in GATHER_MODES:
             raise ValueError(f"kv-canary: PallasConfig.gather must be one of {GATHER_MODES}, got {self.gather!r}")
@@ -86,9 +89,10 @@ class PallasConfig:
             raise ValueError(f"kv-canary: PallasConfig.multiplier must be one of {MULTIPLIERS}, got {self.multiplier!r}")
 
     def for_interpret(self, interpret: bool) -> "PallasConfig":
-        """The config actually used: in interpret mode the chain prefetch (a GPU latency device) is 1, which
-        keeps the CPU compile small; results do not depend on it."""
-        if interpret and self.write_prefetch != 1:
+        """The config actually used: in interpret mode the default chain prefetch (a GPU latency device)
+        becomes 1, which keeps the CPU compile small; results do not depend on it. A prefetch set on purpose
+        is kept, so tests can run the prefetch path interpreted."""
+        if interpret and self.write_prefetch == _DEFAULT_PREFETCH and self.write_prefetch != 1:
             return dataclasses.replace(self, write_prefetch=1)
         return self
 
@@ -101,6 +105,7 @@ class PallasConfig:
 
 
 DEFAULT_CONFIG = PallasConfig()
+_DEFAULT_PREFETCH = DEFAULT_CONFIG.write_prefetch
 
 
 def default_interpret() -> bool:

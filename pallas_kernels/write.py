@@ -85,26 +85,20 @@ def _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, 
         gate = (~seed_neg) & gate_on
         run_pos0 = U.sel(gate, seed_pos, U.zeros_u64((lanes,)))
 
-        def load_step(j):
-            live = j < count
-            i = start + j
-            vals = [U.load_pair(loc_ref, i, 0, live, gather), U.load_pair(ids_ref, i, 0, live, gather),
-                    U.load_pair(pos_ref, i, 0, live, gather)]
-            if assert_inputs:
-                vals += [U.load_pair(exp_tok_ref, i, 0, live, gather),
-                         U.load_pair(exp_pos_ref, i, 0, live, gather)]
-            return vals
+        arrays = (loc_ref, ids_ref, pos_ref) + ((exp_tok_ref, exp_pos_ref) if assert_inputs else ())
 
         def load_chunk(c):
+            # One [lanes, 2 * prefetch] load per array: the next `prefetch` entries of every lane's request.
+            runs = [U.load_pair_run(ref, start, c * prefetch, prefetch, count) for ref in arrays]
             out = []
             for k in range(prefetch):
-                for v in load_step(c * prefetch + k):
-                    out += [v.lo, v.hi]
+                for run in runs:
+                    out += [run[k].lo, run[k].hi]
             return tuple(out)
 
         def step(j, vals, running, run_pos):
+            """One chain step; returns the new state and what the chunk stores for this entry."""
             live = j < count
-            i = start + j
             loc, tok, pos = H.U64(vals[0], vals[1]), H.U64(vals[2], vals[3]), H.U64(vals[4], vals[5])
             ok = live & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
             want = U.add_small(run_pos, 1)
@@ -114,21 +108,34 @@ def _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, 
                 etok, epos = H.U64(vals[6], vals[7]), H.U64(vals[8], vals[9])
                 fl = (fl | jnp.where(U.ne(tok, etok), int(C.FailReason.WRITE_TOKEN_MISMATCH), 0)
                       | jnp.where(U.ne(pos, epos), int(C.FailReason.WRITE_POSITION_MISMATCH), 0))
-            U.store_pair(prev_at_ref, i, 0, running, ok)
-            U.store_vec(flags_ref, i, fl.astype(jnp.uint32), ok)
-            U.store_pair(chain_exp_ref, i, 0, want, cfail)
-            U.store_word(words_ref, jnp.where(ok, loc.lo, U.u32(0)).astype(jnp.int32), _CLAIM_WORD,
-                         jnp.zeros((lanes,), jnp.uint32), ok)
+            out = dict(ok=ok, cfail=cfail, prev=running, want=want, fl=fl.astype(jnp.uint32),
+                       slot=jnp.where(ok, loc.lo, U.u32(0)).astype(jnp.int32))
             running = U.sel(ok, hasher.mix3(running, tok, pos), running)
             run_pos = U.sel(ok & gate, pos, run_pos)
-            return running, run_pos
+            return running, run_pos, out
+
+        def store_chunk(c, outs):
+            # One store per output array and chunk (Triton's per-memory-op compile passes grow steeply with
+            # the number of memory ops in the loop; per-step stores made this kernel compile for minutes).
+            first = start + c * prefetch  # entry of step 0 of this chunk, per lane
+            ok = U.from_columns([o["ok"] for o in outs])  # [lanes, p]
+            cfail = U.from_columns([o["cfail"] for o in outs])
+            U.store_run(flags_ref, first, U.from_columns([o["fl"] for o in outs]), ok)
+            U.store_pair_run(prev_at_ref, first, [o["prev"] for o in outs], ok)
+            U.store_pair_run(chain_exp_ref, first, [o["want"] for o in outs], cfail)
+            slots = U.from_columns([o["slot"] for o in outs])
+            U.store_word(words_ref, slots, _CLAIM_WORD, jnp.zeros(slots.shape, jnp.uint32), ok)
 
         def chunk_body(c, carry):
             running, run_pos = H.U64(carry[0], carry[1]), H.U64(carry[2], carry[3])
             vals = carry[4:]
             nxt = load_chunk(c + 1)
+            outs = []
             for k in range(prefetch):
-                running, run_pos = step(c * prefetch + k, vals[k * per_step:(k + 1) * per_step], running, run_pos)
+                running, run_pos, out = step(c * prefetch + k, vals[k * per_step:(k + 1) * per_step], running,
+                                             run_pos)
+                outs.append(out)
+            store_chunk(c, outs)
             return (running.lo, running.hi, run_pos.lo, run_pos.hi) + nxt
 
         num_chunks = U.cdiv(jnp.max(count), prefetch)
@@ -148,7 +155,7 @@ def _entry_role(loc_ref, src_refs, rkv_ref, *, pid, programs, descs, n_slots, nu
     def block_body(b):
         i = b * block + U.iota(block)
         inw = i < num_tokens
-        loc = U.load_pair(loc_ref, i, 0, inw, gather)
+        loc = U.load_pair_flat(loc_ref, i, inw)
         valid = inw & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
         s = jnp.where(valid, loc.lo, U.u32(0)).astype(jnp.int32)
         rkv = U.real_kv_hash(src_refs, descs, s, valid, hasher, source_gather, source_unroll, source_tile_words)
@@ -163,10 +170,10 @@ def _write_chain_kernel(
     write_index_ref,  # i32[1]: read only here
     offsets_ref,  # u32[Cw + 1, 2]
     seeds_ref,  # u32[Cw, 2]
-    ids_ref, pos_ref, loc_ref,  # u32[T, 2]
-    exp_tok_ref, exp_pos_ref,  # u32[T, 2] (read only with the input assert)
+    ids_ref, pos_ref, loc_ref,  # u32[2 T]: the [T, 2] pairs, flat
+    exp_tok_ref, exp_pos_ref,  # u32[2 T] (read only with the input assert)
     *refs,  # sources u32[rows_s, row_words_s]; words_in, flags_in (aliased); outputs: words, flags, prev_at,
-            # chain_exp, base[, rkv]
+            # chain_exp (flat u32[2 T]), base[, rkv]
     descs, chain_programs, entry_programs, n_slots, cw, num_tokens, lanes, prefetch, entry_block, hasher,
     gather, source_gather, source_unroll, source_tile_words, assert_inputs,
 ):
@@ -317,8 +324,8 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
     params = pltriton.CompilerParams(num_warps=4, num_stages=1)
 
     # 1. Chains and, in the same launch, the entry-parallel work (claims zeroed, real-KV fingerprints).
-    out_shape = [sds(words.shape, u32), sds((num_tokens,), u32), sds((num_tokens, 2), u32),
-                 sds((num_tokens, 2), u32), sds((1,), i32)]
+    out_shape = [sds(words.shape, u32), sds((num_tokens,), u32), sds((2 * num_tokens,), u32),
+                 sds((2 * num_tokens,), u32), sds((1,), i32)]
     if has_rkv:
         out_shape.append(sds((num_tokens, 2), u32))
     words_arg = 10 + len(srcs)
@@ -336,8 +343,11 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
         interpret=interpret,
         name="canary_write_chain",
     )(plan.write_num_valid_reqs, log.enable_chain_position_assert, log.write_index, plan.write_offsets,
-      plan.write_seed_slot_indices, input_ids, positions, out_cache_loc, expected_input_tokens,
-      expected_input_positions, *srcs, words, jnp.zeros((num_tokens,), u32))
+      plan.write_seed_slot_indices, *(a.reshape(-1) for a in (input_ids, positions, out_cache_loc,
+                                                              expected_input_tokens, expected_input_positions)),
+      *srcs, words, jnp.zeros((num_tokens,), u32))
+
+    prev_at, chain_exp = prev_at.reshape(num_tokens, 2), chain_exp.reshape(num_tokens, 2)
 
     # 2. claim[slot] = max(claim, entry + 1) over written entries: the last writer of a slot owns it.
     words = _claim_slots(words, out_cache_loc, flags, num_tokens=num_tokens)

@@ -822,6 +822,14 @@ class BackendSuite(absltest.TestCase):
         self.assertEqual(h.slot_counter(), t)
         self.assertEqual(h.record(3 + t - 1)[:2], (1000 + t - 1, t - 1))
 
+    def test_write_with_no_tokens_only_counts_the_launch(self):
+        h = self.harness()
+        h.write([(-1, [(5, 7, 0)])])
+        before = np.asarray(h.ctx.canary_buf).copy()
+        h.write_raw([0] * (self.WRITE_REQ_CAPACITY + 1), [-1] * self.WRITE_REQ_CAPACITY, 0, [], [], [], [], [])
+        self.assertEqual((h.slot_counter(), h.kernel_counter()), (1, 2))
+        np.testing.assert_array_equal(np.asarray(h.ctx.canary_buf), before)
+
     def test_write_kernel_counter_zero_reqs(self):
         h = self.harness()
         h.write([], num_valid_reqs=0)

@@ -107,6 +107,23 @@ def test_tensors_are_updated_in_place():
     assert sum(w.state.kernel_run_counters.tolist()) == 1  # the neighbours of the counter view are untouched
 
 
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_write_with_no_tokens_only_counts_the_launch(backend):
+    w = World.make(random.Random(4))
+    before = w.buf.clone()
+    plan = G.WritePlan.allocate(write_req_capacity=2)
+    plan.write_offsets.zero_()
+    plan.write_seed_slot_indices.fill_(-1)
+    plan.write_num_valid_reqs.zero_()
+    empty = torch.zeros(0, dtype=torch.int64)
+    G.launch_canary_write_kernel(context=w.context(int(G.CanaryLaunchTag.TAIL_K_FULL)), plan=plan,
+                                 input_ids=empty, positions=empty, out_cache_loc=empty,
+                                 enable_write_input_assert=False, expected_input_tokens=None,
+                                 expected_input_positions=None, backend=backend)
+    assert torch.equal(w.buf, before)
+    assert w.state.kernel_run_counters.tolist()[2] == 1 and w.state.slot_run_counters.tolist()[2] == 0
+
+
 def test_steady_state_launch_does_not_retrace_or_reimport():
     rng = random.Random(4)
     w = World.make(rng, sources=((torch.uint8, 1, 16, 16, 0),), mode=1)

@@ -58,8 +58,16 @@ class ConfigTest(absltest.TestCase):
     def test_validation(self):
         with self.assertRaisesRegex(ValueError, r"verify_block must be a power of 2, got 100"):
             PallasConfig(verify_block=100)
-        with self.assertRaisesRegex(ValueError, r"write_prefetch must be a positive int, got 0"):
+        with self.assertRaisesRegex(ValueError, r"write_prefetch must be a power of 2, got 0"):
             PallasConfig(write_prefetch=0)
+        with self.assertRaisesRegex(ValueError, r"write_prefetch must be a power of 2, got 6"):
+            PallasConfig(write_prefetch=6)
+        with self.assertRaisesRegex(ValueError, r"source_tile_words must be at least 2, got 1"):
+            PallasConfig(source_tile_words=1)
+        with self.assertRaisesRegex(ValueError, r"verify_source_block must be a power of 2, got True"):
+            PallasConfig(verify_source_block=True)
+        with self.assertRaisesRegex(ValueError, r"source_unroll must be a non-negative int, got True"):
+            PallasConfig(source_unroll=True)
         with self.assertRaisesRegex(ValueError, r"source_unroll must be a non-negative int, got -1"):
             PallasConfig(source_unroll=-1)
         with self.assertRaisesRegex(ValueError, r"gather must be one of"):
@@ -68,6 +76,7 @@ class ConfigTest(absltest.TestCase):
     def test_interpret_adjustments(self):
         cfg = PallasConfig()
         self.assertEqual(cfg.for_interpret(True).write_prefetch, 1)
+        self.assertEqual(PallasConfig(write_prefetch=4).for_interpret(True).write_prefetch, 4)
         self.assertIs(cfg.for_interpret(False), cfg)
         self.assertEqual(cfg.resolved_multiplier(True), "portable")
         self.assertEqual(cfg.resolved_multiplier(False), "asm")
@@ -90,7 +99,7 @@ class SourceGatherVariantsTest(absltest.TestCase):
     VARIANTS = (
         dict(source_gather="tile", source_tile_words=16, source_unroll=2),
         dict(source_gather="pair", source_unroll=2),
-        dict(source_gather="tile", source_tile_words=8, source_unroll=0),
+        dict(source_gather="tile", source_tile_words=8, source_unroll=0, write_prefetch=4),
         dict(source_gather="word", source_unroll=3),
     )
 
