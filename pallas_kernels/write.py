@@ -9,11 +9,13 @@ Three ``pallas_call`` s, one XLA scatter-max and one XLA memset (the flag words)
 
    * chain programs (``_chain_role``): each lane runs one request's chain (``write_lanes`` requests per
      program, so a decode batch of thousands of 1-token requests fills the GPU). A lane reads its seed slot
-     (before anything is stored; seeds never read field 3), then walks its entries; the slot / token /
-     position loads of the next ``write_prefetch`` steps are issued one chunk ahead so only three splitmix64
-     per token sit on the serial path. Per written entry it stores the running prev_hash, a flag word
+     (before anything is stored; seeds never read field 3), then walks its entries in chunks of
+     ``write_prefetch`` steps: the slot / token / position words of the next chunk are loaded (one
+     ``[lanes, 2 * write_prefetch]`` load per array) while this chunk runs, so only three splitmix64 per
+     token sit on the serial path. Per written entry it records the running prev_hash, a flag word
      (written, chain-position fail, input-assert bits) and, for a chain-position fail, the expected position,
-     and zeroes field 3's low word of the slot (the claim word of step 2).
+     and zeroes field 3's low word of the slot (the claim word of step 2); these are stored once per chunk
+     (one store per output), which keeps Triton's compile time down.
    * entry programs (``_entry_role``, only with real-KV sources), parallel over entries with
      ``write_entry_block`` entries each: the real-KV fingerprint of every entry with a valid slot. They run
      beside the chains, so real-KV hashing never sits on the serial path nor waits for it.
