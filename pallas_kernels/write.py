@@ -204,6 +204,13 @@ def _write_chain_kernel(
                         source_tile_words=source_tile_words)
 
 
+def _flagged(flags_ref, loc_ref, i, inw, bit: int):
+    """Flag words of entries ``i``, which of them carry ``bit``, and their slots (0 where not)."""
+    fl = U.load_vec(flags_ref, i, inw, 0)
+    has = inw & ((fl & bit) != 0)
+    return fl, has, jnp.where(has, U.load_word(loc_ref, i, 0, has), U.u32(0)).astype(jnp.int32)
+
+
 def _write_won_kernel(
     loc_ref,  # u32[T, 2]
     words_ref,  # u32[N, S/4]: claim words after the scatter-max, read only here
@@ -217,9 +224,7 @@ def _write_won_kernel(
     def block_body(b):
         i = b * block + U.iota(block)
         inw = i < num_tokens
-        fl = U.load_vec(flags_ref, i, inw, 0)
-        written = inw & ((fl & _F_WRITTEN) != 0)
-        s = jnp.where(written, U.load_word(loc_ref, i, 0, written), U.u32(0)).astype(jnp.int32)
+        fl, written, s = _flagged(flags_ref, loc_ref, i, inw, _F_WRITTEN)
         won = written & (U.load_word(words_ref, s, _CLAIM_WORD, written) == (i + 1).astype(jnp.uint32))
         U.store_vec(flags_ref, i, fl | jnp.where(won, _F_WINNER, 0).astype(jnp.uint32), inw)
         rows = ((fl & _F_INPUT) != 0).astype(jnp.int32) + ((fl & _F_CHAIN) != 0).astype(jnp.int32)
@@ -255,9 +260,7 @@ def _write_commit_kernel(
     def block_body(b):
         i = b * block + U.iota(block)
         inw = i < num_tokens
-        fl = U.load_vec(flags_ref, i, inw, 0)
-        won = inw & ((fl & _F_WINNER) != 0)
-        s = jnp.where(won, U.load_word(loc_ref, i, 0, won), U.u32(0)).astype(jnp.int32)
+        fl, won, s = _flagged(flags_ref, loc_ref, i, inw, _F_WINNER)
         fields = [U.load_pair(r, i, 0, won, gather) for r in (ids_ref, pos_ref, prev_at_ref)]
         fields.append(U.load_pair(rkv_ref, i, 0, won, gather) if has_rkv else U.zeros_u64((block,)))
         for f, v in enumerate(fields):
