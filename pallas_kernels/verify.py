@@ -85,7 +85,7 @@ def _verify_kernel(
     bits_ref, counts_ref, base_ref = refs[len(descs):]
     active = _active(num_valid_ref, enable_ref, cap)
 
-    @pl.when(jnp.asarray(pl.program_id(0)).astype(jnp.int32) == 0)
+    @pl.when(U.program_id() == 0)
     def _():
         base_ref[0] = write_index_ref[0]
 
@@ -136,7 +136,7 @@ def _verify_rows_kernel(
     num_blocks = U.cdiv(active, block)
     base = base_ref[0]
 
-    @pl.when(jnp.asarray(pl.program_id(0)).astype(jnp.int32) == 0)
+    @pl.when(U.program_id() == 0)
     def _():
         total = U.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK)
         wi_ref[0] = base + total
