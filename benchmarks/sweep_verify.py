@@ -107,6 +107,9 @@ PRESETS: dict[str, dict] = {
     "w2": dict(verify_num_warps=2),
     "p1056": dict(verify_max_programs=1056),
     "portable": dict(multiplier="portable"),
+    "tile_contiguous": dict(source_gather="tile_contiguous"),  # 16-byte loads + shared-memory hand-over
+    "tile_contiguous32": dict(source_gather="tile_contiguous", source_tile_words=32),
+    "tile32": dict(source_tile_words=32),
 }
 DEFAULT_VARIANTS = ["default", "b128w4", "b64w2", "b256w8", "unroll1", "unroll4", "sg_word", "sg_quad",
                     "gather_quad"]

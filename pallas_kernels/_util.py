@@ -273,8 +273,8 @@ def real_kv_hash(src_refs, descs, slot: jax.Array, mask: jax.Array, hasher: Pair
             col0 = jax.lax.rem(slot, jnp.asarray(d.page_size, I32)) * (d.num_bytes_per_token // 4)
         geo.append((ref, row, col0, mask & (row < d.num_rows), d.effective_read_bytes // 16))
     total = max(g[4] for g in geo)
-    if mode == "tile":
-        return _real_kv_hash_tiles(geo, shape, hasher, unroll, tile_words)
+    if mode in ("tile", "tile_contiguous"):
+        return _real_kv_hash_tiles(geo, shape, hasher, unroll, tile_words, mode == "tile_contiguous")
     if unroll == 0:  # straight-line code: every chunk load of every source visible to the scheduler at once
         acc = zeros_u64(shape)
         for ref, row, col0, ok, n in geo:
@@ -333,14 +333,19 @@ def columns(x: jax.Array) -> list[jax.Array]:
     return out
 
 
-def _real_kv_hash_tiles(geo, shape, hasher: PairHash, unroll: int, tile_words: int) -> U64:
+def _real_kv_hash_tiles(geo, shape, hasher: PairHash, unroll: int, tile_words: int,
+                        contiguous: bool = False) -> U64:
     """Real-KV fingerprint from coalesced 2-D tile loads: ``[B, tile]`` words of every entry's row per load, so
     a warp reads whole row segments (a few L1 wavefronts per load instead of one per lane, as the per-lane
     gathers cost), then the fold walks the columns in order. A source's tile is ``tile_words`` wide, or
     narrower when it hashes fewer words (PARTIAL: 4).
 
     ``unroll == 0``: straight-line code over all tiles of all sources; ``unroll >= 1``: a loop whose iteration
-    folds ``unroll`` tiles of every source while the next iteration's tiles are already loading."""
+    folds ``unroll`` tiles of every source while the next iteration's tiles are already loading.
+
+    ``contiguous``: leave the column indices unmasked so Triton can prove them contiguous. Offline (triton
+    3.6, sm_90) that turns the 4-byte loads into 16-byte loads plus a shared-memory layout hand-over; not yet
+    timed on the GPU, hence not the default (``source_gather="tile_contiguous"``)."""
     srcs = []
     for ref, row, col0, ok, n in geo:
         n_words = 4 * n  # words to hash
@@ -351,8 +356,12 @@ def _real_kv_hash_tiles(geo, shape, hasher: PairHash, unroll: int, tile_words: i
         ref, row, col0, ok, n_words, tw, _ = src
         c = t * tw + iota(tw)
         m = ok[:, None] & (c < n_words)[None, :]
-        rows = jnp.where(m, row[:, None], 0)
-        cols = jnp.where(m, col0[:, None] + c[None, :], 0)
+        if contiguous:  # indices Triton can prove contiguous along a row: 16-byte loads, then a shared-memory
+            rows = jnp.where(ok, row, 0)[:, None]  # hand-over (masked lanes load nothing on Triton and clamp
+            cols = col0[:, None] + c[None, :]  # in interpret mode)
+        else:
+            rows = jnp.where(m, row[:, None], 0)
+            cols = jnp.where(m, col0[:, None] + c[None, :], 0)
         return pltriton.load(ref.at[rows, cols], mask=m, other=0)
 
     def fold(h, src, x, t, exact):
