@@ -252,7 +252,7 @@ def real_kv_hash(src_refs, descs, slot: jax.Array, mask: jax.Array, hasher: Pair
                  unroll: int = 2, tile_words: int = 16) -> U64:
     """Combined real-KV fingerprint of int32 ``slot`` (SPEC 2.5); 0 with no descriptors.
 
-    ``mode == "tile"``: see :func:`_real_kv_hash_tiles` (coalesced 2-D row loads).
+    ``mode == "tile"`` / ``"tile_contiguous"``: see :func:`_real_kv_hash_tiles` (2-D row tiles).
 
     ``unroll >= 1``: one loop over 16-byte chunks serves every source at once: iteration ``k`` folds chunks
     ``k * unroll ..`` of each source (independent chains, so their hashing overlaps) while the loads of the
@@ -335,10 +335,10 @@ def columns(x: jax.Array) -> list[jax.Array]:
 
 def _real_kv_hash_tiles(geo, shape, hasher: PairHash, unroll: int, tile_words: int,
                         contiguous: bool = False) -> U64:
-    """Real-KV fingerprint from coalesced 2-D tile loads: ``[B, tile]`` words of every entry's row per load, so
-    a warp reads whole row segments (a few L1 wavefronts per load instead of one per lane, as the per-lane
-    gathers cost), then the fold walks the columns in order. A source's tile is ``tile_words`` wide, or
-    narrower when it hashes fewer words (PARTIAL: 4).
+    """Real-KV fingerprint from 2-D tile loads: ``[B, tile]`` words of every entry's row per load, then the
+    fold walks the columns in order. A source's tile is ``tile_words`` wide, or narrower when it hashes fewer
+    words (PARTIAL: 4). On Triton (offline PTX, sm_90) each thread holds its own row and loads it 4 bytes at a
+    time, so an iteration has ``tile`` independent loads in flight per entry and source.
 
     ``unroll == 0``: straight-line code over all tiles of all sources; ``unroll >= 1``: a loop whose iteration
     folds ``unroll`` tiles of every source while the next iteration's tiles are already loading.

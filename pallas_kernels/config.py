@@ -46,7 +46,7 @@ class PallasConfig:
         shared-memory hand-over; not yet timed on a GPU), or per-lane pieces of the entry's own row: ``pair``
         (8 B), ``quad`` (16 B; its in-register split costs a layout conversion on Triton) or ``word`` (4 B).
       source_tile_words: with the ``tile`` modes: uint32 words of a row per 2-D tile load (power of 2,
-        at least 2); a warp then loads whole row segments (coalesced) instead of one 8-byte piece per lane.
+        at least 2).
       source_unroll: 16-byte chunks (tiles with ``tile``) per source per iteration of the real-KV loop (loads run one iteration
         ahead); 0 = no loop, fully unrolled straight-line code.
       multiplier: ``auto`` (``asm`` compiled, ``portable`` in interpret mode), ``portable`` or ``asm``.
