@@ -272,57 +272,68 @@ def real_kv_hash(src_refs, descs, slot: jax.Array, mask: jax.Array, hasher: Pair
             row = jax.lax.div(slot, jnp.asarray(d.page_size, I32))
             col0 = jax.lax.rem(slot, jnp.asarray(d.page_size, I32)) * (d.num_bytes_per_token // 4)
         geo.append((ref, row, col0, mask & (row < d.num_rows), d.effective_read_bytes // 16))
-    total = max(g[4] for g in geo)
     if mode in ("tile", "tile_contiguous"):
         return _real_kv_hash_tiles(geo, shape, hasher, unroll, tile_words, mode == "tile_contiguous")
-    if unroll == 0:  # straight-line code: every chunk load of every source visible to the scheduler at once
-        acc = zeros_u64(shape)
-        for ref, row, col0, ok, n in geo:
+
+    def load_chunk(si, c):  # 16-byte chunk c of source si: 4 words
+        ref, row, col0, ok, n = geo[si]
+        return tuple(load_words(ref, row, col0 + 4 * c, 4, ok & (c < n), mode))
+
+    def fold_chunk(h, si, w, c, full):
+        folded = hasher.fold_step(hasher.fold_step(h, U64(w[0], w[1])), U64(w[2], w[3]))
+        return folded if full else sel(c < geo[si][4], folded, h)
+
+    return _pipelined_fold(shape, [g[4] for g in geo], load_chunk, fold_chunk, hasher, unroll)
+
+
+def _pipelined_fold(shape, pieces, load_piece, fold_piece, hasher: PairHash, unroll: int) -> U64:
+    """``acc = fold over sources s of splitmix64(acc ^ h_s)`` where ``h_s`` folds the ``pieces[s]`` pieces of
+    source ``s`` in order: ``h = fold_piece(h, s, load_piece(s, p), p, full)``.
+
+    ``unroll == 0``: straight-line code (static ``p``; ``full`` is True). ``unroll >= 1``: one loop serves
+    every source at once: iteration ``k`` folds pieces ``k * unroll ..`` of each source (independent chains,
+    so their hashing overlaps) while the next iteration's pieces are already loading (carried in the loop
+    state); ``full`` says whether every iteration's pieces of that source exist (else ``fold_piece`` masks
+    with the dynamic ``p``)."""
+    if unroll == 0:
+        hs = []
+        for si, n in enumerate(pieces):
+            xs = [load_piece(si, p) for p in range(n)]
             h = zeros_u64(shape)
-            step = 4 if mode == "quad" else 2
-            for c in range(0, 4 * n, step):
-                w = load_words(ref, row, col0 + c, step, ok, mode)
-                for k in range(0, step, 2):
-                    h = hasher.fold_step(h, U64(w[k], w[k + 1]))
-            acc = hasher.fold_step(acc, h)
-        return acc
-    unroll = max(1, min(unroll, total))
-    steps = -(-total // unroll)
+            for p, x in enumerate(xs):
+                h = fold_piece(h, si, x, p, True)
+            hs.append(h)
+    else:
+        total = max(pieces)
+        unroll = max(1, min(unroll, total))
+        steps = -(-total // unroll)
 
-    def load(k):
-        out = []
-        for ref, row, col0, ok, n in geo:
-            for u in range(unroll):
-                c = k * unroll + u
-                out += load_words(ref, row, col0 + 4 * c, 4, ok & (c < n), mode)
-        return tuple(out)
+        def load(k):
+            return tuple(tuple(load_piece(si, k * unroll + u) for u in range(unroll)) for si in range(len(pieces)))
 
-    def body(k, carry):
-        accs, cur = carry[: 2 * len(geo)], carry[2 * len(geo):]
-        nxt = load(k + 1)
-        new = []
-        for si, (_, _, _, _, n) in enumerate(geo):
-            acc = U64(accs[2 * si], accs[2 * si + 1])
-            for u in range(unroll):
-                w = cur[4 * (si * unroll + u): 4 * (si * unroll + u) + 4]
-                folded = hasher.fold_step(hasher.fold_step(acc, U64(w[0], w[1])), U64(w[2], w[3]))
-                acc = folded if n == steps * unroll else sel(k * unroll + u < n, folded, acc)
-            new += [acc.lo, acc.hi]
-        return tuple(new) + nxt
+        def body(k, carry):
+            hs, cur = carry
+            nxt = load(k + 1)  # issued before this iteration's folds, so they overlap
+            new = []
+            for si, n in enumerate(pieces):
+                h = hs[si]
+                for u in range(unroll):
+                    h = fold_piece(h, si, cur[si][u], k * unroll + u, n == steps * unroll)
+                new.append(h)
+            return tuple(new), nxt
 
-    zero = jnp.zeros(shape, U32)
-    out = jax.lax.fori_loop(0, steps, body, (zero,) * (2 * len(geo)) + load(jnp.int32(0)))
+        hs, _ = jax.lax.fori_loop(0, steps, body, (tuple(zeros_u64(shape) for _ in pieces), load(jnp.int32(0))))
     acc = zeros_u64(shape)
-    for si in range(len(geo)):
-        acc = hasher.fold_step(acc, U64(out[2 * si], out[2 * si + 1]))
+    for h in hs:
+        acc = hasher.fold_step(acc, h)
     return acc
 
 
 def columns(x: jax.Array) -> list[jax.Array]:
     """The columns of a ``[B, W]`` array (``W`` a power of 2) as ``W`` vectors ``[B]``, in order.
 
-    A tree of reshape + ``unstack`` along a trailing axis of 2 (``tt.split`` on Triton): Triton moves the
-    tile once into a layout where each thread holds whole rows, then the splits are register renames."""
+    A tree of reshape + ``unstack`` along a trailing axis of 2 (``tt.split`` on Triton). The splits are
+    register renames once each thread holds whole rows; Triton loads the default tiles that way directly."""
     b, w = x.shape
     if w == 1:
         return [x.reshape(b)]
@@ -364,8 +375,9 @@ def _real_kv_hash_tiles(geo, shape, hasher: PairHash, unroll: int, tile_words: i
             cols = jnp.where(m, col0[:, None] + c[None, :], 0)
         return pltriton.load(ref.at[rows, cols], mask=m, other=0)
 
-    def fold(h, src, x, t, exact):
-        n_words, tw = src[4], src[5]
+    def fold(h, si, x, t, full):
+        _, _, _, _, n_words, tw, n_tiles = srcs[si]
+        exact = full and n_words == n_tiles * tw  # else the last tile is partly past the hashed words
         cols = columns(x)
         for c in range(0, tw, 2):
             if isinstance(t, int) and t * tw + c >= n_words:
@@ -374,41 +386,8 @@ def _real_kv_hash_tiles(geo, shape, hasher: PairHash, unroll: int, tile_words: i
             h = folded if exact else sel(t * tw + c < n_words, folded, h)
         return h
 
-    if unroll == 0:
-        accs = []
-        for src in srcs:
-            xs = [load_tile(src, t) for t in range(src[6])]
-            h = zeros_u64(shape)
-            for t, x in enumerate(xs):
-                h = fold(h, src, x, t, True)
-            accs.append(h)
-    else:
-        total = max(src[6] for src in srcs)
-        unroll = max(1, min(unroll, total))
-        steps = -(-total // unroll)
-
-        def load(k):
-            return tuple(load_tile(src, k * unroll + u) for src in srcs for u in range(unroll))
-
-        def body(k, carry):
-            hs, cur = carry[: 2 * len(srcs)], carry[2 * len(srcs):]
-            nxt = load(k + 1)
-            new = []
-            for si, src in enumerate(srcs):
-                h = U64(hs[2 * si], hs[2 * si + 1])
-                exact = src[4] == steps * unroll * src[5]  # every tile of every iteration is full
-                for u in range(unroll):
-                    h = fold(h, src, cur[si * unroll + u], k * unroll + u, exact)
-                new += [h.lo, h.hi]
-            return tuple(new) + nxt
-
-        zero = jnp.zeros(shape, U32)
-        out = jax.lax.fori_loop(0, steps, body, (zero,) * (2 * len(srcs)) + load(jnp.int32(0)))
-        accs = [U64(out[2 * si], out[2 * si + 1]) for si in range(len(srcs))]
-    acc = zeros_u64(shape)
-    for h in accs:
-        acc = hasher.fold_step(acc, h)
-    return acc
+    return _pipelined_fold(shape, [src[6] for src in srcs], lambda si, t: load_tile(srcs[si], t), fold, hasher,
+                           unroll)
 
 
 def chain_hash(hasher: PairHash, prev: U64, tok: U64, pos: U64) -> U64:

@@ -101,6 +101,7 @@ class SourceGatherVariantsTest(absltest.TestCase):
         dict(source_gather="pair", source_unroll=2),
         dict(source_gather="tile", source_tile_words=8, source_unroll=0, write_prefetch=4),
         dict(source_gather="word", source_unroll=3),
+        dict(source_gather="quad", source_unroll=0),
         dict(source_gather="tile_contiguous", source_tile_words=32, source_unroll=1),
     )
 
