@@ -52,7 +52,7 @@ print(json.dumps({"compile_s": dt, "shared_bytes": k.metadata.shared}))
 '''
 
 
-def lower_ttir(op: str, sources: int, config: dict) -> dict[str, str]:
+def lower_ttir(op: str, sources: int, config: dict, write_reqs: int = 64, write_tokens: int = 64) -> dict[str, str]:
     """TTIR text of every pallas_call of one ``op`` launch (small shapes; the IR does not depend on sizes)."""
     import jax.numpy as jnp
     import numpy as np
@@ -79,8 +79,9 @@ def lower_ttir(op: str, sources: int, config: dict) -> dict[str, str]:
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             if op == "write":
-                plan = cj.WritePlan.from_requests(counts=[1] * 64, seed_slots=[-1] * 64)
-                ids = jnp.asarray(ints.int64_to_pairs_np(np.arange(64, dtype=np.int64)))
+                per = write_tokens // write_reqs
+                plan = cj.WritePlan.from_requests(counts=[per] * write_reqs, seed_slots=[-1] * write_reqs)
+                ids = jnp.asarray(ints.int64_to_pairs_np(np.arange(write_tokens, dtype=np.int64)))
                 W._write_jit.trace(ctx, plan, ids, ids, ids, None, None, assert_inputs=False, interpret=False,
                                    config=cfg).lower(lowering_platforms=("cuda",))
             else:
@@ -107,24 +108,70 @@ def lower_ttir(op: str, sources: int, config: dict) -> dict[str, str]:
     return out
 
 
+def sass_loops(nvdisasm: str, cubin: str) -> list[dict]:
+    """Per backward-branch loop of a cubin: instruction count, opcode counts and the sum of the static stall
+    counts that ptxas wrote into the sm_90 control bits (bits 41..44 of each instruction's second word).
+
+    A warp alone on its scheduler needs at least that many cycles per trip; waits on scoreboards (memory and
+    other variable-latency results) come on top. It ranks variants of a latency-bound loop (the write chain)
+    offline; the GPU timing decides.
+    """
+    text = subprocess.run([nvdisasm, "-hex", "-c", cubin], capture_output=True, text=True, check=True).stdout
+    lines = text.splitlines()
+    ins, labels, pending = [], {}, []
+    for k, line in enumerate(lines):
+        m = re.match(r"^\.(L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);\s*/\* (0x[0-9a-f]+) \*/", line)
+        if m and k + 1 < len(lines):
+            ctrl = re.match(r"\s*/\* (0x[0-9a-f]+) \*/", lines[k + 1])
+            addr = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            ins.append((addr, m.group(2).strip(), int(ctrl.group(1), 16) if ctrl else 0))
+    loops = []
+    for addr, txt, _ in ins:
+        mb = re.search(r"BRA `\(\.(L_x_\d+)\)", txt)
+        if mb and labels.get(mb.group(1), addr + 1) < addr:
+            lo = labels[mb.group(1)]
+            body = [(t, c) for a_, t, c in ins if lo <= a_ <= addr]
+            ops = {}
+            for t, _ in body:
+                op = (t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0]
+                ops[op] = ops.get(op, 0) + 1
+            loops.append({"start": hex(lo), "instructions": len(body),
+                          "stall_cycles": sum((c >> 41) & 0xF for _, c in body),
+                          "scoreboard_waits": sum(1 for _, c in body if (c >> 52) & 0x3F),
+                          "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:10])})
+    return loops
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--triton-python", required=True, help="python of an environment with triton installed")
     ap.add_argument("--op", choices=("write", "verify"), default="write")
     ap.add_argument("--sources", type=int, default=0, help="real-KV sources (ALL mode, 256-byte rows)")
     ap.add_argument("--config", default="{}", help="JSON PallasConfig overrides")
+    ap.add_argument("--write-shape", default="64x1", help="write launch shape REQUESTSxTOKENS_EACH (the "
+                    "long-request role is compiled in for e.g. 1x4096)")
     ap.add_argument("--kernel", default="", help="only this pallas_call name (default: all)")
     ap.add_argument("--timing", action="store_true", help="MLIR_ENABLE_TIMING=1: per-pass times in the log")
+    ap.add_argument("--sass", action="store_true",
+                    help="disassemble (nvdisasm -hex) and report each loop's instructions and static stall cycles")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     config = json.loads(a.config)
-    ttir = lower_ttir(a.op, a.sources, config)
+    reqs, each = (int(v) for v in a.write_shape.split("x"))
+    ttir = lower_ttir(a.op, a.sources, config, write_reqs=reqs, write_tokens=reqs * each)
     from pallas_kernels.config import PallasConfig
 
     cfg = PallasConfig(**config)
     warps = {"canary_write_chain": cfg.write_num_warps, "canary_verify": cfg.verify_num_warps,
-             "canary_verify_rows": cfg.verify_num_warps}
+             "canary_verify_rows": cfg.verify_num_warps, "canary_write_long": cfg.write_num_warps}
     ptxas = subprocess.run([a.triton_python, "-c", "import triton, os; print(os.path.join(os.path.dirname("
                             "triton.__file__), 'backends', 'nvidia', 'bin', 'ptxas'))"],
                            capture_output=True, text=True, check=True).stdout.strip()
@@ -158,6 +205,8 @@ def main():
             ptx = open(path + ".ptx").read()
             row["ld_global"] = len(re.findall(r"\bld\.global", ptx))
             row["st_global"] = len(re.findall(r"\bst\.global", ptx))
+            if a.sass:
+                row["loops"] = sass_loops(os.path.join(os.path.dirname(ptxas), "nvdisasm"), path + ".cubin")
             if a.timing:
                 passes = re.findall(r"^\s+([\d.]+) \(\s*([\d.]+)%\)\s+(\w+)$", res.stdout + res.stderr, flags=re.M)
                 top = sorted(((float(t_), p) for t_, _, p in passes if p != "Total"), reverse=True)[:3]

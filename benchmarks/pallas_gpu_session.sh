@@ -1,8 +1,8 @@
 #!/bin/bash
-# One device call (about 9 minutes on the H200) that measures what issue #3 still lacks after session 2
-# (benchmarks/results/2026-11-30_h200_pallas.md): the restructured write chain's run time and compile time,
-# the untimed verify tile variants, the GPU-only tests, the shared suite compiled on the GPU, and the write
-# modes never timed.
+# One device call (about 9 minutes on the H200) for what issue #3 still lacks after session 3's first call
+# (benchmarks/results/2026-11-30_h200_pallas.md): the long-request write role (run time, compile time, chunk
+# size), the decode write with the longer timing loop, every verify case with 32-word source tiles, and the
+# GPU-only write tests that session 3's first call cut short (compile time), plus the long-role suite.
 #
 # Usage (from the repository root, on the GPU machine):  bash benchmarks/pallas_gpu_session.sh
 # Environment: OUT (default ./pallas_gpu_out), LONG_TOKENS (32768), DECODE_REQS (4096), BENCH_EXTRA (extra
@@ -33,26 +33,27 @@ step() {  # step NAME CAP_SECONDS COMMAND...
   printf '%s\trc=%s\t%ss\n' "$name" "$rc" "$((SECONDS - t0))" >> "$WORK/steps.tsv"
 }
 
-# 1. The restructured chain (one load / store per chunk): run time of the targeted writes and their compile
-#    time (bench.json: compile_s), with the peer and the reference check.
-step 01_write_targets 150 python3 benchmarks/bench.py $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \
+# 1. Targeted writes with the peer and the reference check (the long request takes the long-request role).
+step 01_write_targets 170 python3 benchmarks/bench.py $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \
   --only "write_1x${LONG}_none,write_1x${LONG}_all_x4,write_${DECODE}x1_all_x4,write_${DECODE}x1_none" \
   --x64 off --out "$WORK/bench_write"
-# 2. Verify with sources: the tile variants not yet timed (16-byte loads, 32-word tiles) against the default.
-step 02_verify_tiles 100 python3 benchmarks/sweep_verify.py $EXTRA --budget-s 85 --modes all_x4,partial_x4 \
-  --variants default,tile_contiguous,tile32,tile_contiguous32 --out "$WORK/sweep_verify"
-# 3. The GPU-only tests (million entries, duplicates, 2**31 offsets, page sizes, multipliers, x64 modes).
-step 03_gpu_tests 130 python3 -m pytest -q -p no:cacheprovider -rA tests/test_gpu_pallas.py
-# 4. The shared suite, compiled on the GPU.
-step 04_shared_suite 130 python3 -m pytest -q -p no:cacheprovider -rA tests/test_pallas_interpret.py
-# 5. The write modes never timed.
-step 05_write_modes 60 python3 benchmarks/bench.py $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \
-  --only "write_1x${LONG}_partial_x4,write_1x${LONG}_all_x1,write_${DECODE}x1_partial_x4,write_${DECODE}x1_all_x1" \
-  --x64 off --no-peer --skip-reference --out "$WORK/bench_write_modes"
+# 2. Long-role chunk sizes 8 and 32 (default 16), and the decode write with 16-word source tiles (default 32).
+step 02_write_variants 90 python3 benchmarks/bench.py $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \
+  --only "write_1x${LONG}_all_x4,write_${DECODE}x1_all_x4" --x64 off --no-peer --skip-reference \
+  --probe full --probe-cases "write_1x${LONG}_all_x4,write_${DECODE}x1_all_x4" \
+  --probe-json '{"write": [{"write_long_chunk": 8}, {"write_long_chunk": 32}, {"source_tile_words": 16}]}' \
+  --out "$WORK/bench_write_variants"
+# 3. Every verify case with the new default (32-word source tiles), with the peer and the reference check.
+step 03_verify 110 python3 benchmarks/bench.py $EXTRA --only verify --x64 off --out "$WORK/bench_verify"
+# 4. GPU-only write tests (duplicates, x64 modes) and the long-role suite, compiled.
+step 04_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -rA tests/test_gpu_pallas.py \
+  -k "duplicates or x64"
+step 05_long_suite 100 python3 -m pytest -q -p no:cacheprovider -rA tests/test_pallas_long_chain.py \
+  -k "long_requests or bad_slots or fuzz_long or write_then_verify or write_one_to_four"
 
 echo "== summary"
 cat "$WORK/steps.tsv"
-for f in "$WORK"/bench_*/bench.md "$WORK"/sweep_verify/sweep_verify.md; do [ -f "$f" ] && grep '^|' "$f"; done
-grep -h -E '^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed' "$WORK"/03_gpu_tests.log "$WORK"/04_shared_suite.log 2>/dev/null \
+for f in "$WORK"/bench_*/bench.md; do [ -f "$f" ] && grep '^|' "$f"; done
+grep -h -E '^(PASSED|FAILED|ERROR)|passed|failed' "$WORK"/04_gpu_tests.log "$WORK"/05_long_suite.log 2>/dev/null \
   | tail -n 20
 tar czf "$OUT/session.tgz" -C "$WORK" --exclude jaxcache . && rm -rf "$WORK"

@@ -37,6 +37,10 @@ class PallasConfig:
         one ``[lanes, 2 * write_prefetch]`` load per array and chunk).
       write_entry_block: entries per block of the entry-parallel role of the first write launch (real-KV
         fingerprints, claim words), which runs beside the chains with ``write_num_warps`` warps (power of 2).
+      write_long_chunk: entries per unrolled chunk of the long-request chain role (power of 2).
+      write_long_threshold: requests with more entries than this run in the long-request role (one request per
+        program, the whole program on its chain) when the launch has more than this many tokens and at least
+        twice as many tokens as request rows; other requests run one per lane.
       write_block: entries per block of the parallel write passes (power of 2).
       write_max_programs: grid cap of the write passes.
       gather: canary records and plan fields: ``quad`` (16-byte), ``pair`` (8-byte) vector gathers or ``word``.
@@ -60,23 +64,25 @@ class PallasConfig:
     write_num_warps: int = 1
     write_prefetch: int = 8
     write_entry_block: int = 32
+    write_long_chunk: int = 16
+    write_long_threshold: int = 64
     write_block: int = 128
     write_max_programs: int = 2048
     gather: str = "pair"
     source_gather: str = "tile"
     source_unroll: int = 1
-    source_tile_words: int = 16
+    source_tile_words: int = 32
     multiplier: str = "auto"
 
     def __post_init__(self):
         for name in ("verify_block", "verify_source_block", "write_lanes", "write_block", "write_entry_block",
-                     "source_tile_words", "verify_num_warps", "write_num_warps", "write_prefetch"):
+                     "source_tile_words", "verify_num_warps", "write_num_warps", "write_prefetch", "write_long_chunk"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not _pow2(v):
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a power of 2, got {v!r}")
         if self.source_tile_words < 2:
             raise ValueError(f"kv-canary: PallasConfig.source_tile_words must be at least 2, got {self.source_tile_words!r}")
-        for name in ("verify_max_programs", "write_max_programs"):
+        for name in ("verify_max_programs", "write_max_programs", "write_long_threshold"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a positive int, got {v!r}")

@@ -3,7 +3,8 @@
 Semantics: exactly :func:`canary_jax.reference.write_reference` (SPEC 6), bit for bit, with
 ``jax_enable_x64`` off and on.
 
-Three ``pallas_call`` s, one XLA scatter-max and one XLA memset (the flag words); only the chain is serial:
+Three ``pallas_call`` s (four with long requests), one XLA scatter-max and one XLA memset (the flag words);
+only the chain is serial:
 
 1. ``canary_write_chain`` (``_write_chain_kernel``), one launch with two kinds of program:
 
@@ -13,18 +14,26 @@ Three ``pallas_call`` s, one XLA scatter-max and one XLA memset (the flag words)
      ``write_prefetch`` steps: the slot / token / position words of the next chunk are loaded (one
      ``[lanes, 2 * write_prefetch]`` load per array) while this chunk runs, so only three splitmix64 per
      token sit on the serial path. Per written entry it records the running prev_hash, a flag word
-     (written, chain-position fail, input-assert bits) and, for a chain-position fail, the expected position,
-     and zeroes field 3's low word of the slot (the claim word of step 2); these are stored once per chunk
-     (one store per output), which keeps Triton's compile time down.
+     (written, chain-position fail, input-assert bits) and, for a chain-position fail, the run position
+     before the entry, and zeroes field 3's low word of the slot (the claim word of step 2); these are
+     stored once per chunk (one store per output), which keeps Triton's compile time down. Requests of more
+     than ``write_long_threshold`` entries are left to step 1b when it runs.
    * entry programs (``_entry_role``, only with real-KV sources), parallel over entries with
      ``write_entry_block`` entries each: the real-KV fingerprint of every entry with a valid slot. They run
      beside the chains, so real-KV hashing never sits on the serial path nor waits for it.
 
+1b. ``canary_write_long`` (``_write_long_kernel``), only when the launch has more tokens than
+   ``write_long_threshold`` and at least twice as many tokens as request rows (prefill and mixed batches):
+   one long request per program; the whole program runs its chain (three splitmix64 and two selects per
+   entry on the serial path, nothing stored per entry) and stores a checkpoint per chunk of
+   ``write_long_chunk`` entries, while the entry-parallel work (flags, claim words) runs one entry per
+   thread.
 2. An XLA scatter-max ``claim word[slot] = max(., entry + 1)`` over written entries, so that the last entry
    (request-major order) writing a slot wins, as in the reference.
 3. ``canary_write_won`` (``_write_won_kernel``): each written entry reads its claim word to learn whether it
-   won its slot; per block, the number of violation rows and of written entries. (Winners must all be known
-   before any store overwrites a claim word, hence the launch boundary.)
+   won its slot; long-request entries replay the chain from their chunk's checkpoint (prev_hash, run
+   position, chain-position fail); per block, the number of violation rows and of written entries. (Winners
+   must all be known before any store overwrites a claim word, hence the launch boundary.)
 4. ``canary_write_store`` (``_write_commit_kernel``): winners store ``(token, position, prev_hash,
    real_kv_hash)``; blocks with violations scatter their rows at ``write_index + exclusive prefix`` (the order
    does not depend on atomics); program 0 bumps ``write_index`` and the counters.
@@ -59,13 +68,18 @@ _F_WRITTEN = 1
 _F_CHAIN = 2
 _F_INPUT = 8 | 16  # WRITE_TOKEN_MISMATCH | WRITE_POSITION_MISMATCH, stored as is
 _F_WINNER = 32
+_F_GATE = 64  # long role: the chain-position gate is on; the won pass compares the position
+_F_LONG = 128  # long role: prev_at / chain_exp come from a replay from the chunk's checkpoint (won pass)
+_LONG_SHIFT = 16  # long role: bits 16.. of the flag word: distance to the checkpoint entry
 _CLAIM_WORD = 2 * C.CANARY_FIELD_REAL_KV_HASH  # low word of field 3
 
 
 def _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, pos_ref, loc_ref, exp_tok_ref,
                 exp_pos_ref, words_ref, flags_ref, prev_at_ref, chain_exp_ref, *, pid, programs, n_slots, cw,
-                num_tokens, lanes, prefetch, hasher, gather, assert_inputs):
-    """Serial chains, one request per lane: flags, running prev_hash and chain-position expectations."""
+                num_tokens, lanes, prefetch, hasher, gather, assert_inputs, long_threshold):
+    """Serial chains, one request per lane: flags, running prev_hash and chain-position expectations.
+
+    With ``long_threshold`` (the long role is on), requests of more entries are left to :func:`_write_long_kernel`."""
     nv = jnp.clip(num_reqs_ref[0], 0, cw)
     gate_on = assert_flag_ref[0] != 0
     per_step = 2 * (5 if assert_inputs else 3)
@@ -76,6 +90,8 @@ def _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, 
         start = U.clamp_to(U.load_pair(offsets_ref, r, 0, live_r, gather), num_tokens)
         end = U.clamp_to(U.load_pair(offsets_ref, r + 1, 0, live_r, gather), num_tokens)
         count = jnp.where(live_r, jnp.maximum(end - start, 0), 0)
+        if long_threshold is not None:
+            count = jnp.where(count > long_threshold, 0, count)
 
         seed = U.load_pair(seeds_ref, r, 0, live_r, gather)
         seed_neg = U.is_negative(seed)
@@ -110,7 +126,7 @@ def _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, 
                 etok, epos = H.U64(vals[6], vals[7]), H.U64(vals[8], vals[9])
                 fl = (fl | jnp.where(U.ne(tok, etok), int(C.FailReason.WRITE_TOKEN_MISMATCH), 0)
                       | jnp.where(U.ne(pos, epos), int(C.FailReason.WRITE_POSITION_MISMATCH), 0))
-            out = dict(ok=ok, cfail=cfail, prev=running, want=want, fl=fl.astype(jnp.uint32),
+            out = dict(ok=ok, cfail=cfail, prev=running, run_pos=run_pos, fl=fl.astype(jnp.uint32),
                        slot=jnp.where(ok, loc.lo, U.u32(0)).astype(jnp.int32))
             running = U.sel(ok, hasher.mix3(running, tok, pos), running)
             run_pos = U.sel(ok & gate, pos, run_pos)
@@ -124,7 +140,7 @@ def _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, 
             cfail = U.from_columns([o["cfail"] for o in outs])
             U.store_run(flags_ref, first, U.from_columns([o["fl"] for o in outs]), ok)
             U.store_pair_run(prev_at_ref, first, [o["prev"] for o in outs], ok)
-            U.store_pair_run(chain_exp_ref, first, [o["want"] for o in outs], cfail)
+            U.store_pair_run(chain_exp_ref, first, [o["run_pos"] for o in outs], cfail)
             slots = U.from_columns([o["slot"] for o in outs])
             U.store_word(words_ref, slots, _CLAIM_WORD, jnp.zeros(slots.shape, jnp.uint32), ok)
 
@@ -145,6 +161,143 @@ def _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, 
         jax.lax.fori_loop(0, num_chunks, chunk_body, init)
 
     U.for_each_block(U.cdiv(nv, lanes), block_body, pid=pid, programs=programs)
+
+
+def _write_long_kernel(
+    num_reqs_ref,  # i32[1]
+    assert_flag_ref,  # i32[1]: enable_chain_position_assert
+    offsets_ref,  # u32[Cw + 1, 2]
+    seeds_ref,  # u32[Cw, 2]
+    ids_ref, pos_ref, loc_ref, exp_tok_ref, exp_pos_ref,  # u32[2 T'] flat pairs, zero-padded to whole chunks
+    words_in_ref, flags_in_ref, prev_in_ref, chain_exp_in_ref,  # aliased to the outputs
+    words_ref,  # u32[N, S/4]: claim words of written entries zeroed; seeds read (fields 0..2 only)
+    flags_ref,  # u32[T]
+    prev_at_ref, chain_exp_ref,  # u32[2 T]: prev_hash and run position before each entry
+    *, n_slots, cw, num_tokens, rows, chunk, threshold, scan_block, hasher, gather, assert_inputs,
+):
+    """Serial chains of long requests (more than ``threshold`` entries), one request per program at a time.
+
+    The lane role gives a request one lane and spends every per-entry instruction on the serial path. Here the
+    program walks one request in chunks of ``chunk`` entries at aligned entry indices and keeps the serial path
+    to the chain itself:
+
+    * entry-parallel, one entry per thread: which entries are written (slot in range, inside the request),
+      their flags (written, input-assert bits, ``_F_GATE`` when the chain-position gate is on, ``_F_LONG``
+      and the entry's distance to the chunk's first entry of this request in bits 16..23) and the zeroed
+      claim words;
+    * checkpoint: the chain state at that first entry (running prev_hash and run position, exactly that
+      entry's own ``prev_at`` / ``chain_exp``) is stored once per chunk;
+    * serial, the same chain in every thread: per entry three splitmix64, the written test and two selects,
+      nothing stored. The slots, tokens and positions of a chunk come from one aligned load per array (one
+      chunk ahead) handed to every thread, so they are register operands of the unrolled steps.
+
+    The won pass (:func:`_write_won_kernel`, parallel over entries) replays the at most ``chunk - 1`` steps
+    from the checkpoint to every other entry of the chunk: that is where their ``prev_at`` / ``chain_exp``
+    and chain-position failures come from.
+
+    Long requests go to programs by rank (the ``k``-th long request to program ``k mod programs``), so a
+    prefill batch runs one chain per program. A launch of its own (``canary_write_long``, after the lane
+    chains): Triton's coalescing pass costs about (memory ops) x (IR size) of a kernel, so the two unrolled
+    chain bodies compile much faster apart.
+    """
+    del words_in_ref, flags_in_ref, prev_in_ref, chain_exp_in_ref
+    pid = U.program_id()
+    programs = pl.num_programs(0)
+    nv = jnp.clip(num_reqs_ref[0], 0, cw)
+    gate_on = assert_flag_ref[0] != 0
+    big = jnp.int32(2**31 - 1)
+    one = U.iota(rows) * 0  # [rows] zeros: per-request values are carried as identical [rows] vectors
+    k_e = U.iota(chunk)
+    w2 = 2 * chunk
+
+    def load_rows(ref, q):
+        """Words of entries ``[q * chunk, (q + 1) * chunk)`` of a padded flat pair ref (aligned, in bounds)."""
+        return ref[pl.ds(pl.multiple_of(q * w2, w2), w2)]
+
+    def to_rows(v):
+        return jnp.broadcast_to(v[None, :], (rows,) + v.shape)
+
+    def run_request(r):
+        rv = one + r
+        start = U.clamp_to(U.load_pair(offsets_ref, rv, 0, rv >= 0, gather), num_tokens)  # [rows], identical
+        end = U.clamp_to(U.load_pair(offsets_ref, rv + 1, 0, rv >= 0, gather), num_tokens)
+        seed = U.load_pair(seeds_ref, rv, 0, rv >= 0, gather)
+        seed_neg = U.is_negative(seed)
+        si, s_ok = U.index_of(seed, n_slots)
+        w = U.load_words(words_ref, si, 0, 6, ~seed_neg & s_ok, gather)
+        seed_tok, seed_pos, seed_prev = H.U64(w[0], w[1]), H.U64(w[2], w[3]), H.U64(w[4], w[5])
+        running0 = U.sel(seed_neg, U.full_u64(H.ANCHOR_HASH, (rows,)), hasher.mix3(seed_prev, seed_tok, seed_pos))
+        gate = jnp.max(((~seed_neg) & gate_on).astype(jnp.int32)) != 0  # scalar
+        run_pos0 = U.sel(jnp.broadcast_to(gate, (rows,)), seed_pos, U.zeros_u64((rows,)))
+        start_s, end_s = jnp.max(start), jnp.max(end)  # scalars
+        q0 = jax.lax.div(start_s, jnp.int32(chunk))
+        q1 = U.cdiv(end_s, chunk)
+
+        def entry_part(q, first):
+            """Flags and claim words of chunk ``q``, one entry per thread (``first``: the chunk's first entry
+            of this request, where the checkpoint goes)."""
+            i = q * chunk + k_e
+            inside = (i >= start_s) & (i < end_s)
+            loc = U.load_pair_flat(loc_ref, i, inside)
+            ok = inside & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
+            # (explicit uint32 operands: a select on a scalar predicate between two literals lowers to i1)
+            fl = jnp.where(jnp.broadcast_to(gate, (chunk,)), U.u32(_F_WRITTEN | _F_GATE | _F_LONG),
+                           U.u32(_F_WRITTEN | _F_LONG))
+            fl = fl | jax.lax.shift_left(jnp.maximum(i - first, 0).astype(jnp.uint32), U.u32(_LONG_SHIFT))
+            if assert_inputs:
+                tok, pos, etok, epos = (U.load_pair_flat(ref, i, ok) for ref in (ids_ref, pos_ref, exp_tok_ref,
+                                                                                  exp_pos_ref))
+                fl = (fl | jnp.where(U.ne(tok, etok), U.u32(C.FailReason.WRITE_TOKEN_MISMATCH), U.u32(0))
+                      | jnp.where(U.ne(pos, epos), U.u32(C.FailReason.WRITE_POSITION_MISMATCH), U.u32(0)))
+            U.store_vec(flags_ref, i, jnp.where(ok, fl, U.u32(0)), inside)
+            U.store_word(words_ref, jnp.where(ok, loc.lo, U.u32(0)).astype(jnp.int32), _CLAIM_WORD,
+                         jnp.zeros((chunk,), jnp.uint32), ok)
+
+        def chunk_body(q, carry):
+            running, run_pos = H.U64(carry[0], carry[1]), H.U64(carry[2], carry[3])
+            loc_c, tok_c, pos_c = (U.columns(to_rows(v)) for v in carry[4:7])
+            first = jnp.maximum(q * chunk, start_s)
+            entry_part(q, first)
+            firsts = one + first
+            every = one == 0  # the checkpoint: every row stores the same words
+            for ref, v in ((prev_at_ref, running), (chain_exp_ref, run_pos)):
+                U.store_vec(ref, 2 * firsts, v.lo, every)
+                U.store_vec(ref, 2 * firsts + 1, v.hi, every)
+            nxt = tuple(load_rows(ref, q + 1) for ref in (loc_ref, ids_ref, pos_ref))
+            for k in range(chunk):
+                i = q * chunk + k
+                loc = H.U64(loc_c[2 * k], loc_c[2 * k + 1])
+                tok, pos = H.U64(tok_c[2 * k], tok_c[2 * k + 1]), H.U64(pos_c[2 * k], pos_c[2 * k + 1])
+                ok = (i >= start) & (i < end) & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
+                running = U.sel(ok, hasher.mix3(running, tok, pos), running)
+                run_pos = U.sel(ok, pos, run_pos)
+            return (running.lo, running.hi, run_pos.lo, run_pos.hi) + nxt
+
+        init = (running0.lo, running0.hi, run_pos0.lo, run_pos0.hi) + tuple(
+            load_rows(ref, q0) for ref in (loc_ref, ids_ref, pos_ref))
+        jax.lax.fori_loop(q0, jnp.maximum(q1, q0), chunk_body, init)
+
+    def scan_body(b, rank_base):
+        r = b * scan_block + U.iota(scan_block)
+        live_r = r < nv
+        start = U.clamp_to(U.load_pair(offsets_ref, r, 0, live_r, gather), num_tokens)
+        end = U.clamp_to(U.load_pair(offsets_ref, r + 1, 0, live_r, gather), num_tokens)
+        is_long = live_r & (end - start > threshold)
+        n_long = is_long.astype(jnp.int32)
+        rank = rank_base + jnp.cumsum(n_long) - n_long
+        mine0 = is_long & (jax.lax.rem(rank, jnp.int32(programs)) == pid)
+
+        def next_mine(mine):
+            return jnp.min(jnp.where(mine, r, big))
+
+        def body(r_sel):
+            run_request(r_sel)
+            return next_mine(mine0 & (r > r_sel))
+
+        jax.lax.while_loop(lambda r_sel: r_sel < big, body, next_mine(mine0))
+        return rank_base + jnp.sum(n_long)
+
+    jax.lax.fori_loop(0, U.cdiv(nv, scan_block), scan_body, jnp.int32(0))
 
 
 def _entry_role(loc_ref, src_refs, rkv_ref, *, pid, programs, descs, n_slots, num_tokens, block, hasher, gather,
@@ -176,8 +329,8 @@ def _write_chain_kernel(
     exp_tok_ref, exp_pos_ref,  # u32[2 T] (read only with the input assert)
     *refs,  # sources u32[rows_s, row_words_s]; words_in, flags_in (aliased); outputs: words, flags, prev_at,
             # chain_exp (flat u32[2 T]), base[, rkv]
-    descs, chain_programs, entry_programs, n_slots, cw, num_tokens, lanes, prefetch, entry_block, hasher,
-    gather, source_gather, source_unroll, source_tile_words, assert_inputs,
+    descs, chain_programs, entry_programs, n_slots, cw, num_tokens, lanes, prefetch, entry_block, hasher, gather,
+    source_gather, source_unroll, source_tile_words, assert_inputs, long_threshold,
 ):
     src_refs = refs[: len(descs)]
     _, _, words_ref, flags_ref, prev_at_ref, chain_exp_ref, base_ref, *rkv = refs[len(descs):]
@@ -193,7 +346,8 @@ def _write_chain_kernel(
         _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, pos_ref, loc_ref, exp_tok_ref,
                     exp_pos_ref, words_ref, flags_ref, prev_at_ref, chain_exp_ref, pid=pid,
                     programs=chain_programs, n_slots=n_slots, cw=cw, num_tokens=num_tokens, lanes=lanes,
-                    prefetch=prefetch, hasher=hasher, gather=gather, assert_inputs=assert_inputs)
+                    prefetch=prefetch, hasher=hasher, gather=gather, assert_inputs=assert_inputs,
+                    long_threshold=long_threshold)
 
     if descs:
         @pl.when(pid >= chain_programs)
@@ -212,20 +366,51 @@ def _flagged(flags_ref, loc_ref, i, inw, bit: int):
 
 
 def _write_won_kernel(
-    loc_ref,  # u32[T, 2]
+    loc_ref, ids_ref, pos_ref,  # u32[T, 2]
     words_ref,  # u32[N, S/4]: claim words after the scatter-max, read only here
-    flags_in_ref,  # aliased to flags_ref
-    flags_ref,  # u32[T]: winners get _F_WINNER
+    flags_in_ref, prev_in_ref, chain_exp_in_ref,  # aliased to flags_ref, prev_at_ref, chain_exp_ref
+    flags_ref,  # u32[T]: winners get _F_WINNER; gated long-role entries whose position is not the run
+                # position + 1 get _F_CHAIN
     counts_ref,  # i32[NB, 2]: per block, violation rows and written entries
-    *, num_tokens, block,
+    prev_at_ref, chain_exp_ref,  # u32[T, 2]: long-role entries past their chunk's checkpoint are filled in
+    *, num_tokens, block, gather, hasher, has_long,
 ):
-    del flags_in_ref
+    del flags_in_ref, prev_in_ref, chain_exp_in_ref
 
     def block_body(b):
         i = b * block + U.iota(block)
         inw = i < num_tokens
         fl, written, s = _flagged(flags_ref, loc_ref, i, inw, _F_WRITTEN)
         won = written & (U.load_word(words_ref, s, _CLAIM_WORD, written) == (i + 1).astype(jnp.uint32))
+        gated = written & ((fl & _F_GATE) != 0)
+        run_pos = U.load_pair(chain_exp_ref, i, 0, gated, gather)
+        if has_long:
+            # Long-role entries: replay the chain from the chunk's checkpoint (at most chunk - 1 steps).
+            off = jnp.where(written & ((fl & _F_LONG) != 0),
+                            jax.lax.shift_right_logical(fl, U.u32(_LONG_SHIFT)).astype(jnp.int32), 0)
+            replay = off > 0
+            e = i - off
+            running = U.load_pair(prev_at_ref, e, 0, replay, gather)
+            rp = U.load_pair(chain_exp_ref, e, 0, replay, gather)
+
+            def step(j, carry):
+                running, rp = H.U64(carry[0], carry[1]), H.U64(carry[2], carry[3])
+                x = e + j
+                act = j < off
+                w_x = act & ((U.load_vec(flags_ref, x, act, 0) & _F_WRITTEN) != 0)
+                tok = U.load_pair(ids_ref, x, 0, w_x, gather)
+                pos_x = U.load_pair(pos_ref, x, 0, w_x, gather)
+                running = U.sel(w_x, hasher.mix3(running, tok, pos_x), running)
+                rp = U.sel(w_x, pos_x, rp)
+                return running.lo, running.hi, rp.lo, rp.hi
+
+            out = jax.lax.fori_loop(0, jnp.max(off), step, (running.lo, running.hi, rp.lo, rp.hi))
+            running, rp = H.U64(out[0], out[1]), H.U64(out[2], out[3])
+            U.store_pair(prev_at_ref, i, 0, running, replay)
+            U.store_pair(chain_exp_ref, i, 0, rp, replay)
+            run_pos = U.sel(replay, rp, run_pos)
+        pos = U.load_pair(pos_ref, i, 0, gated, gather)
+        fl = fl | jnp.where(gated & U.ne(pos, U.add_small(run_pos, 1)), _F_CHAIN, 0).astype(jnp.uint32)
         U.store_vec(flags_ref, i, fl | jnp.where(won, _F_WINNER, 0).astype(jnp.uint32), inw)
         rows = ((fl & _F_INPUT) != 0).astype(jnp.int32) + ((fl & _F_CHAIN) != 0).astype(jnp.int32)
         counts_ref[b, 0] = jnp.sum(rows, dtype=jnp.int32)
@@ -238,7 +423,7 @@ def _write_commit_kernel(
     base_ref,  # i32[1]: write_index before this launch
     ids_ref, pos_ref, loc_ref,  # u32[T, 2]
     exp_tok_ref, exp_pos_ref,  # u32[T, 2] (read only with the input assert)
-    prev_at_ref, chain_exp_ref,  # u32[T, 2]
+    prev_at_ref, chain_exp_ref,  # u32[T, 2]: prev_hash and run position before each entry
     flags_ref,  # u32[T]: 0 unless written
     counts_ref,  # i32[NB, 2]
     *refs,  # [rkv u32[T, 2]]; words, ring, wi, slot counters, kernel counters (in, aliased), then the same out
@@ -279,7 +464,7 @@ def _write_commit_kernel(
             tok = U.load_pair(ids_ref, i, 0, any_rec, gather)
             pos = U.load_pair(pos_ref, i, 0, any_rec, gather)
             prev_at = U.load_pair(prev_at_ref, i, 0, any_rec, gather)
-            chain_exp = U.load_pair(chain_exp_ref, i, 0, ch_rec != 0, gather)
+            chain_exp = U.add_small(U.load_pair(chain_exp_ref, i, 0, ch_rec != 0, gather), 1)  # run position + 1
             zero = jnp.zeros((block,), jnp.uint32)
             tag_w = jnp.full((block,), tag, jnp.uint32)
             head = [tag_w, zero, loc.lo, loc.hi, pos.lo, pos.hi, tok.lo, tok.hi]
@@ -324,6 +509,12 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
     num_blocks = -(-num_tokens // block)
     grid_entries = (max(1, min(num_blocks, config.write_max_programs)),)
     chain_programs = max(1, min(-(-cw // config.write_lanes), config.write_max_programs))
+    # Long requests get their own programs when some request can be long and tokens outnumber requests (a
+    # prefill or mixed batch); a decode batch (as many requests as tokens) keeps to the lane role.
+    long_threshold = config.write_long_threshold
+    long_on = num_tokens > long_threshold and num_tokens >= 2 * cw
+    long_programs = max(1, min(cw, num_tokens // (long_threshold + 1), config.write_max_programs)) if long_on else 0
+    long_scan_block = min(1024, 1 << max(0, (cw - 1).bit_length()))
     has_rkv = bool(descs)
     entry_programs = max(1, min(-(-num_tokens // config.write_entry_block), config.write_max_programs)) if has_rkv else 0
     params = pltriton.CompilerParams(num_warps=4, num_stages=1)
@@ -334,9 +525,12 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
     if has_rkv:
         out_shape.append(sds((num_tokens, 2), u32))
     words_arg = 10 + len(srcs)
+    flat = [a.reshape(-1) for a in (input_ids, positions, out_cache_loc, expected_input_tokens,
+                                    expected_input_positions)]
     words, flags, prev_at, chain_exp, base, *rkv = pl.pallas_call(
         functools.partial(
             _write_chain_kernel, descs=descs, chain_programs=chain_programs, entry_programs=entry_programs,
+            long_threshold=long_threshold if long_programs else None,
             n_slots=n_slots, cw=cw, num_tokens=num_tokens, lanes=config.write_lanes,
             prefetch=config.write_prefetch, entry_block=config.write_entry_block, hasher=hasher, gather=gather,
             source_gather=config.source_gather, source_unroll=config.source_unroll,
@@ -348,9 +542,28 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
         interpret=interpret,
         name="canary_write_chain",
     )(plan.write_num_valid_reqs, log.enable_chain_position_assert, log.write_index, plan.write_offsets,
-      plan.write_seed_slot_indices, *(a.reshape(-1) for a in (input_ids, positions, out_cache_loc,
-                                                              expected_input_tokens, expected_input_positions)),
-      *srcs, words, jnp.zeros((num_tokens,), u32))
+      plan.write_seed_slot_indices, *flat, *srcs, words, jnp.zeros((num_tokens,), u32))
+
+    if long_programs:
+        # 1b. Long requests: one chain per program (after the lane chains; seeds read fields 0..2, which no
+        # chain kernel writes). Inputs are zero-padded to whole chunks plus one for the look-ahead load.
+        k = config.write_long_chunk
+        padded = 2 * k * (-(-num_tokens // k) + 1)
+        pads = [jnp.pad(a, (0, padded - 2 * num_tokens)) for a in flat]
+        words, flags, prev_at, chain_exp = pl.pallas_call(
+            functools.partial(
+                _write_long_kernel, n_slots=n_slots, cw=cw, num_tokens=num_tokens, rows=1,
+                chunk=k, threshold=long_threshold, scan_block=long_scan_block, hasher=hasher, gather=gather,
+                assert_inputs=assert_inputs),
+            out_shape=(sds(words.shape, u32), sds(flags.shape, u32), sds(prev_at.shape, u32),
+                       sds(chain_exp.shape, u32)),
+            grid=(long_programs,),
+            input_output_aliases={9: 0, 10: 1, 11: 2, 12: 3},
+            compiler_params=pltriton.CompilerParams(num_warps=config.write_num_warps, num_stages=1),
+            interpret=interpret,
+            name="canary_write_long",
+        )(plan.write_num_valid_reqs, log.enable_chain_position_assert, plan.write_offsets,
+          plan.write_seed_slot_indices, *pads, words, flags, prev_at, chain_exp)
 
     prev_at, chain_exp = prev_at.reshape(num_tokens, 2), chain_exp.reshape(num_tokens, 2)
 
@@ -358,15 +571,17 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
     words = _claim_slots(words, out_cache_loc, flags, num_tokens=num_tokens)
 
     # 3. Winners and per-block counts.
-    flags, counts = pl.pallas_call(
-        functools.partial(_write_won_kernel, num_tokens=num_tokens, block=block),
-        out_shape=(sds(flags.shape, u32), sds((num_blocks, 2), i32)),
+    flags, counts, prev_at, chain_exp = pl.pallas_call(
+        functools.partial(_write_won_kernel, num_tokens=num_tokens, block=block, gather=gather, hasher=hasher,
+                          has_long=bool(long_programs)),
+        out_shape=(sds(flags.shape, u32), sds((num_blocks, 2), i32), sds(prev_at.shape, u32),
+                   sds(chain_exp.shape, u32)),
         grid=grid_entries,
-        input_output_aliases={2: 0},
+        input_output_aliases={4: 0, 5: 2, 6: 3},
         compiler_params=params,
         interpret=interpret,
         name="canary_write_won",
-    )(out_cache_loc, words, flags)
+    )(out_cache_loc, input_ids, positions, words, flags, prev_at, chain_exp)
 
     # 4. Stores, violation rows, write index and counters.
     r = log.ring.shape[0]

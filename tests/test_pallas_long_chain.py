@@ -1,0 +1,111 @@
+"""The Pallas write kernel's long-request chain role against the Python-int oracle.
+
+The role (``pallas_kernels.write._long_role``) takes requests with more than ``write_long_threshold`` entries
+when a launch has more tokens than that and at least twice as many tokens as request rows (a prefill or mixed
+batch). The shared suite's launches (64 tokens, 8 request rows) stay under the default threshold, so here the
+write tests of the shared suite run again with a threshold of 2 and chunks of 4 entries: every request of 3
+entries or more walks the long role, with chunk edges inside and between requests, and short requests keep
+the lane role in the same launch. Extra cases: long requests that share a chunk, more long requests than
+long-role programs, negative and out-of-range slots inside a long request, and chains across launches.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from absl.testing import absltest
+
+import backend_suite
+import oracle as O
+from pallas_kernels import write as W
+from pallas_kernels.config import PallasConfig
+
+LONG_CONFIG = PallasConfig(write_long_threshold=2, write_long_chunk=4, write_prefetch=2)
+
+
+class PallasLongChainTest(backend_suite.BackendSuite):
+    """The shared suite's write scenarios with the long-request role on (verify does not use it)."""
+
+    BACKEND = "pallas"
+    FUZZ_SEEDS = tuple(range(3))
+
+    def setUp(self):
+        super().setUp()
+        if self._testMethodName.startswith("test_verify"):
+            self.skipTest("verify launches do not use the write chain roles")
+        self._saved = W.DEFAULT_CONFIG
+        W.DEFAULT_CONFIG = LONG_CONFIG
+        self.addCleanup(setattr, W, "DEFAULT_CONFIG", self._saved)
+
+    def test_long_role_is_on_for_these_shapes(self):
+        # The shapes below must really route requests to the long role, or the suite tests nothing new.
+        t, cw = self.NUM_TOKENS, self.WRITE_REQ_CAPACITY
+        self.assertTrue(t > LONG_CONFIG.write_long_threshold and t >= 2 * cw)
+
+    def test_long_requests_sharing_chunks_and_programs(self):
+        """Six long requests of 3..9 entries with unaligned starts (several requests per 4-entry chunk) among
+        short ones; then fewer long-role programs than long requests (16 tokens: 16 // 3 = 5 programs)."""
+        h = self.harness()
+        rnd = random.Random(5)
+        free = list(range(1, self.NUM_SLOTS))
+        rnd.shuffle(free)
+        reqs = []
+        for r in range(self.WRITE_REQ_CAPACITY):
+            k = [3, 1, 9, 5, 2, 7, 4, 6][r]
+            reqs.append((-1, [(free.pop(), 100 * r + j, j) for j in range(k)]))
+        h.write(reqs)
+        self.assertEqual(h.write_index, 0)
+        # Grow every chain by one more launch from its last slot (seeds >= 0: the chain-position gate is on).
+        reqs2 = [(ents[-1][0], [(free.pop(), 7 + j, len(ents) + j) for j in range(3 + r % 4)])
+                 for r, (_, ents) in enumerate(reqs)]
+        h.write(reqs2)
+        self.assertEqual(h.write_index, 0)
+        # 16 tokens: 5 long-role programs for the 5 requests of 3 entries (one of them with a wrong position).
+        reqs3 = [(-1, [(free.pop(), 1, 0), (free.pop(), 2, 1), (free.pop(), 3, 2 + (r == 3))]) for r in range(5)]
+        h.write(reqs3, num_tokens=16)
+        self.assertEqual(h.write_index, 0)  # the chain-position gate is off for seeds < 0
+
+    def test_long_request_with_bad_slots_and_positions(self):
+        """Negative, zero and out-of-range slots inside a long request: skipped without advancing the chain;
+        wrong positions raise chain-position rows in entry order."""
+        h = self.harness()
+        n = self.NUM_SLOTS
+        h.poke(5, [11, 3, O.s64(backend_suite.H), 0])
+        ents = [(10, 1, 4), (-1, 2, 5), (11, 3, 5), (n, 4, 6), (12, 5, 9), (0, 6, 10), (13, 7, 11),
+                (n + 7, 8, 12), (14, 9, 12), (15, 10, 12)]
+        h.write([(5, ents), (-1, [(20, 1, 0)])], input_assert=False)
+        rows = h.rows()
+        self.assertEqual([r[1] for r in rows], [12, 15])  # pos 9 after 5, pos 12 after 12
+        self.assertEqual([r[6] for r in rows], [6, 13])  # expected positions
+
+    def test_fuzz_long_requests(self):
+        """Random long and short requests over several launches, input asserts on and off."""
+        for seed in range(3):
+            rnd = random.Random(300 + seed)
+            h = self.harness(chain_assert=rnd.randint(0, 1))
+            n = self.NUM_SLOTS
+            free = list(range(1, n))
+            rnd.shuffle(free)
+            last = {}
+            for _launch in range(3):
+                budget, reqs = self.NUM_TOKENS, []
+                for r in range(rnd.randint(1, self.WRITE_REQ_CAPACITY)):
+                    k = min(rnd.choice([0, 1, 2, 3, 5, 8, 13]), budget, len(free))
+                    budget -= k
+                    ents = []
+                    for j in range(k):
+                        slot = free.pop() if rnd.random() > 0.15 else rnd.choice([-1, 0, n, rnd.randrange(n)])
+                        tok = rnd.choice([rnd.randrange(1 << 20), -1, rnd.randrange(-(2**63), 2**63)])
+                        pos = j + rnd.choice([0] * 8 + [1, -1])
+                        ents.append((slot, tok, pos, tok if rnd.random() < 0.8 else tok ^ 1,
+                                     pos if rnd.random() < 0.8 else pos + 2))
+                    reqs.append((last.get(r, -1), ents))
+                    if ents and 0 <= ents[-1][0] < n:
+                        last[r] = ents[-1][0]
+                h.write(reqs, input_assert=rnd.random() < 0.5,
+                        num_valid_reqs=len(reqs) if rnd.random() < 0.8 else rnd.randint(0, len(reqs)))
+
+
+if __name__ == "__main__":
+    absltest.main()
