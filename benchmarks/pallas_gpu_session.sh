@@ -1,8 +1,8 @@
 #!/bin/bash
-# One device call (about 9 minutes on the H200) for what issue #3 still lacks after session 3's first call
-# (benchmarks/results/2026-11-30_h200_pallas.md): the long-request write role (run time, compile time, chunk
-# size), the decode write with the longer timing loop, every verify case with 32-word source tiles, and the
-# GPU-only write tests that session 3's first call cut short (compile time), plus the long-role suite.
+# One device call (about 9 minutes on the H200) for what issue #3 still lacks after session 3's second call
+# (benchmarks/results/2026-11-30_h200_pallas.md): the write targets with the long role's fast path and
+# 16-word write tiles, the long role without its fast path, the verify cases the second call cut short, and
+# the GPU-only write tests (duplicates, x64 modes) with their fixes, plus the long-role suite.
 #
 # Usage (from the repository root, on the GPU machine):  bash benchmarks/pallas_gpu_session.sh
 # Environment: OUT (default ./pallas_gpu_out), LONG_TOKENS (32768), DECODE_REQS (4096), BENCH_EXTRA (extra
@@ -34,22 +34,21 @@ step() {  # step NAME CAP_SECONDS COMMAND...
 }
 
 # 1. Targeted writes with the peer and the reference check (the long request takes the long-request role).
-step 01_write_targets 170 python3 benchmarks/bench.py $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \
+step 01_write_targets 150 python3 benchmarks/bench.py $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \
   --only "write_1x${LONG}_none,write_1x${LONG}_all_x4,write_${DECODE}x1_all_x4,write_${DECODE}x1_none" \
   --x64 off --out "$WORK/bench_write"
-# 2. Long-role chunk sizes 8 and 32 (default 16), and the decode write with 16-word source tiles (default 32).
-step 02_write_variants 90 python3 benchmarks/bench.py $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \
-  --only "write_1x${LONG}_all_x4,write_${DECODE}x1_all_x4" --x64 off --no-peer --skip-reference \
-  --probe full --probe-cases "write_1x${LONG}_all_x4,write_${DECODE}x1_all_x4" \
-  --probe-json '{"write": [{"write_long_chunk": 8}, {"write_long_chunk": 32}, {"source_tile_words": 16}]}' \
-  --out "$WORK/bench_write_variants"
-# 3. Every verify case with the new default (32-word source tiles), with the peer and the reference check.
-step 03_verify 110 python3 benchmarks/bench.py $EXTRA --only verify --x64 off --out "$WORK/bench_verify"
+# 2. The verify cases with sources that the second call did not reach or that changed (32-word tiles).
+step 02_verify 100 python3 benchmarks/bench.py $EXTRA --only "verify_all_x1,verify_all_x4,verify_partial_x1" \
+  --x64 off --out "$WORK/bench_verify"
+# 3. The long role without its fast path (every chunk on the general path).
+step 03_long_general 60 python3 benchmarks/bench.py $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \
+  --only "write_1x${LONG}_none" --x64 off --no-peer --skip-reference --config '{"write_long_fast_path": false}' \
+  --out "$WORK/bench_long_general"
 # 4. GPU-only write tests (duplicates, x64 modes) and the long-role suite, compiled.
-step 04_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -rA tests/test_gpu_pallas.py \
+step 04_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -rA tests/test_gpu_pallas.py \
   -k "duplicates or x64"
-step 05_long_suite 100 python3 -m pytest -q -p no:cacheprovider -rA tests/test_pallas_long_chain.py \
-  -k "long_requests or bad_slots or fuzz_long or write_then_verify or write_one_to_four"
+step 05_long_suite 60 python3 -m pytest -q -p no:cacheprovider -rA tests/test_pallas_long_chain.py \
+  -k "long_requests or bad_slots or fuzz_long or general_path or x64_on"
 
 echo "== summary"
 cat "$WORK/steps.tsv"

@@ -173,7 +173,7 @@ def _write_long_kernel(
     words_ref,  # u32[N, S/4]: claim words of written entries zeroed; seeds read (fields 0..2 only)
     flags_ref,  # u32[T]
     prev_at_ref, chain_exp_ref,  # u32[2 T]: prev_hash and run position before each entry
-    *, n_slots, cw, num_tokens, rows, chunk, threshold, scan_block, hasher, gather, assert_inputs,
+    *, n_slots, cw, num_tokens, rows, chunk, threshold, scan_block, hasher, gather, assert_inputs, fast_path,
 ):
     """Serial chains of long requests (more than ``threshold`` entries), one request per program at a time.
 
@@ -202,7 +202,7 @@ def _write_long_kernel(
     """
     del words_in_ref, flags_in_ref, prev_in_ref, chain_exp_in_ref
     pid = U.program_id()
-    programs = pl.num_programs(0)
+    programs = jnp.asarray(pl.num_programs(0)).astype(jnp.int32)  # (int64 under x64 in interpret mode)
     nv = jnp.clip(num_reqs_ref[0], 0, cw)
     gate_on = assert_flag_ref[0] != 0
     big = jnp.int32(2**31 - 1)
@@ -252,26 +252,43 @@ def _write_long_kernel(
             U.store_vec(flags_ref, i, jnp.where(ok, fl, U.u32(0)), inside)
             U.store_word(words_ref, jnp.where(ok, loc.lo, U.u32(0)).astype(jnp.int32), _CLAIM_WORD,
                          jnp.zeros((chunk,), jnp.uint32), ok)
+            return jnp.min(ok.astype(jnp.int32)) != 0  # every entry of the chunk is written
 
         def chunk_body(q, carry):
             running, run_pos = H.U64(carry[0], carry[1]), H.U64(carry[2], carry[3])
             loc_c, tok_c, pos_c = (U.columns(to_rows(v)) for v in carry[4:7])
             first = jnp.maximum(q * chunk, start_s)
-            entry_part(q, first)
+            full = entry_part(q, first)
             firsts = one + first
             every = one == 0  # the checkpoint: every row stores the same words
             for ref, v in ((prev_at_ref, running), (chain_exp_ref, run_pos)):
                 U.store_vec(ref, 2 * firsts, v.lo, every)
                 U.store_vec(ref, 2 * firsts + 1, v.hi, every)
             nxt = tuple(load_rows(ref, q + 1) for ref in (loc_ref, ids_ref, pos_ref))
-            for k in range(chunk):
-                i = q * chunk + k
-                loc = H.U64(loc_c[2 * k], loc_c[2 * k + 1])
-                tok, pos = H.U64(tok_c[2 * k], tok_c[2 * k + 1]), H.U64(pos_c[2 * k], pos_c[2 * k + 1])
-                ok = (i >= start) & (i < end) & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
-                running = U.sel(ok, hasher.mix3(running, tok, pos), running)
-                run_pos = U.sel(ok, pos, run_pos)
-            return (running.lo, running.hi, run_pos.lo, run_pos.hi) + nxt
+
+            def general(state):  # any entry may be skipped (outside the request, slot out of range)
+                running, run_pos = H.U64(state[0], state[1]), H.U64(state[2], state[3])
+                for k in range(chunk):
+                    i = q * chunk + k
+                    loc = H.U64(loc_c[2 * k], loc_c[2 * k + 1])
+                    tok, pos = H.U64(tok_c[2 * k], tok_c[2 * k + 1]), H.U64(pos_c[2 * k], pos_c[2 * k + 1])
+                    ok = (i >= start) & (i < end) & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
+                    running = U.sel(ok, hasher.mix3(running, tok, pos), running)
+                    run_pos = U.sel(ok, pos, run_pos)
+                return running.lo, running.hi, run_pos.lo, run_pos.hi
+
+            def all_written(state):  # every entry is written: nothing but the chain on the serial path
+                running = H.U64(state[0], state[1])
+                for k in range(chunk):
+                    tok, pos = H.U64(tok_c[2 * k], tok_c[2 * k + 1]), H.U64(pos_c[2 * k], pos_c[2 * k + 1])
+                    running = hasher.mix3(running, tok, pos)
+                return running.lo, running.hi, pos_c[2 * chunk - 2], pos_c[2 * chunk - 1]
+
+            if fast_path:
+                state = jax.lax.cond(full, all_written, general, (running.lo, running.hi, run_pos.lo, run_pos.hi))
+            else:
+                state = general((running.lo, running.hi, run_pos.lo, run_pos.hi))
+            return tuple(state) + nxt
 
         init = (running0.lo, running0.hi, run_pos0.lo, run_pos0.hi) + tuple(
             load_rows(ref, q0) for ref in (loc_ref, ids_ref, pos_ref))
@@ -284,8 +301,8 @@ def _write_long_kernel(
         end = U.clamp_to(U.load_pair(offsets_ref, r + 1, 0, live_r, gather), num_tokens)
         is_long = live_r & (end - start > threshold)
         n_long = is_long.astype(jnp.int32)
-        rank = rank_base + jnp.cumsum(n_long) - n_long
-        mine0 = is_long & (jax.lax.rem(rank, jnp.int32(programs)) == pid)
+        rank = rank_base + jnp.cumsum(n_long, dtype=jnp.int32) - n_long
+        mine0 = is_long & (jax.lax.rem(rank, programs) == pid)
 
         def next_mine(mine):
             return jnp.min(jnp.where(mine, r, big))
@@ -295,7 +312,7 @@ def _write_long_kernel(
             return next_mine(mine0 & (r > r_sel))
 
         jax.lax.while_loop(lambda r_sel: r_sel < big, body, next_mine(mine0))
-        return rank_base + jnp.sum(n_long)
+        return rank_base + jnp.sum(n_long, dtype=jnp.int32)  # (a plain sum is int64 under x64)
 
     jax.lax.fori_loop(0, U.cdiv(nv, scan_block), scan_body, jnp.int32(0))
 
@@ -534,7 +551,7 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
             n_slots=n_slots, cw=cw, num_tokens=num_tokens, lanes=config.write_lanes,
             prefetch=config.write_prefetch, entry_block=config.write_entry_block, hasher=hasher, gather=gather,
             source_gather=config.source_gather, source_unroll=config.source_unroll,
-            source_tile_words=config.source_tile_words, assert_inputs=assert_inputs),
+            source_tile_words=config.write_source_tile_words, assert_inputs=assert_inputs),
         out_shape=tuple(out_shape),
         grid=(chain_programs + entry_programs,),
         input_output_aliases={words_arg: 0, words_arg + 1: 1},
@@ -554,7 +571,7 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
             functools.partial(
                 _write_long_kernel, n_slots=n_slots, cw=cw, num_tokens=num_tokens, rows=1,
                 chunk=k, threshold=long_threshold, scan_block=long_scan_block, hasher=hasher, gather=gather,
-                assert_inputs=assert_inputs),
+                assert_inputs=assert_inputs, fast_path=config.write_long_fast_path),
             out_shape=(sds(words.shape, u32), sds(flags.shape, u32), sds(prev_at.shape, u32),
                        sds(chain_exp.shape, u32)),
             grid=(long_programs,),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
+import jax
 from absl.testing import absltest
 
 import backend_suite
@@ -22,6 +22,7 @@ from pallas_kernels import write as W
 from pallas_kernels.config import PallasConfig
 
 LONG_CONFIG = PallasConfig(write_long_threshold=2, write_long_chunk=4, write_prefetch=2)
+GENERAL_ONLY = PallasConfig(write_long_threshold=2, write_long_chunk=4, write_prefetch=2, write_long_fast_path=False)
 
 
 class PallasLongChainTest(backend_suite.BackendSuite):
@@ -37,6 +38,15 @@ class PallasLongChainTest(backend_suite.BackendSuite):
         self._saved = W.DEFAULT_CONFIG
         W.DEFAULT_CONFIG = LONG_CONFIG
         self.addCleanup(setattr, W, "DEFAULT_CONFIG", self._saved)
+
+    def test_general_path_alone_matches(self):
+        """With the fast path off, every chunk takes the general path (per-entry written test)."""
+        W.DEFAULT_CONFIG = GENERAL_ONLY
+        h = self.harness()
+        ents = [(10 + j, 100 + j, j) for j in range(13)]
+        h.write([(-1, ents), (-1, [(40, 1, 0)])])
+        h.write([(22, [(50 + j, 7, 13 + j + (j == 3)) for j in range(9)])])
+        self.assertEqual(h.write_index, 2)  # position 17 where 16 is due, then 17 where 18 is due
 
     def test_long_role_is_on_for_these_shapes(self):
         # The shapes below must really route requests to the long role, or the suite tests nothing new.
@@ -78,6 +88,16 @@ class PallasLongChainTest(backend_suite.BackendSuite):
         rows = h.rows()
         self.assertEqual([r[1] for r in rows], [12, 15])  # pos 9 after 5, pos 12 after 12
         self.assertEqual([r[6] for r in rows], [6, 13])  # expected positions
+
+    def test_long_role_with_x64_on(self):
+        """The long role traced with ``jax_enable_x64`` on (grid ids and sums are int64 there) gives the same
+        state as the oracle."""
+        with jax.enable_x64(True):
+            h = self.harness()
+            h.poke(5, [11, 3, O.s64(backend_suite.H), 0])
+            ents = [(10 + j, 100 + j, 4 + j + (j == 6), 100 + j + (j == 2), 4 + j) for j in range(11)]
+            h.write([(5, ents), (-1, [(40, 1, 0), (41, 2, 1)])], input_assert=True)
+            self.assertEqual(h.write_index, 4)  # a token and a position input row, two chain-position rows
 
     def test_fuzz_long_requests(self):
         """Random long and short requests over several launches, input asserts on and off."""
