@@ -41,8 +41,6 @@ class PallasConfig:
       write_long_threshold: requests with more entries than this run in the long-request role (one request per
         program, the whole program on its chain) when the launch has more than this many tokens and at least
         twice as many tokens as request rows; other requests run one per lane.
-      write_long_fast_path: the long role runs chunks whose entries are all written without the per-entry
-        written test and selects (a second unrolled copy of the chunk: more compile time).
       write_block: entries per block of the parallel write passes (power of 2).
       write_max_programs: grid cap of the write passes.
       gather: canary records and plan fields: ``quad`` (16-byte), ``pair`` (8-byte) vector gathers or ``word``.
@@ -70,7 +68,6 @@ class PallasConfig:
     write_entry_block: int = 32
     write_long_chunk: int = 16
     write_long_threshold: int = 64
-    write_long_fast_path: bool = True
     write_block: int = 128
     write_max_programs: int = 2048
     gather: str = "pair"
@@ -90,8 +87,6 @@ class PallasConfig:
         for name in ("source_tile_words", "write_source_tile_words"):
             if getattr(self, name) < 2:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be at least 2, got {getattr(self, name)!r}")
-        if not isinstance(self.write_long_fast_path, bool):
-            raise ValueError(f"kv-canary: PallasConfig.write_long_fast_path must be a bool, got {self.write_long_fast_path!r}")
         for name in ("verify_max_programs", "write_max_programs", "write_long_threshold"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -173,7 +173,7 @@ def _write_long_kernel(
     words_ref,  # u32[N, S/4]: claim words of written entries zeroed; seeds read (fields 0..2 only)
     flags_ref,  # u32[T]
     prev_at_ref, chain_exp_ref,  # u32[2 T]: prev_hash and run position before each entry
-    *, n_slots, cw, num_tokens, rows, chunk, threshold, scan_block, hasher, gather, assert_inputs, fast_path,
+    *, n_slots, cw, num_tokens, rows, chunk, threshold, scan_block, hasher, gather, assert_inputs,
 ):
     """Serial chains of long requests (more than ``threshold`` entries), one request per program at a time.
 
@@ -252,43 +252,26 @@ def _write_long_kernel(
             U.store_vec(flags_ref, i, jnp.where(ok, fl, U.u32(0)), inside)
             U.store_word(words_ref, jnp.where(ok, loc.lo, U.u32(0)).astype(jnp.int32), _CLAIM_WORD,
                          jnp.zeros((chunk,), jnp.uint32), ok)
-            return jnp.min(ok.astype(jnp.int32)) != 0  # every entry of the chunk is written
 
         def chunk_body(q, carry):
             running, run_pos = H.U64(carry[0], carry[1]), H.U64(carry[2], carry[3])
             loc_c, tok_c, pos_c = (U.columns(to_rows(v)) for v in carry[4:7])
             first = jnp.maximum(q * chunk, start_s)
-            full = entry_part(q, first)
+            entry_part(q, first)
             firsts = one + first
             every = one == 0  # the checkpoint: every row stores the same words
             for ref, v in ((prev_at_ref, running), (chain_exp_ref, run_pos)):
                 U.store_vec(ref, 2 * firsts, v.lo, every)
                 U.store_vec(ref, 2 * firsts + 1, v.hi, every)
             nxt = tuple(load_rows(ref, q + 1) for ref in (loc_ref, ids_ref, pos_ref))
-
-            def general(state):  # any entry may be skipped (outside the request, slot out of range)
-                running, run_pos = H.U64(state[0], state[1]), H.U64(state[2], state[3])
-                for k in range(chunk):
-                    i = q * chunk + k
-                    loc = H.U64(loc_c[2 * k], loc_c[2 * k + 1])
-                    tok, pos = H.U64(tok_c[2 * k], tok_c[2 * k + 1]), H.U64(pos_c[2 * k], pos_c[2 * k + 1])
-                    ok = (i >= start) & (i < end) & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
-                    running = U.sel(ok, hasher.mix3(running, tok, pos), running)
-                    run_pos = U.sel(ok, pos, run_pos)
-                return running.lo, running.hi, run_pos.lo, run_pos.hi
-
-            def all_written(state):  # every entry is written: nothing but the chain on the serial path
-                running = H.U64(state[0], state[1])
-                for k in range(chunk):
-                    tok, pos = H.U64(tok_c[2 * k], tok_c[2 * k + 1]), H.U64(pos_c[2 * k], pos_c[2 * k + 1])
-                    running = hasher.mix3(running, tok, pos)
-                return running.lo, running.hi, pos_c[2 * chunk - 2], pos_c[2 * chunk - 1]
-
-            if fast_path:
-                state = jax.lax.cond(full, all_written, general, (running.lo, running.hi, run_pos.lo, run_pos.hi))
-            else:
-                state = general((running.lo, running.hi, run_pos.lo, run_pos.hi))
-            return tuple(state) + nxt
+            for k in range(chunk):
+                i = q * chunk + k
+                loc = H.U64(loc_c[2 * k], loc_c[2 * k + 1])
+                tok, pos = H.U64(tok_c[2 * k], tok_c[2 * k + 1]), H.U64(pos_c[2 * k], pos_c[2 * k + 1])
+                ok = (i >= start) & (i < end) & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
+                running = U.sel(ok, hasher.mix3(running, tok, pos), running)
+                run_pos = U.sel(ok, pos, run_pos)
+            return (running.lo, running.hi, run_pos.lo, run_pos.hi) + nxt
 
         init = (running0.lo, running0.hi, run_pos0.lo, run_pos0.hi) + tuple(
             load_rows(ref, q0) for ref in (loc_ref, ids_ref, pos_ref))
@@ -571,7 +554,7 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
             functools.partial(
                 _write_long_kernel, n_slots=n_slots, cw=cw, num_tokens=num_tokens, rows=1,
                 chunk=k, threshold=long_threshold, scan_block=long_scan_block, hasher=hasher, gather=gather,
-                assert_inputs=assert_inputs, fast_path=config.write_long_fast_path),
+                assert_inputs=assert_inputs),
             out_shape=(sds(words.shape, u32), sds(flags.shape, u32), sds(prev_at.shape, u32),
                        sds(chain_exp.shape, u32)),
             grid=(long_programs,),

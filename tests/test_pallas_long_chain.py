@@ -22,7 +22,6 @@ from pallas_kernels import write as W
 from pallas_kernels.config import PallasConfig
 
 LONG_CONFIG = PallasConfig(write_long_threshold=2, write_long_chunk=4, write_prefetch=2)
-GENERAL_ONLY = PallasConfig(write_long_threshold=2, write_long_chunk=4, write_prefetch=2, write_long_fast_path=False)
 
 
 class PallasLongChainTest(backend_suite.BackendSuite):
@@ -38,15 +37,6 @@ class PallasLongChainTest(backend_suite.BackendSuite):
         self._saved = W.DEFAULT_CONFIG
         W.DEFAULT_CONFIG = LONG_CONFIG
         self.addCleanup(setattr, W, "DEFAULT_CONFIG", self._saved)
-
-    def test_general_path_alone_matches(self):
-        """With the fast path off, every chunk takes the general path (per-entry written test)."""
-        W.DEFAULT_CONFIG = GENERAL_ONLY
-        h = self.harness()
-        ents = [(10 + j, 100 + j, j) for j in range(13)]
-        h.write([(-1, ents), (-1, [(40, 1, 0)])])
-        h.write([(22, [(50 + j, 7, 13 + j + (j == 3)) for j in range(9)])])
-        self.assertEqual(h.write_index, 2)  # position 17 where 16 is due, then 17 where 18 is due
 
     def test_long_role_is_on_for_these_shapes(self):
         # The shapes below must really route requests to the long role, or the suite tests nothing new.
