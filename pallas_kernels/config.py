@@ -47,7 +47,7 @@ class PallasConfig:
       source_gather: how real-KV bytes are loaded: ``tile`` (default: 2-D ``[block, source_tile_words]`` tiles
         of each entry's row, 3.5x faster than ``pair`` on the H200 for 4 x 256-byte sources),
         ``tile_contiguous`` (the same with column indices Triton can prove contiguous: 16-byte loads and a
-        shared-memory hand-over; not yet timed on a GPU), or per-lane pieces of the entry's own row: ``pair``
+        shared-memory hand-over; 6 to 19 % slower than ``tile`` on the H200), or per-lane pieces of the entry's own row: ``pair``
         (8 B), ``quad`` (16 B; its in-register split costs a layout conversion on Triton) or ``word`` (4 B).
       source_tile_words: with the ``tile`` modes: uint32 words of a row per 2-D tile load in verify (power of
         2, at least 2; 32 measured 1.12x faster than 16 for 4 x 256-byte sources on the H200).
