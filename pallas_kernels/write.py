@@ -183,7 +183,7 @@ def _write_long_kernel(
 
     * entry-parallel, one entry per thread: which entries are written (slot in range, inside the request),
       their flags (written, input-assert bits, ``_F_GATE`` when the chain-position gate is on, ``_F_LONG``
-      and the entry's distance to the chunk's first entry of this request in bits 16..23) and the zeroed
+      and, from bit 16 up, the entry's distance to the chunk's first entry of this request) and the zeroed
       claim words;
     * checkpoint: the chain state at that first entry (running prev_hash and run position, exactly that
       entry's own ``prev_at`` / ``chain_exp``) is stored once per chunk;
