@@ -1,8 +1,8 @@
 #!/bin/bash
-# One device call (about 9 minutes on the H200) for what issue #3 still lacks after session 3's second call
-# (benchmarks/results/2026-11-30_h200_pallas.md): the write targets with the long role's fast path and
-# 16-word write tiles, the long role without its fast path, the verify cases the second call cut short, and
-# the GPU-only write tests (duplicates, x64 modes) with their fixes, plus the long-role suite.
+# One device call (about 9 minutes on the H200) that re-measures the kernels' targets and runs the GPU-only
+# tests (benchmarks/results/2026-11-30_h200_pallas.md, session 3): the targeted writes and the verify cases
+# with sources, with the peer and the reference check; the long role with 32-entry chunks; the GPU-only
+# write tests (duplicates, x64 modes) and the long-role suite, compiled.
 #
 # Usage (from the repository root, on the GPU machine):  bash benchmarks/pallas_gpu_session.sh
 # Environment: OUT (default ./pallas_gpu_out), LONG_TOKENS (32768), DECODE_REQS (4096), BENCH_EXTRA (extra
@@ -40,15 +40,15 @@ step 01_write_targets 150 python3 benchmarks/bench.py $EXTRA --long-tokens "$LON
 # 2. The verify cases with sources that the second call did not reach or that changed (32-word tiles).
 step 02_verify 100 python3 benchmarks/bench.py $EXTRA --only "verify_all_x1,verify_all_x4,verify_partial_x1" \
   --x64 off --out "$WORK/bench_verify"
-# 3. The long role without its fast path (every chunk on the general path).
-step 03_long_general 60 python3 benchmarks/bench.py $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \
-  --only "write_1x${LONG}_none" --x64 off --no-peer --skip-reference --config '{"write_long_fast_path": false}' \
-  --out "$WORK/bench_long_general"
+# 3. The long role with chunks of 32 entries (default 16; never timed).
+step 03_long_chunk32 60 python3 benchmarks/bench.py $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \
+  --only "write_1x${LONG}_none" --x64 off --no-peer --skip-reference --config '{"write_long_chunk": 32}' \
+  --out "$WORK/bench_long_chunk32"
 # 4. GPU-only write tests (duplicates, x64 modes) and the long-role suite, compiled.
 step 04_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -rA tests/test_gpu_pallas.py \
   -k "duplicates or x64"
 step 05_long_suite 60 python3 -m pytest -q -p no:cacheprovider -rA tests/test_pallas_long_chain.py \
-  -k "long_requests or bad_slots or fuzz_long or general_path or x64_on"
+  -k "long_requests or bad_slots or fuzz_long or several_long or off_the_chunk or x64_on"
 
 echo "== summary"
 cat "$WORK/steps.tsv"

@@ -2,7 +2,8 @@
 
 ``PallasConfig()`` holds the defaults measured on the H200 (see ``pallas_kernels/README.md`` and
 ``benchmarks/results/``). Knobs change block shapes and instruction selection only, never results:
-every combination is bit-identical to the references.
+every combination is bit-identical to the references, for plans within the contract (write offsets
+non-decreasing over the live requests, as the plan builders make them).
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ class PallasConfig:
         one ``[lanes, 2 * write_prefetch]`` load per array and chunk).
       write_entry_block: entries per block of the entry-parallel role of the first write launch (real-KV
         fingerprints, claim words), which runs beside the chains with ``write_num_warps`` warps (power of 2).
-      write_long_chunk: entries per unrolled chunk of the long-request chain role (power of 2).
+      write_long_chunk: entries per unrolled chunk of the long-request chain role (power of 2, at most 256).
       write_long_threshold: requests with more entries than this run in the long-request role (one request per
         program, the whole program on its chain) when the launch has more than this many tokens and at least
-        twice as many tokens as request rows; other requests run one per lane.
+        twice as many tokens as the plan's request capacity (``write_req_capacity``, not the live requests);
+        other requests run one per lane.
       write_block: entries per block of the parallel write passes (power of 2).
       write_max_programs: grid cap of the write passes.
       gather: canary records and plan fields: ``quad`` (16-byte), ``pair`` (8-byte) vector gathers or ``word``.
@@ -84,6 +86,9 @@ class PallasConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not _pow2(v):
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a power of 2, got {v!r}")
+        if self.write_long_chunk > 256:
+            raise ValueError(f"kv-canary: PallasConfig.write_long_chunk must be at most 256 (unrolled per chunk), "
+                             f"got {self.write_long_chunk!r}")
         for name in ("source_tile_words", "write_source_tile_words"):
             if getattr(self, name) < 2:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be at least 2, got {getattr(self, name)!r}")

@@ -3,8 +3,8 @@
 Semantics: exactly :func:`canary_jax.reference.write_reference` (SPEC 6), bit for bit, with
 ``jax_enable_x64`` off and on.
 
-Three ``pallas_call`` s (four with long requests), one XLA scatter-max and one XLA memset (the flag words);
-only the chain is serial:
+Three ``pallas_call`` s (four when the launch shape admits long requests, see 1b), one XLA scatter-max and
+one XLA memset (the flag words); only the chain is serial:
 
 1. ``canary_write_chain`` (``_write_chain_kernel``), one launch with two kinds of program:
 

@@ -1,12 +1,13 @@
 """The Pallas write kernel's long-request chain role against the Python-int oracle.
 
-The role (``pallas_kernels.write._long_role``) takes requests with more than ``write_long_threshold`` entries
-when a launch has more tokens than that and at least twice as many tokens as request rows (a prefill or mixed
-batch). The shared suite's launches (64 tokens, 8 request rows) stay under the default threshold, so here the
+The role (``pallas_kernels.write._write_long_kernel``, with the replay in ``_write_won_kernel``) takes requests
+with more than ``write_long_threshold`` entries when a launch has more tokens than that and at least twice as
+many tokens as the plan's request capacity (a prefill or mixed batch). The shared suite's launches (64 tokens, 8 request rows) stay under the default threshold, so here the
 write tests of the shared suite run again with a threshold of 2 and chunks of 4 entries: every request of 3
 entries or more walks the long role, with chunk edges inside and between requests, and short requests keep
-the lane role in the same launch. Extra cases: long requests that share a chunk, more long requests than
-long-role programs, negative and out-of-range slots inside a long request, and chains across launches.
+the lane role in the same launch. Extra cases: long requests that share a chunk, one program running several
+long requests, token counts that are not a multiple of the chunk (padding), other chunk sizes, negative and
+out-of-range slots inside a long request, x64 on, and chains across launches.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class PallasLongChainTest(backend_suite.BackendSuite):
 
     def test_long_requests_sharing_chunks_and_programs(self):
         """Six long requests of 3..9 entries with unaligned starts (several requests per 4-entry chunk) among
-        short ones; then fewer long-role programs than long requests (16 tokens: 16 // 3 = 5 programs)."""
+        short ones, grown by a second launch; then a 16-token launch (5 long-role programs for 5 requests)."""
         h = self.harness()
         rnd = random.Random(5)
         free = list(range(1, self.NUM_SLOTS))
@@ -88,6 +89,29 @@ class PallasLongChainTest(backend_suite.BackendSuite):
             ents = [(10 + j, 100 + j, 4 + j + (j == 6), 100 + j + (j == 2), 4 + j) for j in range(11)]
             h.write([(5, ents), (-1, [(40, 1, 0), (41, 2, 1)])], input_assert=True)
             self.assertEqual(h.write_index, 4)  # a token and a position input row, two chain-position rows
+
+    def test_one_program_runs_several_long_requests(self):
+        """``write_max_programs=1``: a single long-role program walks every long request in rank order."""
+        W.DEFAULT_CONFIG = PallasConfig(write_long_threshold=2, write_long_chunk=4, write_prefetch=2,
+                                        write_max_programs=1)
+        h = self.harness()
+        reqs = [(-1, [(10 * r + j + 1, r, j + (r == 3 and j == 2)) for j in range(3 + r)]) for r in range(6)]
+        h.write(reqs)
+        h.write([(ents[-1][0], [(70 + 6 * r + j, 9, len(ents) + j + (r == 1)) for j in range(4)])
+                 for r, (_, ents) in enumerate(reqs)])
+        self.assertEqual(h.write_index, 1)  # request 1 of the second launch starts one position late
+
+    def test_token_counts_off_the_chunk_grid_and_other_chunks(self):
+        """37 and 45 tokens (not multiples of the chunk: the padded loads and the last partial chunk) with
+        chunks of 2, 8 and 16 entries."""
+        for chunk in (2, 8, 16):
+            W.DEFAULT_CONFIG = PallasConfig(write_long_threshold=3, write_long_chunk=chunk, write_prefetch=2)
+            h = self.harness()
+            reqs = [(-1, [(j + 1, 5 + j, j) for j in range(17)]), (-1, [(30, 1, 0)]),
+                    (-1, [(40 + j, 7, j) for j in range(12)])]
+            h.write(reqs, num_tokens=37)
+            h.write([(17, [(60 + j, 3, 17 + j + (j == 9)) for j in range(20)])], num_tokens=45)
+            self.assertEqual(h.write_index, 2)  # position 27 where 26 is due, then 27 where 28 is due
 
     def test_fuzz_long_requests(self):
         """Random long and short requests over several launches, input asserts on and off."""

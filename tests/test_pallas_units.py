@@ -64,6 +64,14 @@ class ConfigTest(absltest.TestCase):
             PallasConfig(write_prefetch=6)
         with self.assertRaisesRegex(ValueError, r"source_tile_words must be at least 2, got 1"):
             PallasConfig(source_tile_words=1)
+        with self.assertRaisesRegex(ValueError, r"write_source_tile_words must be at least 2, got 1"):
+            PallasConfig(write_source_tile_words=1)
+        with self.assertRaisesRegex(ValueError, r"write_long_chunk must be a power of 2, got 12"):
+            PallasConfig(write_long_chunk=12)
+        with self.assertRaisesRegex(ValueError, r"write_long_chunk must be at most 256 \(unrolled per chunk\), got 512"):
+            PallasConfig(write_long_chunk=512)
+        with self.assertRaisesRegex(ValueError, r"write_long_threshold must be a positive int, got 0"):
+            PallasConfig(write_long_threshold=0)
         with self.assertRaisesRegex(ValueError, r"verify_source_block must be a power of 2, got True"):
             PallasConfig(verify_source_block=True)
         with self.assertRaisesRegex(ValueError, r"source_unroll must be a non-negative int, got True"):
