@@ -382,9 +382,9 @@ def _write_won_kernel(
         inw = i < num_tokens
         fl, written, s = _flagged(flags_ref, loc_ref, i, inw, _F_WRITTEN)
         won = written & (U.load_word(words_ref, s, _CLAIM_WORD, written) == (i + 1).astype(jnp.uint32))
-        gated = written & ((fl & _F_GATE) != 0)
-        run_pos = U.load_pair(chain_exp_ref, i, 0, gated, gather)
-        if has_long:
+        if has_long:  # (_F_GATE and _F_LONG come from the long role only)
+            gated = written & ((fl & _F_GATE) != 0)
+            run_pos = U.load_pair(chain_exp_ref, i, 0, gated, gather)
             # Long-role entries: replay the chain from the chunk's checkpoint (at most chunk - 1 steps).
             off = jnp.where(written & ((fl & _F_LONG) != 0),
                             jax.lax.shift_right_logical(fl, U.u32(_LONG_SHIFT)).astype(jnp.int32), 0)
@@ -409,8 +409,8 @@ def _write_won_kernel(
             U.store_pair(prev_at_ref, i, 0, running, replay)
             U.store_pair(chain_exp_ref, i, 0, rp, replay)
             run_pos = U.sel(replay, rp, run_pos)
-        pos = U.load_pair(pos_ref, i, 0, gated, gather)
-        fl = fl | jnp.where(gated & U.ne(pos, U.add_small(run_pos, 1)), _F_CHAIN, 0).astype(jnp.uint32)
+            pos = U.load_pair(pos_ref, i, 0, gated, gather)
+            fl = fl | jnp.where(gated & U.ne(pos, U.add_small(run_pos, 1)), _F_CHAIN, 0).astype(jnp.uint32)
         U.store_vec(flags_ref, i, fl | jnp.where(won, _F_WINNER, 0).astype(jnp.uint32), inw)
         rows = ((fl & _F_INPUT) != 0).astype(jnp.int32) + ((fl & _F_CHAIN) != 0).astype(jnp.int32)
         counts_ref[b, 0] = jnp.sum(rows, dtype=jnp.int32)
