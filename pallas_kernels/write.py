@@ -549,9 +549,12 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
         # chain kernel writes). Inputs are zero-padded to whole chunks plus one for the look-ahead load.
         k = config.write_long_chunk
         padded = 2 * k * (-(-num_tokens // k) + 1)
-        pads = [jnp.pad(a, (0, padded - 2 * num_tokens)) for a in flat]
+        pads = [jnp.pad(a, (0, padded - 2 * num_tokens)) for a in flat[:3 + 2 * assert_inputs]]
+        pads += pads[:2] * (not assert_inputs)  # the expected arrays are never read without the input assert
         words, flags, prev_at, chain_exp = pl.pallas_call(
             functools.partial(
+                # rows=1: the chain state as [1] vectors (what ran on the H200; Triton still hands the
+                # chunk's words to every thread)
                 _write_long_kernel, n_slots=n_slots, cw=cw, num_tokens=num_tokens, rows=1,
                 chunk=k, threshold=long_threshold, scan_block=long_scan_block, hasher=hasher, gather=gather,
                 assert_inputs=assert_inputs),
