@@ -45,17 +45,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import canary_jax as cj
-from canary_jax import constants as C
+import canary_jax
+from canary_jax import constants
 from canary_jax import ints
-from canary_jax import reference as R
+from canary_jax import reference
 from pallas_kernels.config import PallasConfig
 from pallas_kernels.verify import verify_pallas
 from pallas_kernels.write import write_pallas
 
 HBM_BYTES_PER_S = 4.8e12
-TAG = C.CanaryLaunchTag.TAIL_K_FULL
-NONE, PARTIAL, ALL = C.RealKvHashMode.NONE, C.RealKvHashMode.PARTIAL, C.RealKvHashMode.ALL
+TAG = constants.CanaryLaunchTag.TAIL_K_FULL
+NONE, PARTIAL, ALL = constants.RealKvHashMode.NONE, constants.RealKvHashMode.PARTIAL, constants.RealKvHashMode.ALL
 ROW_BYTES = 256
 SGLANG_PEER_US = {  # the issue's reference numbers for a CUDA implementation of SGLang's design on our H200
     "verify_none": 96, "verify_partial_x1": 142, "verify_all_x1": 338, "verify_all_x4": 1208,
@@ -68,7 +68,7 @@ SGLANG_PEER_US = {  # the issue's reference numbers for a CUDA implementation of
 class Case:
     id: str
     op: str  # verify | write
-    mode: C.RealKvHashMode
+    mode: constants.RealKvHashMode
     num_sources: int
     reqs: int = 0
     length: int = 0
@@ -178,7 +178,7 @@ class Data:
         self.perm = self.rng.permutation(np.arange(1, n, dtype=np.int64))
 
     def sources(self, k: int):
-        return tuple(cj.RealKvSource(tensor=t, page_size=1, num_bytes_per_token=ROW_BYTES, read_bytes=ROW_BYTES)
+        return tuple(canary_jax.RealKvSource(tensor=t, page_size=1, num_bytes_per_token=ROW_BYTES, read_bytes=ROW_BYTES)
                      for t in self.sources_u8[:k])
 
 
@@ -187,12 +187,12 @@ def _pairs(a) -> jax.Array:
 
 
 def _ctx(buf, log, srcs, mode):
-    return cj.VerifyOrWriteContext(canary_buf=buf, kernel_kind=TAG, log=log, real_kv_sources=srcs,
+    return canary_jax.VerifyOrWriteContext(canary_buf=buf, kernel_kind=TAG, log=log, real_kv_sources=srcs,
                                    real_kv_hash_mode=mode)
 
 
 def _with_tensors(srcs, tensors):
-    return tuple(cj.RealKvSource(tensor=t, page_size=s.page_size, num_bytes_per_token=s.num_bytes_per_token,
+    return tuple(canary_jax.RealKvSource(tensor=t, page_size=s.page_size, num_bytes_per_token=s.num_bytes_per_token,
                                  read_bytes=s.read_bytes) for s, t in zip(srcs, tensors))
 
 
@@ -211,9 +211,9 @@ def needed_bytes(case: Case, args) -> float:
 def populate(data: Data, buf, srcs, mode, slots2d, positions2d, cfg):
     """Writes clean chains (request-major) into ``buf`` with the Pallas write; returns the new buffer."""
     reqs, length = slots2d.shape
-    plan = cj.WritePlan.from_requests(counts=[length] * reqs, seed_slots=[-1] * reqs)
+    plan = canary_jax.WritePlan.from_requests(counts=[length] * reqs, seed_slots=[-1] * reqs)
     ids = data.rng.integers(0, 1 << 31, reqs * length)
-    ctx = _ctx(buf, cj.ViolationLog.allocate(ring_capacity=64), srcs, mode)
+    ctx = _ctx(buf, canary_jax.ViolationLog.allocate(ring_capacity=64), srcs, mode)
     del cfg  # always the default config: one compile serves every case and probe variant
     out = write_pallas(ctx, plan, _pairs(ids), _pairs(positions2d.reshape(-1)), _pairs(slots2d.reshape(-1)))
     assert int(out.log.write_index[0]) == 0
@@ -230,7 +230,7 @@ def run_verify(case: Case, data: Data, args, cfg, peer, results, x64_modes):
     buf = jnp.zeros((args.pool, 32), jnp.uint8)
     buf, _ = populate(data, buf, srcs, case.mode, slots2d, pos2d, cfg)
     plan_np = dict(slots=slots2d.reshape(-1), positions=pos2d.reshape(-1), prev_slots=prev2d.reshape(-1))
-    plan = cj.VerifyPlan.from_entries(**plan_np)
+    plan = canary_jax.VerifyPlan.from_entries(**plan_np)
     tensors = tuple(s.tensor for s in srcs)
     rec = results.setdefault(case.id, {"case": dataclasses.asdict(case) | {"mode": case.mode.name}})
     rec["needed_bytes"] = needed_bytes(case, args)
@@ -240,17 +240,17 @@ def run_verify(case: Case, data: Data, args, cfg, peer, results, x64_modes):
         return verify_pallas(_ctx(c[0], log, _with_tensors(srcs, c[2]), case.mode), c[1], config=cfg).log
 
     def step_ref(log, c):
-        return R.verify_reference(_ctx(c[0], log, _with_tensors(srcs, c[2]), case.mode), c[1]).log
+        return reference.verify_reference(_ctx(c[0], log, _with_tensors(srcs, c[2]), case.mode), c[1]).log
 
     for x64 in x64_modes:
         jax.config.update("jax_enable_x64", x64)
         try:
             tag = "x64_on" if x64 else "x64_off"
-            log = cj.ViolationLog.allocate(ring_capacity=1024)
+            log = canary_jax.ViolationLog.allocate(ring_capacity=1024)
             t, log, info = time_jax(step_pallas, log, (buf, plan, tensors), n=args.n_verify, reps=args.reps)
             rec[f"pallas_{tag}"] = {"us_per_call": t * 1e6, **info, "write_index": int(log.write_index[0])}
             if not args.skip_reference and (not x64 or args.ref_x64_on):
-                rlog = cj.ViolationLog.allocate(ring_capacity=1024)
+                rlog = canary_jax.ViolationLog.allocate(ring_capacity=1024)
                 tr, rlog, rinfo = time_jax(step_ref, rlog, (buf, plan, tensors), n=args.n_ref, reps=args.reps)
                 rec[f"reference_{tag}"] = {"us_per_call": tr * 1e6, **rinfo}
                 same = all(np.array_equal(np.asarray(getattr(log, f)), np.asarray(getattr(rlog, f)))
@@ -298,7 +298,7 @@ def run_write(case: Case, data: Data, args, cfg, peer, results, x64_modes):
     else:
         seeds = np.full((reqs,), -1, np.int64)
         positions = np.arange(t, dtype=np.int64)
-    plan = cj.WritePlan.from_requests(counts=[length] * reqs, seed_slots=seeds)
+    plan = canary_jax.WritePlan.from_requests(counts=[length] * reqs, seed_slots=seeds)
     ids_np = data.rng.integers(0, 1 << 31, t)
     ids, pos, loc = _pairs(ids_np), _pairs(positions), _pairs(slots)
     rec = results.setdefault(case.id, {"case": dataclasses.asdict(case) | {"mode": case.mode.name}})
@@ -311,7 +311,7 @@ def run_write(case: Case, data: Data, args, cfg, peer, results, x64_modes):
         return out.canary_buf, out.log
 
     def step_ref(state, c):
-        out = R.write_reference(_ctx(state[0], state[1], _with_tensors(srcs, c[4]), case.mode), c[0], c[1], c[2],
+        out = reference.write_reference(_ctx(state[0], state[1], _with_tensors(srcs, c[4]), case.mode), c[0], c[1], c[2],
                                 c[3])
         return out.canary_buf, out.log
 
@@ -321,7 +321,7 @@ def run_write(case: Case, data: Data, args, cfg, peer, results, x64_modes):
         jax.config.update("jax_enable_x64", x64)
         try:
             tag = "x64_on" if x64 else "x64_off"
-            state = (jnp.copy(buf0), cj.ViolationLog.allocate(ring_capacity=1024))
+            state = (jnp.copy(buf0), canary_jax.ViolationLog.allocate(ring_capacity=1024))
             # A decode write lasts tens of microseconds: 20x the launches keep the dispatch jitter (the empty
             # program's spread) under a microsecond per call.
             n = args.n_write if length > 1 else 20 * args.n_write
@@ -330,7 +330,7 @@ def run_write(case: Case, data: Data, args, cfg, peer, results, x64_modes):
             final["pallas"] = state
             if not args.skip_reference and (not x64 or args.ref_x64_on):
                 slow = length > 1
-                rstate = (jnp.copy(buf0), cj.ViolationLog.allocate(ring_capacity=1024))
+                rstate = (jnp.copy(buf0), canary_jax.ViolationLog.allocate(ring_capacity=1024))
                 tr, rstate, rinfo = time_jax(step_ref, rstate, consts, n=1 if slow else args.n_ref,
                                              reps=1 if slow else args.reps)
                 rec[f"reference_{tag}"] = {"us_per_call": tr * 1e6, **rinfo}

@@ -58,36 +58,36 @@ def lower_ttir(op: str, sources: int, config: dict, write_reqs: int = 64, write_
     import numpy as np
     from jax.experimental import pallas as pl
 
-    import canary_jax as cj
+    import canary_jax
     from canary_jax import ints
-    from pallas_kernels import verify as V
-    from pallas_kernels import write as W
+    from pallas_kernels import verify
+    from pallas_kernels import write
     from pallas_kernels.config import PallasConfig
 
     orig = pl.pallas_call
     pl.pallas_call = functools.partial(orig, debug=True)
     try:
         n = 4096
-        src = cj.RealKvSource(tensor=jnp.zeros((n, 256), jnp.uint8), page_size=1, num_bytes_per_token=256,
+        src = canary_jax.RealKvSource(tensor=jnp.zeros((n, 256), jnp.uint8), page_size=1, num_bytes_per_token=256,
                               read_bytes=256)
-        mode = cj.RealKvHashMode.ALL if sources else cj.RealKvHashMode.NONE
-        ctx = cj.VerifyOrWriteContext(canary_buf=jnp.zeros((n, 32), jnp.uint8),
-                                      kernel_kind=cj.CanaryLaunchTag.TAIL_K_FULL,
-                                      log=cj.ViolationLog.allocate(ring_capacity=64),
+        mode = canary_jax.RealKvHashMode.ALL if sources else canary_jax.RealKvHashMode.NONE
+        ctx = canary_jax.VerifyOrWriteContext(canary_buf=jnp.zeros((n, 32), jnp.uint8),
+                                      kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+                                      log=canary_jax.ViolationLog.allocate(ring_capacity=64),
                                       real_kv_sources=(src,) * sources, real_kv_hash_mode=mode)
         cfg = PallasConfig(**config)
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             if op == "write":
                 per = write_tokens // write_reqs
-                plan = cj.WritePlan.from_requests(counts=[per] * write_reqs, seed_slots=[-1] * write_reqs)
+                plan = canary_jax.WritePlan.from_requests(counts=[per] * write_reqs, seed_slots=[-1] * write_reqs)
                 ids = jnp.asarray(ints.int64_to_pairs_np(np.arange(write_tokens, dtype=np.int64)))
-                W._write_jit.trace(ctx, plan, ids, ids, ids, None, None, assert_inputs=False, interpret=False,
+                write._write_jit.trace(ctx, plan, ids, ids, ids, None, None, assert_inputs=False, interpret=False,
                                    config=cfg).lower(lowering_platforms=("cuda",))
             else:
-                plan = cj.VerifyPlan.from_entries(slots=np.arange(1, 65), positions=np.arange(64),
+                plan = canary_jax.VerifyPlan.from_entries(slots=np.arange(1, 65), positions=np.arange(64),
                                                   prev_slots=np.arange(64) - 1)
-                V._verify_jit.trace(ctx, plan, check=False, interpret=False,
+                verify._verify_jit.trace(ctx, plan, check=False, interpret=False,
                                     config=cfg).lower(lowering_platforms=("cuda",))
     finally:
         pl.pallas_call = orig

@@ -45,12 +45,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import canary_jax as cj  # noqa: E402
-from canary_jax import layout as L  # noqa: E402
-from canary_jax import plans as P  # noqa: E402
-from interop import dlpack as D  # noqa: E402
-from interop import inplace as IP  # noqa: E402
-from interop import sglang as G  # noqa: E402
+import canary_jax  # noqa: E402
+from canary_jax import layout  # noqa: E402
+from canary_jax import plans  # noqa: E402
+from interop import dlpack  # noqa: E402
+from interop import inplace  # noqa: E402
+from interop import sglang  # noqa: E402
 
 DEV = os.environ.get("INTEROP_BENCH_DEVICE", "cuda")
 REQS = 32
@@ -92,10 +92,10 @@ class Setup:
         self.n = n_slots
         self.buf = torch.zeros(n_slots, 32, dtype=torch.uint8, device=DEV)
         self.k0 = torch.randn(n_slots, 64, generator=g, device=DEV).to(torch.bfloat16)
-        self.state = G.CanaryDeviceState.allocate(ring_capacity=1024, device=DEV)
-        self.src = G.RealKvSource(tensor=self.k0, page_size=1, num_bytes_per_token=128, read_bytes=128)
-        self.ctx = self.state.context(canary_buf=self.buf, kernel_kind=G.CanaryLaunchTag.TAIL_K_FULL,
-                                      real_kv_sources=(self.src,), real_kv_hash_mode=G.RealKvHashMode.PARTIAL)
+        self.state = sglang.CanaryDeviceState.allocate(ring_capacity=1024, device=DEV)
+        self.src = sglang.RealKvSource(tensor=self.k0, page_size=1, num_bytes_per_token=128, read_bytes=128)
+        self.ctx = self.state.context(canary_buf=self.buf, kernel_kind=sglang.CanaryLaunchTag.TAIL_K_FULL,
+                                      real_kv_sources=(self.src,), real_kv_hash_mode=sglang.RealKvHashMode.PARTIAL)
         per = cap // REQS
         if per % WRITE_TOKENS or per < 64:
             raise ValueError(f"--cap must be a multiple of {REQS * WRITE_TOKENS} and >= {REQS * 64}, got {cap}")
@@ -110,7 +110,7 @@ class Setup:
         that writes the verified prefix through the same tensors, i.e. the same compiled program."""
         reqs, tok = (1, 1) if tiny else (REQS, WRITE_TOKENS)
         plen = 64 if tiny else self.per  # stamped positions per request
-        wp = G.WritePlan.allocate(write_req_capacity=reqs, device=DEV)
+        wp = sglang.WritePlan.allocate(write_req_capacity=reqs, device=DEV)
         wp.write_offsets.copy_(torch.arange(reqs + 1, device=DEV) * tok)
         wp.write_num_valid_reqs.fill_(reqs)
         kw = dict(input_ids=torch.randint(0, 50000, (reqs * tok,), device=DEV),
@@ -119,7 +119,7 @@ class Setup:
                   enable_write_input_assert=False, expected_input_tokens=None, expected_input_positions=None)
 
         def launch():
-            G.launch_canary_write_kernel(context=self.ctx, plan=wp, backend=backend, **kw)
+            sglang.launch_canary_write_kernel(context=self.ctx, plan=wp, backend=backend, **kw)
 
         def set_chunk(first):
             """Positions first .. first + tok - 1 of requests 0 .. reqs - 1 (first == plen: the new slots)."""
@@ -153,7 +153,7 @@ class Setup:
             prev = torch.cat([torch.full((REQS, 1), -1, device=DEV, dtype=torch.int64),
                               self.prefix_slots[:, :-1]], 1).reshape(-1)
             pos = torch.arange(self.per, device=DEV).repeat(REQS)
-        vp = G.VerifyPlan.allocate(verify_capacity=slots.shape[0], device=DEV)
+        vp = sglang.VerifyPlan.allocate(verify_capacity=slots.shape[0], device=DEV)
         vp.verify_slot_indices.copy_(slots)
         vp.verify_prev_slot_indices.copy_(prev)
         vp.verify_expected_positions.copy_(pos)
@@ -164,25 +164,25 @@ class Setup:
 
     # --- canary_jax API twins (--api-twin) ----------------------------------------------------------------
     def jax_context(self):
-        buf = jnp.array(D.to_jax(self.buf, name="buf"))  # a JAX-owned copy
-        src = cj.RealKvSource(tensor=jnp.array(D.to_jax(self.k0.view(torch.uint8), name="k0")), page_size=1,
+        buf = jnp.array(dlpack.to_jax(self.buf, name="buf"))  # a JAX-owned copy
+        src = canary_jax.RealKvSource(tensor=jnp.array(dlpack.to_jax(self.k0.view(torch.uint8), name="k0")), page_size=1,
                               num_bytes_per_token=128, read_bytes=128)
-        log = L.ViolationLog.allocate(ring_capacity=1024)
-        return cj.VerifyOrWriteContext(canary_buf=buf, kernel_kind=cj.CanaryLaunchTag.TAIL_K_FULL, log=log,
-                                       real_kv_sources=(src,), real_kv_hash_mode=cj.RealKvHashMode.PARTIAL)
+        log = layout.ViolationLog.allocate(ring_capacity=1024)
+        return canary_jax.VerifyOrWriteContext(canary_buf=buf, kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL, log=log,
+                                       real_kv_sources=(src,), real_kv_hash_mode=canary_jax.RealKvHashMode.PARTIAL)
 
 
 def jax_pairs(t):
-    return jax.lax.bitcast_convert_type(jnp.array(D.to_jax(t, name="t")), jnp.uint32)
+    return jax.lax.bitcast_convert_type(jnp.array(dlpack.to_jax(t, name="t")), jnp.uint32)
 
 
 def jax_verify_plan(vp):
-    return P.VerifyPlan(verify_slot_indices=jax_pairs(vp.verify_slot_indices),
+    return plans.VerifyPlan(verify_slot_indices=jax_pairs(vp.verify_slot_indices),
                         verify_expected_tokens=jax_pairs(vp.verify_expected_tokens),
                         verify_expected_positions=jax_pairs(vp.verify_expected_positions),
                         verify_prev_slot_indices=jax_pairs(vp.verify_prev_slot_indices),
-                        verify_num_valid=jnp.array(D.to_jax(vp.verify_num_valid, name="nv")),
-                        enable=jnp.array(D.to_jax(vp.enable, name="en")))
+                        verify_num_valid=jnp.array(dlpack.to_jax(vp.verify_num_valid, name="nv")),
+                        enable=jnp.array(dlpack.to_jax(vp.enable, name="en")))
 
 
 _TWIN_FENCE = []
@@ -193,13 +193,13 @@ def program_twin(torch_launch):
     from JAX on JAX-side copies of its inputs (mutable ones donated and carried from call to call)."""
     torch_launch()
     sync()
-    fn, mut, views, _dev = IP.last_launch_program()
+    fn, mut, views, _dev = inplace.last_launch_program()
     if not _TWIN_FENCE:
         t = torch.zeros(64 if DEV == "cuda" else 16, dtype=torch.uint8, device=DEV)
-        _TWIN_FENCE.append((t, D._import_exact(t, name="fence")))
+        _TWIN_FENCE.append((t, dlpack._import_exact(t, name="fence")))
     fence = _TWIN_FENCE[0][1]
     copies = [v.clone() for v in views]  # keeps the torch memory alive for the imports
-    state = [D._import_exact(c, name="twin") for c in copies]
+    state = [dlpack._import_exact(c, name="twin") for c in copies]
 
     def step():
         outs = fn(fence, *state)
@@ -228,27 +228,27 @@ def attribution(tv, tw, results, log, n_slots, backend):
     out = {}
     for op, fn in (("verify", tv), ("write", tw)):
         for alias in ("first", "every"):
-            IP.set_alias_check(alias)
+            inplace.set_alias_check(alias)
             for _ in range(5):
                 fn()
             sync()
-            IP.set_phase_timing(True)
+            inplace.set_phase_timing(True)
             for _ in range(100):
                 fn()
             sync()
-            out[f"{op} phases (fence, alias check {alias})"] = IP.phase_times()
-            IP.set_phase_timing(False)
-        IP.set_alias_check("first")
+            out[f"{op} phases (fence, alias check {alias})"] = inplace.phase_times()
+            inplace.set_phase_timing(False)
+        inplace.set_alias_check("first")
         modes = {}
         for sync_mode in ("fence", "host", "none"):
             for alias in ("first", "every"):
-                IP.set_stream_sync(sync_mode)
-                IP.set_alias_check(alias)
+                inplace.set_stream_sync(sync_mode)
+                inplace.set_alias_check(alias)
                 try:
                     modes[f"{sync_mode}/{alias}"] = timeit(fn)
                 finally:
-                    IP.set_stream_sync("fence")
-                    IP.set_alias_check("first")
+                    inplace.set_stream_sync("fence")
+                    inplace.set_alias_check("first")
         out[f"{op} stream/alias modes (us/call, latency us)"] = modes
         log(f"  attribution {op}: modes {modes}")
         for alias in ("first", "every"):
@@ -267,7 +267,7 @@ def bench_case(s, backend, tiny, results, log, *, attribute, api_twin):
     vp = s.verify_plan(tiny)
 
     def tv():
-        G.launch_canary_verify_kernel(context=s.ctx, plan=vp, check_verify_expected_token=False, backend=backend)
+        sglang.launch_canary_verify_kernel(context=s.ctx, plan=vp, check_verify_expected_token=False, backend=backend)
 
     t0 = time.perf_counter()
     tv()
@@ -275,9 +275,9 @@ def bench_case(s, backend, tiny, results, log, *, attribute, api_twin):
     log(f"  {case}: first torch verify (compile) {time.perf_counter() - t0:.1f}s")
     before = int(s.state.violation_write_index.item())
     v_thr, v_lat = timeit(tv)
-    v_rep = IP.last_launch_report()
+    v_rep = inplace.last_launch_report()
     w_thr, w_lat = timeit(tw)
-    w_rep = IP.last_launch_report()
+    w_rep = inplace.last_launch_report()
     viol = int(s.state.violation_write_index.item()) - before
     jv, jv_blk = program_twin(tv)
     jv_thr, jv_lat = timeit(jv, block=jv_blk)
@@ -303,7 +303,7 @@ def api_twin_rows(s, backend, tiny, vp, results, log):
     holder = {"ctx": jctx}
 
     def jv():
-        holder["ctx"] = cj.verify(holder["ctx"], jvp, check_verify_expected_token=False, backend=backend)
+        holder["ctx"] = canary_jax.verify(holder["ctx"], jvp, check_verify_expected_token=False, backend=backend)
 
     blk = lambda: jax.block_until_ready(holder["ctx"].log.write_index)  # noqa: E731
     t0 = time.perf_counter()
@@ -322,8 +322,8 @@ def overhead_profile(results, log):
     t = torch.zeros(64, dtype=torch.uint8, device=DEV)
     g = jax.jit(lambda x: x + 1, donate_argnums=0)
     src = torch.zeros(16, dtype=torch.int32, device=DEV)
-    holder = {"x": D._import_exact(src, name="x")}
-    ready = g(D._import_exact(torch.zeros(16, dtype=torch.int32, device=DEV), name="r"))
+    holder = {"x": dlpack._import_exact(src, name="x")}
+    ready = g(dlpack._import_exact(torch.zeros(16, dtype=torch.int32, device=DEV), name="r"))
     jax.block_until_ready(ready)
 
     def donate_step():
@@ -335,16 +335,16 @@ def overhead_profile(results, log):
 
     def donate_export():
         holder["x"] = g(holder["x"])
-        D.to_torch(holder["x"])
+        dlpack.to_torch(holder["x"])
 
     steps = {
         "fence import: jax.dlpack.from_dlpack(torch, copy=False) (fresh, no pointer check)":
             lambda: jax.dlpack.from_dlpack(t, copy=False),
-        "fresh import + unsafe_buffer_pointer (interop.dlpack._import_exact)": lambda: D._import_exact(t, name="fence"),
+        "fresh import + unsafe_buffer_pointer (interop.dlpack._import_exact)": lambda: dlpack._import_exact(t, name="fence"),
         "donating jit dispatch on an imported buffer": donate_step,
         "donating jit dispatch + unsafe_buffer_pointer of its pending output": donate_ptr,
         "donating jit dispatch + torch.from_dlpack of its pending output": donate_export,
-        "torch.from_dlpack(ready jax array)": lambda: D.to_torch(ready),
+        "torch.from_dlpack(ready jax array)": lambda: dlpack.to_torch(ready),
         "torch.cuda.Event record (for scale)": (lambda: torch.cuda.Event().record()) if DEV == "cuda" else (lambda: None),
     }
     prof = {}
@@ -412,7 +412,7 @@ def main():
                   gpu=torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu",
                   jax_platform_version=str(getattr(client, "platform_version", "?")),
                   jax_client=type(client).__name__, jax_runtime_type=str(getattr(client, "runtime_type", "?")),
-                  import_alignment_bytes=D.device_alignment(dev), donation_aliases=IP.donation_aliases(dev),
+                  import_alignment_bytes=dlpack.device_alignment(dev), donation_aliases=inplace.donation_aliases(dev),
                   x64=bool(jax.config.read("jax_enable_x64")),
                   compilation_cache=os.environ.get("JAX_COMPILATION_CACHE_DIR", "") != "")
     log(f"probes: {probes}")
@@ -449,8 +449,8 @@ def main():
                     log(f"N={n} {backend} {case}: FAILED\n{traceback.format_exc()}")
                     results.append(dict(slots=n, backend=backend, case=case, error=traceback.format_exc()[-2000:]))
                 finally:
-                    IP.set_stream_sync("fence")
-                    IP.set_alias_check("first")
+                    inplace.set_stream_sync("fence")
+                    inplace.set_alias_check("first")
                     s = None
                     sync()
                     if DEV == "cuda":

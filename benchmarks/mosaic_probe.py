@@ -28,7 +28,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from canary_jax import hashing as H
+from canary_jax import hashing
 
 
 def _attempt(name, fn, args, results, run=False):
@@ -76,7 +76,7 @@ def main():
 
     def k_hash(x_ref, o_ref):
         x = x_ref[...]
-        h = H.splitmix64(H.U64(x, x ^ jnp.uint32(0x9E3779B9)))
+        h = hashing.splitmix64(hashing.U64(x, x ^ jnp.uint32(0x9E3779B9)))
         o_ref[...] = h.lo ^ h.hi
 
     f3 = plgpu.kernel(k_hash, out_type=sds((b,), jnp.uint32), compiler_params=params)
@@ -86,7 +86,7 @@ def main():
     n_entries, n_slots = (args.entries, args.slots) if on_gpu else (4096, 8192)
     per = 256
     grid = n_entries // per
-    anchor = H.ANCHOR_HASH
+    anchor = hashing.ANCHOR_HASH
 
     def k_verify(slot_ref, pos_ref, prev_ref, words_ref, o_ref):
         pid = jax.lax.axis_index("x")
@@ -97,7 +97,7 @@ def main():
             p = prev_ref[i]
             rec = [words_ref[s, k] for k in range(6)]
             prec = [words_ref[jnp.maximum(p, 0), k] for k in range(6)]
-            hsh = H.splitmix64_mix3(H.U64(prec[4], prec[5]), H.U64(prec[0], prec[1]), H.U64(prec[2], prec[3]))
+            hsh = hashing.splitmix64_mix3(hashing.U64(prec[4], prec[5]), hashing.U64(prec[0], prec[1]), hashing.U64(prec[2], prec[3]))
             exp_lo = jnp.where(p < 0, jnp.uint32(anchor & 0xFFFFFFFF), hsh.lo)
             exp_hi = jnp.where(p < 0, jnp.uint32(anchor >> 32), hsh.hi)
             fail = (rec[4] != exp_lo) | (rec[5] != exp_hi) | (rec[2] != pos_ref[i]) | (rec[3] != 0)

@@ -75,8 +75,8 @@ if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 import bench  # noqa: E402
-import canary_jax as cj  # noqa: E402
-from canary_jax import reference as R  # noqa: E402
+import canary_jax  # noqa: E402
+from canary_jax import reference  # noqa: E402
 from pallas_kernels.config import PallasConfig  # noqa: E402
 from pallas_kernels.verify import verify_pallas  # noqa: E402
 
@@ -344,7 +344,7 @@ def build(mode_name: str, data: bench.Data, bargs: bench.Args, *, populate: str,
             populate = "reference"
     if populate == "reference":
         buf = populate_reference(data, buf, srcs, mode, slots2d, pos2d)
-    plan = cj.VerifyPlan.from_entries(slots=slots2d.reshape(-1), positions=pos2d.reshape(-1),
+    plan = canary_jax.VerifyPlan.from_entries(slots=slots2d.reshape(-1), positions=pos2d.reshape(-1),
                                       prev_slots=prev2d.reshape(-1))
     tensors = tuple(s.tensor for s in srcs)
     # Corrupted copy: four equal groups of distinct entries get a flipped token byte, position byte, stored
@@ -372,10 +372,10 @@ def build(mode_name: str, data: bench.Data, bargs: bench.Args, *, populate: str,
 def populate_reference(data, buf, srcs, mode, slots2d, positions2d):
     """``bench.populate`` with the jnp reference write (a fallback that does not need the write kernel)."""
     reqs, length = slots2d.shape
-    plan = cj.WritePlan.from_requests(counts=[length] * reqs, seed_slots=[-1] * reqs)
+    plan = canary_jax.WritePlan.from_requests(counts=[length] * reqs, seed_slots=[-1] * reqs)
     ids = data.rng.integers(0, 1 << 31, reqs * length)
-    ctx = bench._ctx(buf, cj.ViolationLog.allocate(ring_capacity=64), srcs, mode)
-    out = jax.jit(R.write_reference)(ctx, plan, bench._pairs(ids), bench._pairs(positions2d.reshape(-1)),
+    ctx = bench._ctx(buf, canary_jax.ViolationLog.allocate(ring_capacity=64), srcs, mode)
+    out = jax.jit(reference.write_reference)(ctx, plan, bench._pairs(ids), bench._pairs(positions2d.reshape(-1)),
                                      bench._pairs(slots2d.reshape(-1)))
     assert int(out.log.write_index[0]) == 0
     return out.canary_buf
@@ -387,21 +387,21 @@ def steps(sc: Scenario, cfg):
                              config=cfg).log
 
     def step_ref(log, c):
-        return R.verify_reference(bench._ctx(c[0], log, bench._with_tensors(sc.srcs, c[2]), sc.case.mode), c[1]).log
+        return reference.verify_reference(bench._ctx(c[0], log, bench._with_tensors(sc.srcs, c[2]), sc.case.mode), c[1]).log
 
     return step_pallas, step_ref
 
 
 def reference_logs(sc: Scenario, launches: int) -> None:
     _, step_ref = steps(sc, None)
-    log = cj.ViolationLog.allocate(ring_capacity=CORRUPT_RING)
+    log = canary_jax.ViolationLog.allocate(ring_capacity=CORRUPT_RING)
     sc.ref_bad = log_arrays(jax.jit(step_ref)(log, (sc.bad_buf, sc.plan, sc.bad_tensors)))
 
     @jax.jit
     def many(s, c):
         return jax.lax.fori_loop(0, launches, lambda i, s_: step_ref(s_, c), s)
 
-    sc.ref_clean = log_arrays(many(cj.ViolationLog.allocate(ring_capacity=1024), (sc.buf, sc.plan, sc.tensors)))
+    sc.ref_clean = log_arrays(many(canary_jax.ViolationLog.allocate(ring_capacity=1024), (sc.buf, sc.plan, sc.tensors)))
     sc.ref_clean_launches = launches
 
 
@@ -417,7 +417,7 @@ def measure(sc: Scenario, name: str, kw: dict, a, cap: PtxCapture) -> dict:
         cap.sink = captured
         try:
             t0 = time.perf_counter()
-            out = jax.block_until_ready(step_pallas(cj.ViolationLog.allocate(ring_capacity=CORRUPT_RING),
+            out = jax.block_until_ready(step_pallas(canary_jax.ViolationLog.allocate(ring_capacity=CORRUPT_RING),
                                                     (sc.bad_buf, sc.plan, sc.bad_tensors)))
             rec["first_call_s"] = time.perf_counter() - t0
         finally:
@@ -427,7 +427,7 @@ def measure(sc: Scenario, name: str, kw: dict, a, cap: PtxCapture) -> dict:
         if sc.ref_bad is not None:
             d = log_diff(bad, sc.ref_bad)
             rec["equal_corrupt"], rec["diff_corrupt"] = not d, d
-        t, log, info = bench.time_jax(step_pallas, cj.ViolationLog.allocate(ring_capacity=1024),
+        t, log, info = bench.time_jax(step_pallas, canary_jax.ViolationLog.allocate(ring_capacity=1024),
                                       (sc.buf, sc.plan, sc.tensors), n=a.n, reps=a.reps)
         launches = info["n"] * (2 + len(info["wall_s"]))
         rec.update(us_per_call=t * 1e6, loop_compile_s=info["compile_s"], launches=launches,
@@ -604,7 +604,7 @@ def main():
                 step_pallas, _ = steps(sc, cfg)
                 captured: list = []
                 cap.sink = captured
-                log = cj.ViolationLog.allocate(ring_capacity=1024)
+                log = canary_jax.ViolationLog.allocate(ring_capacity=1024)
                 walls = []
                 for i in range(a.launches):
                     t = time.perf_counter()
@@ -615,7 +615,7 @@ def main():
                 rec = {"variant": name, "mode": mode_name, "overrides": kw, "single_wall_s": walls,
                        "kernels": entries, "violations_clean": int(np.asarray(log.write_index)[0])}
                 if a.check:
-                    bad = step_pallas(cj.ViolationLog.allocate(ring_capacity=CORRUPT_RING),
+                    bad = step_pallas(canary_jax.ViolationLog.allocate(ring_capacity=CORRUPT_RING),
                                       (sc.bad_buf, sc.plan, sc.bad_tensors))
                     rec["diff_corrupt"] = log_diff(log_arrays(bad), sc.ref_bad)
                     rec["equal_corrupt"] = not rec["diff_corrupt"]

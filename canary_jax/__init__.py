@@ -16,7 +16,8 @@ from canary_jax.constants import (
 )
 from canary_jax.decode import ViolationRecord, decode_violations, format_violation, format_violations
 from canary_jax.ints import as_int64_pairs, int64_to_pairs_np, pairs_to_int64_np
-from canary_jax.launch import resolve_backend, verify, write
+from canary_jax.backends import resolve_backend
+from canary_jax.launch import verify, write
 from canary_jax.layout import (
     SlotRecord,
     ViolationLog,

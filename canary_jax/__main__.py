@@ -1,4 +1,4 @@
-"""``python -m canary_jax`` / the ``canary-jax`` console script (see :mod:`canary_jax.demo.cli`)."""
+"""``python -m canary_jax`` / the ``canary-jax`` console script (see :mod:`canary_jax.cli.main`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 
 def main(argv=None) -> int:
-    from canary_jax.demo.cli import main as cli_main
+    from canary_jax.cli.main import main as cli_main
 
     return cli_main(argv)
 

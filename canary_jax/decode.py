@@ -10,14 +10,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from canary_jax import constants as C
+from canary_jax import constants
 from canary_jax import ints
 
-_WRITE_BITS = int(C.FailReason.WRITE_TOKEN_MISMATCH | C.FailReason.WRITE_POSITION_MISMATCH)
-_TOKEN_BITS = int(C.FailReason.WRITE_TOKEN_MISMATCH | C.FailReason.VERIFY_TOKEN_MISMATCH)
+_WRITE_BITS = int(constants.FailReason.WRITE_TOKEN_MISMATCH | constants.FailReason.WRITE_POSITION_MISMATCH)
+_TOKEN_BITS = int(constants.FailReason.WRITE_TOKEN_MISMATCH | constants.FailReason.VERIFY_TOKEN_MISMATCH)
 
 
-def reason_label(flag: C.FailReason) -> str:
+def reason_label(flag: constants.FailReason) -> str:
     """``VERIFY_CHAIN_HASH_MISMATCH`` -> ``verify_chain_hash`` (member name, lower case, minus ``_mismatch``)."""
     name = flag.name.lower()
     return name[: -len("_mismatch")] if name.endswith("_mismatch") else name
@@ -27,8 +27,8 @@ def reason_labels(bits: int) -> list[str]:
     """Labels of the set bits, in bit order; bits outside FailReason add ``unknown(0x...)`` (SGLang's
     reporter would drop them silently, which would hide a corrupted ring row)."""
     bits = int(bits)
-    labels = [reason_label(f) for f in C.FailReason if bits & int(f)]
-    rest = (bits & C.U64_MASK) & ~C.FAIL_REASON_ALL_BITS
+    labels = [reason_label(f) for f in constants.FailReason if bits & int(f)]
+    rest = (bits & constants.U64_MASK) & ~constants.FAIL_REASON_ALL_BITS
     if rest:
         labels.append(f"unknown({rest:#x})")
     return labels
@@ -37,7 +37,7 @@ def reason_labels(bits: int) -> list[str]:
 def tag_label(kernel_kind: int) -> str:
     """Tag name, or ``unknown(n)`` for a value outside CanaryLaunchTag."""
     try:
-        return C.CanaryLaunchTag(int(kernel_kind)).name
+        return constants.CanaryLaunchTag(int(kernel_kind)).name
     except ValueError:
         return f"unknown({int(kernel_kind)})"
 
@@ -45,7 +45,7 @@ def tag_label(kernel_kind: int) -> str:
 def canary_kind_label(kernel_kind: int) -> str:
     """``per_forward_<tag lower>`` for HEAD/TAIL tags, ``sweep_*`` for sweep tags, else the tag label."""
     try:
-        tag = C.CanaryLaunchTag(int(kernel_kind))
+        tag = constants.CanaryLaunchTag(int(kernel_kind))
     except ValueError:
         return tag_label(kernel_kind)
     return tag.name.lower() if tag.is_sweep else f"per_forward_{tag.name.lower()}"
@@ -111,7 +111,7 @@ def _ring_and_index(log_or_ring: Any, write_index: Any | None) -> tuple[np.ndarr
     ring = np.asarray(ring)
     if ring.ndim == 3:
         ring = ints.pairs_to_int64_np(ring)
-    elif ring.ndim != 2 or ring.shape[1] != C.VIOLATION_FIELDS or ring.dtype != np.int64:
+    elif ring.ndim != 2 or ring.shape[1] != constants.VIOLATION_FIELDS or ring.dtype != np.int64:
         raise ValueError(
             f"kv-canary: violation ring must be int64[R, 8] or uint32[R, 8, 2], got shape {ring.shape} dtype {ring.dtype}"
         )
@@ -147,7 +147,7 @@ def decode_violations(log_or_ring: Any, write_index: Any | None = None, *, start
 
 def format_violation(record: ViolationRecord, *, total: int, ring_overflow: bool, step_when_pumped: int) -> str:
     """SGLang's multi-line violation text (first line is the frozen key=value summary)."""
-    mask = C.U64_MASK
+    mask = constants.U64_MASK
     reasons = record.reasons
     label = record.tag
     structured = (

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants as C
+from canary_jax import constants
 
 
 class U64(NamedTuple):
@@ -35,7 +35,7 @@ def _u32(value: int) -> jax.Array:
 
 def u64_const(value: int) -> U64:
     """A Python int (taken modulo 2**64) as a scalar U64."""
-    value &= C.U64_MASK
+    value &= constants.U64_MASK
     return U64(_u32(value), _u32(value >> 32))
 
 
@@ -97,8 +97,8 @@ def u64_mul_const(a: U64, value: int) -> U64:
 
 def splitmix64(x: U64) -> U64:
     """The standard splitmix64 finalizer (SPEC 2.1); ``splitmix64(0) == 0``."""
-    x = u64_mul_const(u64_xor(x, u64_shr(x, 30)), C.SPLITMIX64_MUL1)
-    x = u64_mul_const(u64_xor(x, u64_shr(x, 27)), C.SPLITMIX64_MUL2)
+    x = u64_mul_const(u64_xor(x, u64_shr(x, 30)), constants.SPLITMIX64_MUL1)
+    x = u64_mul_const(u64_xor(x, u64_shr(x, 27)), constants.SPLITMIX64_MUL2)
     return u64_xor(x, u64_shr(x, 31))
 
 
@@ -111,7 +111,7 @@ def splitmix64_mix3(a: U64, b: U64, c: U64) -> U64:
 
 def anchor_hash_like(x: jax.Array) -> U64:
     """``splitmix64(CANARY_CHAIN_ANCHOR)`` broadcast to the shape of ``x`` (the chain-head prev_hash)."""
-    h = splitmix64_python(C.CANARY_CHAIN_ANCHOR)
+    h = splitmix64_python(constants.CANARY_CHAIN_ANCHOR)
     shape = jnp.shape(x)
     return U64(jnp.full(shape, h & 0xFFFFFFFF, jnp.uint32), jnp.full(shape, h >> 32, jnp.uint32))
 
@@ -153,10 +153,10 @@ def combine_sources(per_source: list[U64]) -> U64:
 # --- Python-int versions: documentation and constants, not the test oracle (that lives in tests/) ---------
 def splitmix64_python(x: int) -> int:
     """Python-int splitmix64, used to derive constants such as the anchor hash."""
-    x &= C.U64_MASK
-    x = ((x ^ (x >> 30)) * C.SPLITMIX64_MUL1) & C.U64_MASK
-    x = ((x ^ (x >> 27)) * C.SPLITMIX64_MUL2) & C.U64_MASK
+    x &= constants.U64_MASK
+    x = ((x ^ (x >> 30)) * constants.SPLITMIX64_MUL1) & constants.U64_MASK
+    x = ((x ^ (x >> 27)) * constants.SPLITMIX64_MUL2) & constants.U64_MASK
     return x ^ (x >> 31)
 
 
-ANCHOR_HASH: int = splitmix64_python(C.CANARY_CHAIN_ANCHOR)  # 0xDE7FAE23A9A1B716
+ANCHOR_HASH: int = splitmix64_python(constants.CANARY_CHAIN_ANCHOR)  # 0xDE7FAE23A9A1B716

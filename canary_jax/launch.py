@@ -17,34 +17,14 @@ the calls trace inline and XLA updates in place.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import jax
 
-from canary_jax import ints
+from canary_jax import backends, ints
+from canary_jax.backends import resolve_backend
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan, check_context
-from canary_jax import reference as R
 from canary_jax.sources import device_sources
-
-BACKENDS = ("reference", "pallas")
-BACKEND_ENV = "CANARY_JAX_BACKEND"
-
-
-def resolve_backend(backend: str | None = None) -> str:
-    """``backend`` if given, else ``$CANARY_JAX_BACKEND``, else ``pallas`` on GPU and ``reference`` elsewhere.
-
-    Raises:
-      ValueError: an unknown backend name.
-    """
-    name = backend if backend is not None else os.environ.get(BACKEND_ENV) or None
-    if name is None:
-        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
-    name = str(name).lower()
-    if name not in BACKENDS:
-        raise ValueError(f"kv-canary: backend must be one of {BACKENDS}, got {name!r}")
-    return name
-
 
 try:  # public alias in the jax versions we support; fall back for safety
     _Tracer = jax.core.Tracer
@@ -54,14 +34,6 @@ except AttributeError:  # pragma: no cover
 
 def _is_tracing(*xs: Any) -> bool:
     return any(isinstance(x, _Tracer) for x in jax.tree_util.tree_leaves(xs))
-
-
-def _impl(backend: str, op: str):
-    if backend == "reference":
-        return R.verify_reference if op == "verify" else R.write_reference
-    from pallas_kernels import verify as pv, write as pw  # lazy: pallas_kernels builds on canary_jax
-
-    return pv.verify_pallas if op == "verify" else pw.write_pallas
 
 
 # --- verify ----------------------------------------------------------------------------------------------
@@ -99,8 +71,7 @@ def verify(
     if not isinstance(plan, VerifyPlan):
         raise TypeError(f"kv-canary: plan must be a VerifyPlan, got {type(plan).__name__}")
     plan.check()
-    backend = resolve_backend(backend)
-    fn = _impl(backend, "verify")
+    fn = backends.implementation("verify", resolve_backend(backend))
     if _is_tracing(context, plan):
         return fn(context, plan, check_verify_expected_token=bool(check_verify_expected_token))
     log = _verify_donating(fn, context, plan, bool(check_verify_expected_token))
@@ -206,8 +177,7 @@ def write(
     ids, pos, loc, et, ep = normalize_write_inputs(
         input_ids, positions, out_cache_loc, enable_write_input_assert=enable_write_input_assert,
         expected_input_tokens=expected_input_tokens, expected_input_positions=expected_input_positions)
-    backend = resolve_backend(backend)
-    fn = _impl(backend, "write")
+    fn = backends.implementation("write", resolve_backend(backend))
     flag = bool(enable_write_input_assert)
     if _is_tracing(context, plan, ids, pos, loc, et, ep):
         return fn(context, plan, ids, pos, loc, enable_write_input_assert=flag,

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants as C
+from canary_jax import constants
 from canary_jax import ints
 
 
@@ -38,7 +38,7 @@ def check_canary_buffer(canary_buf, *, name: str = "canary_buf") -> None:
     stride = int(canary_buf.shape[1])
     if stride % 8 != 0:
         raise ValueError(f"kv-canary: {name} slot stride must be a multiple of 8 bytes, got {stride}")
-    if stride < C.CANARY_SLOT_BYTES:
+    if stride < constants.CANARY_SLOT_BYTES:
         raise ValueError(
             f"kv-canary: canary_buf slot stride must hold at least 4 int64 fields, got {stride // 8}"
         )
@@ -46,7 +46,7 @@ def check_canary_buffer(canary_buf, *, name: str = "canary_buf") -> None:
         raise ValueError(f"kv-canary: {name} has {canary_buf.shape[0]} slots; at most 2**31 - 1 supported")
 
 
-def allocate_canary_buffer(num_slots: int, slot_stride_bytes: int = C.CANARY_SLOT_BYTES, *, device=None) -> jax.Array:
+def allocate_canary_buffer(num_slots: int, slot_stride_bytes: int = constants.CANARY_SLOT_BYTES, *, device=None) -> jax.Array:
     """Zero-initialised ``uint8[num_slots, slot_stride_bytes]`` canary buffer.
 
     Raises:
@@ -84,14 +84,14 @@ class SlotRecord(NamedTuple):
 
 def read_slot(canary_buf, slot: int) -> SlotRecord:
     """Reads slot ``slot``'s four fields on the host (a device-to-host copy of one row)."""
-    row = np.asarray(canary_buf[int(slot), : C.CANARY_SLOT_BYTES]).astype(np.uint8)
+    row = np.asarray(canary_buf[int(slot), : constants.CANARY_SLOT_BYTES]).astype(np.uint8)
     vals = row.view("<i8")
     return SlotRecord(*(int(v) for v in vals))
 
 
 def read_all_slots(canary_buf) -> np.ndarray:
     """All slots' four fields as ``int64[num_slots, 4]`` (host copy of the whole buffer)."""
-    arr = np.ascontiguousarray(np.asarray(canary_buf)[:, : C.CANARY_SLOT_BYTES])
+    arr = np.ascontiguousarray(np.asarray(canary_buf)[:, : constants.CANARY_SLOT_BYTES])
     return arr.view("<i8").reshape(arr.shape[0], 4).astype(np.int64)
 
 
@@ -132,8 +132,8 @@ class ViolationLog:
     def allocate(
         cls,
         *,
-        ring_capacity: int = C.DEFAULT_RING_CAPACITY,
-        num_tags: int = C.NUM_LAUNCH_TAGS,
+        ring_capacity: int = constants.DEFAULT_RING_CAPACITY,
+        num_tags: int = constants.NUM_LAUNCH_TAGS,
         enable_chain_position_assert: bool = True,
     ) -> "ViolationLog":
         """Zeroed ring, index and counters; the assert flag starts at 1 as in SGLang.
@@ -148,7 +148,7 @@ class ViolationLog:
         if int(num_tags) <= 0:
             raise ValueError(f"kv-canary: CanaryDeviceState num_tags must be positive, got {num_tags}")
         return cls(
-            ring=jnp.zeros((int(ring_capacity), C.VIOLATION_FIELDS, 2), jnp.uint32),
+            ring=jnp.zeros((int(ring_capacity), constants.VIOLATION_FIELDS, 2), jnp.uint32),
             write_index=jnp.zeros((1,), jnp.int32),
             slot_run_counters=jnp.zeros((int(num_tags), 2), jnp.uint32),
             kernel_run_counters=jnp.zeros((int(num_tags), 2), jnp.uint32),
@@ -165,7 +165,7 @@ class ViolationLog:
         Raises:
           TypeError / ValueError naming the field.
         """
-        _check_arr(self.ring, "violation_ring", np.uint32, (None, C.VIOLATION_FIELDS, 2))
+        _check_arr(self.ring, "violation_ring", np.uint32, (None, constants.VIOLATION_FIELDS, 2))
         _check_arr(self.write_index, "violation_write_index", np.int32, (1,))
         _check_arr(self.slot_run_counters, "slot_run_counters", np.uint32, (None, 2))
         _check_arr(self.kernel_run_counters, "kernel_run_counters", np.uint32, (None, 2))

@@ -10,16 +10,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from canary_jax import constants as C
-from canary_jax import hashing as H
+from canary_jax import constants
+from canary_jax import hashing
 
 
-def as_u64(p: jax.Array) -> H.U64:
+def as_u64(p: jax.Array) -> hashing.U64:
     """``uint32[..., 2]`` -> :class:`~canary_jax.hashing.U64` (no copy)."""
-    return H.U64(p[..., 0], p[..., 1])
+    return hashing.U64(p[..., 0], p[..., 1])
 
 
-def from_u64(u: H.U64) -> jax.Array:
+def from_u64(u: hashing.U64) -> jax.Array:
     """:class:`~canary_jax.hashing.U64` -> ``uint32[..., 2]``."""
     return jnp.stack([u.lo, u.hi], axis=-1)
 
@@ -33,7 +33,7 @@ def from_int32(x: jax.Array) -> jax.Array:
 
 def const(value: int, shape) -> jax.Array:
     """A Python int (taken mod 2**64) broadcast to pairs of ``shape``."""
-    value &= C.U64_MASK
+    value &= constants.U64_MASK
     return jnp.stack(
         [jnp.full(shape, value & 0xFFFFFFFF, jnp.uint32), jnp.full(shape, value >> 32, jnp.uint32)], axis=-1
     )

@@ -49,9 +49,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants as C
+from canary_jax import constants
 from canary_jax import ints
-from canary_jax import pairs as P
+from canary_jax import pairs
 from canary_jax.plans import VerifyPlan, WritePlan
 
 _INT32_MAX = 2**31 - 1
@@ -70,7 +70,7 @@ def _saturating_cumsum(x: jax.Array, bound: int) -> jax.Array:
 def _gather_2d(table: jax.Array, row: jax.Array, col: jax.Array, fill: int) -> tuple[jax.Array, jax.Array]:
     """``table[row, col]`` for int64-pair ``row`` / ``col``; ``fill`` where either is out of range."""
     n_rows, n_cols = table.shape
-    ok = P.in_range(row, n_rows) & P.in_range(col, n_cols)
+    ok = pairs.in_range(row, n_rows) & pairs.in_range(col, n_cols)
     r = jnp.where(ok, row[..., 0], 0).astype(jnp.int32)
     c = jnp.where(ok, col[..., 0], 0).astype(jnp.int32)
     if n_rows == 0 or n_cols == 0:
@@ -92,8 +92,8 @@ def swa_translate(slots: jax.Array, lut: jax.Array | None) -> jax.Array:
     if lut is None:
         return slots
     n = lut.shape[0]
-    neg = P.is_negative(slots)
-    idx = jnp.where(neg | ~P.in_range(slots, n), n - 1, slots[..., 0].astype(jnp.int32))
+    neg = pairs.is_negative(slots)
+    idx = jnp.where(neg | ~pairs.in_range(slots, n), n - 1, slots[..., 0].astype(jnp.int32))
     idx = jnp.where(neg, 0, idx)
     return jnp.where(neg[..., None], slots, lut[idx])
 
@@ -119,13 +119,13 @@ def _build_plans_impl(
     max_seq_len = req_to_token.shape[1]
     w = swa_window_size
 
-    is_pad = P.is_zero(rpi)  # REQ_POOL_IDX_PADDING == 0
-    p_pos = P.is_positive(prefix)
+    is_pad = pairs.is_zero(rpi)  # REQ_POOL_IDX_PADDING == 0
+    p_pos = pairs.is_positive(prefix)
 
     # --- verify counts and overflow -------------------------------------------------------------------
     # Exact whenever the plan does not overflow: every per-request count is then <= C < C + 1.
     bound = cap + 1
-    count = P.clamp_to_int32(prefix, 0, bound)
+    count = pairs.clamp_to_int32(prefix, 0, bound)
     count = jnp.where(w > 0, jnp.minimum(count, w), count)
     count = jnp.where(is_pad | ~p_pos, 0, count).astype(jnp.int32)
     incl = _saturating_cumsum(count, bound)
@@ -141,25 +141,25 @@ def _build_plans_impl(
         r = jnp.clip(jnp.searchsorted(incl, i, side="right").astype(jnp.int32), 0, bs - 1)
         excl = (incl - count)[r]
         back = count[r] - (i - excl)  # P - p, in [1, count[r]] for live entries
-        pos = P.sub(prefix[r], P.from_int32(back))  # p as int64
+        pos = pairs.sub(prefix[r], pairs.from_int32(back))  # p as int64
         row = rpi[r]
-        slot_full, _ = _gather_2d(req_to_token, row, pos, C.TOKEN_TO_KV_SLOT_PADDING)
-        prev_pos = P.sub(pos, P.const(1, (cap,)))
-        prev_full, _ = _gather_2d(req_to_token, row, prev_pos, C.TOKEN_TO_KV_SLOT_PADDING)
-        slot = swa_translate(P.from_int32(slot_full), lut)
-        prev = swa_translate(P.from_int32(prev_full), lut)
-        prev = jnp.where(P.is_zero(pos)[..., None], P.const(-1, (cap,)), prev)
+        slot_full, _ = _gather_2d(req_to_token, row, pos, constants.TOKEN_TO_KV_SLOT_PADDING)
+        prev_pos = pairs.sub(pos, pairs.const(1, (cap,)))
+        prev_full, _ = _gather_2d(req_to_token, row, prev_pos, constants.TOKEN_TO_KV_SLOT_PADDING)
+        slot = swa_translate(pairs.from_int32(slot_full), lut)
+        prev = swa_translate(pairs.from_int32(prev_full), lut)
+        prev = jnp.where(pairs.is_zero(pos)[..., None], pairs.const(-1, (cap,)), prev)
         if pool is not None:
-            sot = P.add(pos, P.from_int32(jnp.broadcast_to(kv_token_id_vs_position_offset, (cap,))))
-            want = ~P.is_negative(sot) & P.lt(sot, valid_lens[r])
+            sot = pairs.add(pos, pairs.from_int32(jnp.broadcast_to(kv_token_id_vs_position_offset, (cap,))))
+            want = ~pairs.is_negative(sot) & pairs.lt(sot, valid_lens[r])
             tok, tok_ok = _gather_2d(pool, row, sot, -1)
             tok = jnp.where(want & tok_ok, tok, -1)
-            exp_tok = P.from_int32(tok)
+            exp_tok = pairs.from_int32(tok)
         else:
-            exp_tok = P.const(-1, (cap,))
+            exp_tok = pairs.const(-1, (cap,))
     else:
-        pos = slot = prev = P.const(0, (cap,))
-        exp_tok = P.const(-1, (cap,))
+        pos = slot = prev = pairs.const(0, (cap,))
+        exp_tok = pairs.const(-1, (cap,))
 
     keep = lambda new, old: jnp.where(live[..., None], new, old)  # noqa: E731
     verify = VerifyPlan(
@@ -172,15 +172,15 @@ def _build_plans_impl(
     )
 
     # --- write metadata -------------------------------------------------------------------------------
-    e_pos = P.is_positive(extend)
+    e_pos = pairs.is_positive(extend)
     wlen = jnp.where((is_pad | ~e_pos)[..., None], jnp.uint32(0), extend)
     offsets = jnp.zeros((cw + 1, 2), jnp.uint32)
     if bs > 0:
-        offsets = offsets.at[1 : bs + 1].set(P.cumsum(wlen))
-        seed_col = P.clamp_to_int32(P.sub(prefix, P.const(1, (bs,))), 0, max(max_seq_len - 1, 0))
-        seed_full, _ = _gather_2d(req_to_token, rpi, P.from_int32(seed_col), C.TOKEN_TO_KV_SLOT_PADDING)
-        seed = swa_translate(P.from_int32(seed_full), lut)
-        seed = jnp.where((is_pad | ~e_pos | ~p_pos)[..., None], P.const(-1, (bs,)), seed)
+        offsets = offsets.at[1 : bs + 1].set(pairs.cumsum(wlen))
+        seed_col = pairs.clamp_to_int32(pairs.sub(prefix, pairs.const(1, (bs,))), 0, max(max_seq_len - 1, 0))
+        seed_full, _ = _gather_2d(req_to_token, rpi, pairs.from_int32(seed_col), constants.TOKEN_TO_KV_SLOT_PADDING)
+        seed = swa_translate(pairs.from_int32(seed_full), lut)
+        seed = jnp.where((is_pad | ~e_pos | ~p_pos)[..., None], pairs.const(-1, (bs,)), seed)
         seeds = write_out.write_seed_slot_indices.at[:bs].set(seed)
     else:
         seeds = write_out.write_seed_slot_indices
@@ -348,12 +348,12 @@ def _scatter_impl(flat: jax.Array, offsets: jax.Array, rpi: jax.Array, pool: jax
     if bs == 0 or n_tok == 0 or cols == 0 or rows == 0:
         return pool
     start, end = offsets[:-1], offsets[1:]
-    seg = P.sub(end, start)  # int64 segment length
-    write_len = P.clamp_to_int32(seg, 0, cols)  # min(seg, width) where seg > 0; columns past n_tok never load
+    seg = pairs.sub(end, start)  # int64 segment length
+    write_len = pairs.clamp_to_int32(seg, 0, cols)  # min(seg, width) where seg > 0; columns past n_tok never load
     col = jnp.arange(cols, dtype=jnp.int32)
-    flat_idx = P.add(start[:, None, :], P.from_int32(col)[None, :, :])  # [bs, cols, 2]
-    row_ok = P.in_range(rpi, rows)
-    mask = (col[None, :] < write_len[:, None]) & P.in_range(flat_idx, n_tok) & row_ok[:, None]
+    flat_idx = pairs.add(start[:, None, :], pairs.from_int32(col)[None, :, :])  # [bs, cols, 2]
+    row_ok = pairs.in_range(rpi, rows)
+    mask = (col[None, :] < write_len[:, None]) & pairs.in_range(flat_idx, n_tok) & row_ok[:, None]
     vals = flat[jnp.where(mask, flat_idx[..., 0], 0).astype(jnp.int32), 0]
     vals = jax.lax.bitcast_convert_type(vals, jnp.int32)  # int64 -> int32 keeps the low word (torch .to)
     row = jnp.where(row_ok, rpi[:, 0], 0).astype(jnp.int32)

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants as C
+from canary_jax import constants
 from canary_jax import ints
 from canary_jax import layout
-from canary_jax import sources as S
+from canary_jax import sources
 
 
 @jax.tree_util.register_dataclass
@@ -255,18 +255,18 @@ class VerifyOrWriteContext:
     """
 
     canary_buf: Any
-    kernel_kind: C.CanaryLaunchTag
+    kernel_kind: constants.CanaryLaunchTag
     log: layout.ViolationLog
     real_kv_sources: tuple = ()
-    real_kv_hash_mode: C.RealKvHashMode = C.RealKvHashMode.NONE
+    real_kv_hash_mode: constants.RealKvHashMode = constants.RealKvHashMode.NONE
 
     def replace(self, **kw) -> "VerifyOrWriteContext":
         return dataclasses.replace(self, **kw)
 
 
 def _ctx_flatten(c: VerifyOrWriteContext):
-    return (c.canary_buf, c.log, tuple(c.real_kv_sources)), (C.CanaryLaunchTag(int(c.kernel_kind)),
-                                                              C.RealKvHashMode(int(c.real_kv_hash_mode)))
+    return (c.canary_buf, c.log, tuple(c.real_kv_sources)), (constants.CanaryLaunchTag(int(c.kernel_kind)),
+                                                              constants.RealKvHashMode(int(c.real_kv_hash_mode)))
 
 
 def _ctx_unflatten(aux, children) -> VerifyOrWriteContext:
@@ -282,7 +282,7 @@ def _ctx_unflatten(aux, children) -> VerifyOrWriteContext:
 jax.tree_util.register_pytree_node(VerifyOrWriteContext, _ctx_flatten, _ctx_unflatten)
 
 
-def check_context(context: VerifyOrWriteContext) -> tuple[S.SourceDescriptor, ...]:
+def check_context(context: VerifyOrWriteContext) -> tuple[sources.SourceDescriptor, ...]:
     """Every static check of a launch context, before tracing; returns the source descriptors.
 
     Raises:
@@ -291,7 +291,7 @@ def check_context(context: VerifyOrWriteContext) -> tuple[S.SourceDescriptor, ..
     if not isinstance(context, VerifyOrWriteContext):
         raise TypeError(f"kv-canary: context must be a VerifyOrWriteContext, got {type(context).__name__}")
     try:
-        C.CanaryLaunchTag(int(context.kernel_kind))
+        constants.CanaryLaunchTag(int(context.kernel_kind))
     except ValueError:
         raise ValueError(f"kv-canary: kernel_kind must be a CanaryLaunchTag, got {context.kernel_kind!r}") from None
     layout.check_canary_buffer(context.canary_buf)
@@ -303,4 +303,4 @@ def check_context(context: VerifyOrWriteContext) -> tuple[S.SourceDescriptor, ..
             f"kv-canary: kernel_kind={int(context.kernel_kind)} is outside the counter arrays of length "
             f"{context.log.kernel_run_counters.shape[0]}"
         )
-    return S.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
+    return sources.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants as C
-from canary_jax import hashing as H
+from canary_jax import constants
+from canary_jax import hashing
 
 
 def _row_stride_bytes(tensor: Any) -> int:
@@ -133,7 +133,7 @@ def _uint8_view_shape(tensor: Any) -> tuple[int, ...]:
 
 
 def check_real_kv_sources(
-    sources: Sequence[RealKvSource], mode: C.RealKvHashMode | int
+    sources: Sequence[RealKvSource], mode: constants.RealKvHashMode | int
 ) -> tuple[SourceDescriptor, ...]:
     """Launch-time checks and the static descriptor array (SGLang ``_build_real_kv_source_abi``).
 
@@ -146,15 +146,15 @@ def check_real_kv_sources(
       TypeError: an entry that is not a RealKvSource.
     """
     sources = tuple(sources)
-    if len(sources) > C.MAX_REAL_KV_SOURCES:
+    if len(sources) > constants.MAX_REAL_KV_SOURCES:
         raise ValueError(
-            f"kv-canary: at most {C.MAX_REAL_KV_SOURCES} RealKvSource entries supported by the CUDA ABI, "
+            f"kv-canary: at most {constants.MAX_REAL_KV_SOURCES} RealKvSource entries supported by the CUDA ABI, "
             f"got {len(sources)}"
         )
     for i, s in enumerate(sources):
         if not isinstance(s, RealKvSource):
             raise TypeError(f"kv-canary: real_kv_sources[{i}] must be a RealKvSource, got {type(s).__name__}")
-    mode = C.RealKvHashMode(int(mode))
+    mode = constants.RealKvHashMode(int(mode))
     descs = []
     for i, s in enumerate(sources):
         if isinstance(s.tensor, np.ndarray) and not s.tensor.flags.c_contiguous:
@@ -172,7 +172,7 @@ def check_real_kv_sources(
                 f"dim-1 is {row_bytes} bytes but page_size={s.page_size} x "
                 f"num_bytes_per_token={s.num_bytes_per_token} needs {need}"
             )
-        eff = C.PARTIAL_READ_BYTES if mode == C.RealKvHashMode.PARTIAL else s.read_bytes
+        eff = constants.PARTIAL_READ_BYTES if mode == constants.RealKvHashMode.PARTIAL else s.read_bytes
         descs.append(
             SourceDescriptor(
                 page_size=int(s.page_size),
@@ -183,7 +183,7 @@ def check_real_kv_sources(
                 num_rows=int(u8_shape[0]),
             )
         )
-    if mode == C.RealKvHashMode.NONE or not sources:
+    if mode == constants.RealKvHashMode.NONE or not sources:
         return ()
     return tuple(descs)
 
@@ -223,7 +223,7 @@ def source_words(tensor: jax.Array) -> jax.Array:
 
 def real_kv_hash_reference(
     tensors: Sequence[jax.Array], descs: Sequence[SourceDescriptor], slots: jax.Array
-) -> H.U64:
+) -> hashing.U64:
     """Combined real-KV fingerprint of ``slots`` (int32, any shape), pure jnp (SPEC 2.5).
 
     Slots whose row lies outside a source read as zero bytes there (canary-jax never reads outside a
@@ -234,7 +234,7 @@ def real_kv_hash_reference(
     """
     if not descs:
         z = jnp.zeros(slots.shape, jnp.uint32)
-        return H.U64(z, z)
+        return hashing.U64(z, z)
     per_source = []
     for tensor, d in zip(tensors, descs):
         words = source_words(tensor)  # u32[rows, row_bytes/4]
@@ -246,5 +246,5 @@ def real_kv_hash_reference(
         cols = col0[..., None] + jnp.arange(nw, dtype=jnp.int32)
         gathered = words[row_c[..., None], jnp.where(ok[..., None], cols, 0)]
         gathered = jnp.where(ok[..., None], gathered, jnp.uint32(0))
-        per_source.append(H.fold_words(gathered, nw // 2))
-    return H.combine_sources(per_source)
+        per_source.append(hashing.fold_words(gathered, nw // 2))
+    return hashing.combine_sources(per_source)

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from interop import dlpack as D
+from interop import dlpack
 
 __all__ = [
     "TensorArg",
@@ -59,7 +59,7 @@ __all__ = [
     "trace_count",
 ]
 
-_CACHE = D.ImportCache()
+_CACHE = dlpack.ImportCache()
 _TRACES = [0]
 _LAST_REPORT: dict[str, Any] = {}
 _STREAM_SYNC = ["fence"]
@@ -70,7 +70,7 @@ _PHASES: dict[str, list] = {}  # name -> [count, seconds] while phase timing is 
 _TIMING = [False]
 
 
-def import_cache() -> D.ImportCache:
+def import_cache() -> dlpack.ImportCache:
     """The process-wide import cache used by the launchers."""
     return _CACHE
 
@@ -227,7 +227,7 @@ def _fence(device: "torch.device", sync: str) -> jax.Array:
         return jax.dlpack.from_dlpack(t, copy=False)
     hit = _CACHE.get(("fence", key))
     if hit is None:
-        hit = D._import_exact(t, name="fence")
+        hit = dlpack._import_exact(t, name="fence")
         _CACHE.put(("fence", key), hit, (t,))
     return hit
 
@@ -289,7 +289,7 @@ def _check_device_and_aliasing(args: Sequence[TensorArg]) -> "torch.device":
 
 
 def _plan_buffers(args: Sequence[TensorArg], dev: "torch.device") -> list[_Buffer]:
-    align = D.device_alignment(dev)
+    align = dlpack.device_alignment(dev)
     buffers: list[_Buffer] = []
     scalars_by_storage: dict[int, list[TensorArg]] = {}
     for a in args:
@@ -298,10 +298,10 @@ def _plan_buffers(args: Sequence[TensorArg], dev: "torch.device") -> list[_Buffe
             scalars_by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(a)
             continue
         kind = _kind(t)
-        view = D.int64_pairs_view(t, a.name) if kind == "i64" else D.contiguous_view(t, a.name)
+        view = dlpack.int64_pairs_view(t, a.name) if kind == "i64" else dlpack.contiguous_view(t, a.name)
         m = _Member(a.name, 0, t.numel() * t.element_size(), tuple(t.shape), kind, str(t.dtype), a.mutable)
         owner = a.owner if a.owner is not None else t
-        buffers.append(_Buffer(view, [m], False, [_CACHE.ref(owner)], D.ImportCache.key_for(view), a.mutable))
+        buffers.append(_Buffer(view, [m], False, [_CACHE.ref(owner)], dlpack.ImportCache.key_for(view), a.mutable))
     for base, group in scalars_by_storage.items():
         spans = []
         for a in group:
@@ -356,7 +356,7 @@ def _import(b: _Buffer) -> jax.Array:
     hit = _CACHE.get(b.key)
     if hit is not None:
         return hit
-    arr = D._import_exact(b.view, name=b.members[0].name)
+    arr = dlpack._import_exact(b.view, name=b.members[0].name)
     _CACHE.put(b.key, arr, b.owners)
     return arr
 
@@ -418,7 +418,7 @@ def _compiled(op: Hashable, statics: Hashable, body_factory: Callable, layout: t
 
 
 # --- the launch -------------------------------------------------------------------------------------------
-_LAYOUTS = D.ImportCache(max_entries=256)
+_LAYOUTS = dlpack.ImportCache(max_entries=256)
 
 
 @dataclasses.dataclass
@@ -553,7 +553,7 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
             continue
         if donate:
             _CACHE.discard(b.key)
-        src = D.to_torch(out)
+        src = dlpack.to_torch(out)
         ordered = True
         if b.window:
             for m in b.members:
@@ -565,7 +565,7 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
     if timing:
         t = _phase("outputs", t)
     if sync == "fence" and not ordered and outs:
-        D.to_torch(outs[0])  # torch's current stream waits for the JAX computation
+        dlpack.to_torch(outs[0])  # torch's current stream waits for the JAX computation
     if copied and dev.type == "cuda":
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(dev))

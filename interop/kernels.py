@@ -10,14 +10,12 @@ views; the body places them at row ``tag`` of canary-jax's per-tag counter array
 
 from __future__ import annotations
 
-import os
-
 import jax.numpy as jnp
 
-from canary_jax import constants as C
-from canary_jax import launch as L
+from canary_jax import constants
+from canary_jax import backends
 from canary_jax import plan_builder
-from canary_jax import sources as S
+from canary_jax import sources
 from canary_jax.layout import ViolationLog
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
 
@@ -32,36 +30,13 @@ VERIFY_PLAN_FIELDS = (
 WRITE_PLAN_FIELDS = ("write_offsets", "write_seed_slot_indices", "write_num_valid_reqs")
 
 
-def resolve_backend(backend: str | None, device_type: str) -> str:
-    """``backend`` if given, else ``$CANARY_JAX_BACKEND``, else ``pallas`` for CUDA tensors and ``reference``
-    for CPU tensors.
-
-    Raises:
-      ValueError: an unknown backend name.
-    """
-    name = backend if backend is not None else (os.environ.get(L.BACKEND_ENV) or None)
-    if name is None:
-        return "pallas" if device_type == "cuda" else "reference"
-    return L.resolve_backend(str(name))
-
-
-def _impl(backend: str, op: str):
-    if backend == "reference":
-        from canary_jax import reference as R
-
-        return R.verify_reference if op == "verify" else R.write_reference
-    from pallas_kernels import verify as pv, write as pw  # lazy: pallas_kernels builds on canary_jax
-
-    return pv.verify_pallas if op == "verify" else pw.write_pallas
-
-
 def _counters(c: jnp.ndarray, tag: int, num_tags: int) -> jnp.ndarray:
     """One int64 counter ``uint32[1, 2]`` placed at row ``tag`` of a ``uint32[num_tags, 2]`` array."""
     return jnp.zeros((num_tags, 2), jnp.uint32).at[tag].set(c[0])
 
 
 def _log(v: dict, tag: int, flag) -> ViolationLog:
-    n = max(C.NUM_LAUNCH_TAGS, tag + 1)
+    n = max(constants.NUM_LAUNCH_TAGS, tag + 1)
     return ViolationLog(
         ring=v["violation_ring"],
         write_index=v["violation_write_index"],
@@ -82,7 +57,7 @@ def _log_out(log: ViolationLog, tag: int) -> dict:
 
 def _sources(v: dict, source_meta: tuple) -> tuple:
     return tuple(
-        S.RealKvSource(tensor=v[f"real_kv_sources[{i}].tensor"], page_size=p, num_bytes_per_token=n, read_bytes=r)
+        sources.RealKvSource(tensor=v[f"real_kv_sources[{i}].tensor"], page_size=p, num_bytes_per_token=n, read_bytes=r)
         for i, (p, n, r) in enumerate(source_meta)
     )
 
@@ -90,14 +65,14 @@ def _sources(v: dict, source_meta: tuple) -> tuple:
 def verify_body_factory(statics):
     """statics = (backend, tag, mode, source_meta, check_verify_expected_token)."""
     backend, tag, mode, source_meta, check = statics
-    impl = _impl(backend, "verify")
+    impl = backends.implementation("verify", backend)
 
     def body(v: dict) -> dict:
         log = _log(v, tag, jnp.ones((1,), jnp.int32))
         plan = VerifyPlan(**{f: v[f"plan.{f}"] for f in VERIFY_PLAN_FIELDS})
         ctx = VerifyOrWriteContext(
-            canary_buf=v["canary_buf"], kernel_kind=C.CanaryLaunchTag(tag), log=log,
-            real_kv_sources=_sources(v, source_meta), real_kv_hash_mode=C.RealKvHashMode(mode),
+            canary_buf=v["canary_buf"], kernel_kind=constants.CanaryLaunchTag(tag), log=log,
+            real_kv_sources=_sources(v, source_meta), real_kv_hash_mode=constants.RealKvHashMode(mode),
         )
         out = impl(ctx, plan, check_verify_expected_token=check)
         return _log_out(out.log, tag)
@@ -108,14 +83,14 @@ def verify_body_factory(statics):
 def write_body_factory(statics):
     """statics = (backend, tag, mode, source_meta, enable_write_input_assert)."""
     backend, tag, mode, source_meta, assert_inputs = statics
-    impl = _impl(backend, "write")
+    impl = backends.implementation("write", backend)
 
     def body(v: dict) -> dict:
         log = _log(v, tag, v["enable_chain_position_assert"])
         plan = WritePlan(**{f: v[f"plan.{f}"] for f in WRITE_PLAN_FIELDS})
         ctx = VerifyOrWriteContext(
-            canary_buf=v["canary_buf"], kernel_kind=C.CanaryLaunchTag(tag), log=log,
-            real_kv_sources=_sources(v, source_meta), real_kv_hash_mode=C.RealKvHashMode(mode),
+            canary_buf=v["canary_buf"], kernel_kind=constants.CanaryLaunchTag(tag), log=log,
+            real_kv_sources=_sources(v, source_meta), real_kv_hash_mode=constants.RealKvHashMode(mode),
         )
         out = impl(
             ctx, plan, v["input_ids"], v["positions"], v["out_cache_loc"],

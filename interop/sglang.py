@@ -39,16 +39,16 @@ from typing import Any, Sequence
 
 import torch
 
-from canary_jax import constants as C
-from interop import dlpack as D
-from interop import inplace as IP
-from interop import kernels as K
+from canary_jax import backends, constants
+from interop import dlpack
+from interop import inplace
+from interop import kernels
 
-CanaryLaunchTag = C.CanaryLaunchTag
-RealKvHashMode = C.RealKvHashMode
-FailReason = C.FailReason
-MAX_REAL_KV_SOURCES = C.MAX_REAL_KV_SOURCES
-CANARY_SLOT_BYTES = C.CANARY_SLOT_BYTES
+CanaryLaunchTag = constants.CanaryLaunchTag
+RealKvHashMode = constants.RealKvHashMode
+FailReason = constants.FailReason
+MAX_REAL_KV_SOURCES = constants.MAX_REAL_KV_SOURCES
+CANARY_SLOT_BYTES = constants.CANARY_SLOT_BYTES
 PLAN_BS_BLOCK_SIZE = 4096  # SGLang's _PLAN_BS_BLOCK_SIZE (Triton offsets kernel, CUDA path only)
 
 __all__ = [
@@ -236,7 +236,7 @@ class CanaryDeviceState:
     enable_chain_position_assert: torch.Tensor
 
     @classmethod
-    def allocate(cls, *, ring_capacity: int = C.DEFAULT_RING_CAPACITY, num_tags: int = C.NUM_LAUNCH_TAGS,
+    def allocate(cls, *, ring_capacity: int = constants.DEFAULT_RING_CAPACITY, num_tags: int = constants.NUM_LAUNCH_TAGS,
                  device: Any = "cpu") -> "CanaryDeviceState":
         """Zeroed ring ``int64 [R, 8]``, index ``int32 [1]``, counters ``int64 [num_tags]``; flag = 1.
 
@@ -248,7 +248,7 @@ class CanaryDeviceState:
         if num_tags <= 0:
             raise ValueError(f"kv-canary: CanaryDeviceState num_tags must be positive, got {num_tags}")
         return cls(
-            violation_ring=torch.zeros(ring_capacity, C.VIOLATION_FIELDS, dtype=torch.int64, device=device),
+            violation_ring=torch.zeros(ring_capacity, constants.VIOLATION_FIELDS, dtype=torch.int64, device=device),
             violation_write_index=torch.zeros(1, dtype=torch.int32, device=device),
             slot_run_counters=torch.zeros(num_tags, dtype=torch.int64, device=device),
             kernel_run_counters=torch.zeros(num_tags, dtype=torch.int64, device=device),
@@ -276,7 +276,7 @@ class CanaryDeviceState:
 def _tensor(x: Any, name: str) -> torch.Tensor:
     if x is None:
         raise TypeError(f"kv-canary: {name} must be a torch.Tensor, got None")
-    return D.as_torch_tensor(x, name=name)
+    return dlpack.as_torch_tensor(x, name=name)
 
 
 def _want(t: torch.Tensor, name: str, dtype: torch.dtype, shape: Sequence[int | None]) -> None:
@@ -290,22 +290,22 @@ def _want(t: torch.Tensor, name: str, dtype: torch.dtype, shape: Sequence[int | 
 
 def _tag(kernel_kind: Any) -> int:
     try:
-        return int(C.CanaryLaunchTag(int(kernel_kind)))
+        return int(constants.CanaryLaunchTag(int(kernel_kind)))
     except (TypeError, ValueError):
         raise ValueError(f"kv-canary: kernel_kind must be a CanaryLaunchTag (0..11), got {kernel_kind!r}") from None
 
 
 def _mode(mode: Any) -> int:
     try:
-        return int(C.RealKvHashMode(int(mode)))
+        return int(constants.RealKvHashMode(int(mode)))
     except (TypeError, ValueError):
         raise ValueError(f"kv-canary: real_kv_hash_mode must be a RealKvHashMode, got {mode!r}") from None
 
 
 def _check_source_count(sources: tuple) -> None:
-    if len(sources) > C.MAX_REAL_KV_SOURCES:
+    if len(sources) > constants.MAX_REAL_KV_SOURCES:
         raise ValueError(
-            f"kv-canary: at most {C.MAX_REAL_KV_SOURCES} RealKvSource entries supported by the CUDA ABI, "
+            f"kv-canary: at most {constants.MAX_REAL_KV_SOURCES} RealKvSource entries supported by the CUDA ABI, "
             f"got {len(sources)}"
         )
 
@@ -316,7 +316,7 @@ def _source_abi(sources: tuple) -> list[tuple[torch.Tensor, torch.Tensor, tuple[
     for i, s in enumerate(sources):
         t = _tensor(getattr(s, "tensor", None), f"real_kv_sources[{i}].tensor")
         _validate_source_fields(_SourceView(t, s))
-        D.check_contiguous(t, f"real_kv_sources[{i}].tensor")
+        dlpack.check_contiguous(t, f"real_kv_sources[{i}].tensor")
         u8 = t.view(torch.uint8)
         if u8.dim() != 2:
             raise ValueError(f"kv-canary: real_kv_sources[{i}].tensor (viewed as uint8) must be 2-D, got {u8.dim()}-D")
@@ -347,7 +347,7 @@ def _check_canary_buf(buf: torch.Tensor) -> None:
     if buf.dim() != 2:
         raise ValueError(f"kv-canary: canary_buf must be 2-D [num_slots, slot_stride_bytes], got shape {tuple(buf.shape)}")
     stride = int(buf.shape[1])
-    if stride < C.CANARY_SLOT_BYTES:
+    if stride < constants.CANARY_SLOT_BYTES:
         raise ValueError(f"kv-canary: canary_buf slot stride must hold at least 4 int64 fields, got {stride // 8}")
     if stride % 8:
         raise ValueError(f"kv-canary: canary_buf slot stride must be a multiple of 8 bytes, got {stride}")
@@ -363,7 +363,7 @@ def _context_tensors(context: Any, *, with_flag: bool) -> dict[str, torch.Tensor
 
 
 def _check_log(t: dict[str, torch.Tensor]) -> None:
-    _want(t["violation_ring"], "violation_ring", torch.int64, (None, C.VIOLATION_FIELDS))
+    _want(t["violation_ring"], "violation_ring", torch.int64, (None, constants.VIOLATION_FIELDS))
     if t["violation_ring"].shape[0] < 1:
         raise ValueError("kv-canary: violation_ring must have at least one row")
     _want(t["violation_write_index"], "violation_write_index", torch.int32, (1,))
@@ -371,10 +371,10 @@ def _check_log(t: dict[str, torch.Tensor]) -> None:
     _want(t["kernel_run_counter"], "kernel_run_counter", torch.int64, (1,))
 
 
-def _source_args(abi, mode: int) -> tuple[list[IP.TensorArg], tuple]:
-    if mode == int(C.RealKvHashMode.NONE) or not abi:
+def _source_args(abi, mode: int) -> tuple[list[inplace.TensorArg], tuple]:
+    if mode == int(constants.RealKvHashMode.NONE) or not abi:
         return [], ()  # never dereferenced (SGLang: NONE ignores sources)
-    args = [IP.TensorArg(f"real_kv_sources[{i}].tensor", u8, False, owner) for i, (owner, u8, _) in enumerate(abi)]
+    args = [inplace.TensorArg(f"real_kv_sources[{i}].tensor", u8, False, owner) for i, (owner, u8, _) in enumerate(abi)]
     return args, tuple(meta for _, _, meta in abi)
 
 
@@ -402,31 +402,31 @@ def launch_canary_verify_kernel(*, context: Any, plan: Any, check_verify_expecte
     sources = tuple(getattr(context, "real_kv_sources", ()) or ())
     _check_source_count(sources)
     ctx = _context_tensors(context, with_flag=False)
-    pl = {f"plan.{f}": _tensor(getattr(plan, f, None), f"plan.{f}") for f in K.VERIFY_PLAN_FIELDS}
+    pl = {f"plan.{f}": _tensor(getattr(plan, f, None), f"plan.{f}") for f in kernels.VERIFY_PLAN_FIELDS}
     order = ["canary_buf", *pl, "violation_ring", "violation_write_index", "slot_run_counter", "kernel_run_counter"]
     named = {**ctx, **pl}
     for n in order:
-        D.check_contiguous(named[n], n)
+        dlpack.check_contiguous(named[n], n)
     abi = _source_abi(sources)
     tag, mode = _tag(context.kernel_kind), _mode(getattr(context, "real_kv_hash_mode", 0))
     _check_canary_buf(ctx["canary_buf"])
     cap = pl["plan.verify_slot_indices"].shape[0] if pl["plan.verify_slot_indices"].dim() == 1 else None
-    for f in K.VERIFY_PLAN_FIELDS[:4]:
+    for f in kernels.VERIFY_PLAN_FIELDS[:4]:
         _want(pl[f"plan.{f}"], f"plan.{f}", torch.int64, (cap,))
     _want(pl["plan.verify_num_valid"], "plan.verify_num_valid", torch.int32, (1,))
     _want(pl["plan.enable"], "plan.enable", torch.int32, (1,))
     _check_log(ctx)
-    if mode != int(C.RealKvHashMode.NONE):
+    if mode != int(constants.RealKvHashMode.NONE):
         _check_row_width(abi)
     src_args, meta = _source_args(abi, mode)
     _check_devices({**named, **{a.name: a.tensor for a in src_args}}, "canary_buf")
-    args = [IP.TensorArg("canary_buf", ctx["canary_buf"])]
-    args += [IP.TensorArg(n, t) for n, t in pl.items()]
-    args += [IP.TensorArg(n, ctx[n], True) for n in order[-4:]]
+    args = [inplace.TensorArg("canary_buf", ctx["canary_buf"])]
+    args += [inplace.TensorArg(n, t) for n, t in pl.items()]
+    args += [inplace.TensorArg(n, ctx[n], True) for n in order[-4:]]
     args += src_args
-    backend = K.resolve_backend(backend, ctx["canary_buf"].device.type)
+    backend = backends.resolve_backend(backend, platform=ctx["canary_buf"].device.type)
     statics = (backend, tag, mode, meta, bool(check_verify_expected_token))
-    IP.run_in_place("verify", statics, K.verify_body_factory, args)
+    inplace.run_in_place("verify", statics, kernels.verify_body_factory, args)
 
 
 # --- write -----------------------------------------------------------------------------------------------
@@ -446,24 +446,24 @@ def launch_canary_write_kernel(*, context: Any, plan: Any, input_ids: torch.Tens
     sources = tuple(getattr(context, "real_kv_sources", ()) or ())
     _check_source_count(sources)
     ctx = _context_tensors(context, with_flag=True)
-    pl = {f"plan.{f}": _tensor(getattr(plan, f, None), f"plan.{f}") for f in K.WRITE_PLAN_FIELDS}
+    pl = {f"plan.{f}": _tensor(getattr(plan, f, None), f"plan.{f}") for f in kernels.WRITE_PLAN_FIELDS}
     toks = {"input_ids": _tensor(input_ids, "input_ids"), "positions": _tensor(positions, "positions"),
             "out_cache_loc": _tensor(out_cache_loc, "out_cache_loc")}
     for n, t in [("canary_buf", ctx["canary_buf"]), *pl.items(), *toks.items()]:
-        D.check_contiguous(t, n)
+        dlpack.check_contiguous(t, n)
     flag = bool(enable_write_input_assert)
     if flag:
         if expected_input_tokens is None or expected_input_positions is None:
             raise ValueError("kv-canary: expected input tensors are required when enable_write_input_assert=True")
         toks["expected_input_tokens"] = _tensor(expected_input_tokens, "expected_input_tokens")
         toks["expected_input_positions"] = _tensor(expected_input_positions, "expected_input_positions")
-        D.check_contiguous(toks["expected_input_tokens"], "expected_input_tokens")
-        D.check_contiguous(toks["expected_input_positions"], "expected_input_positions")
+        dlpack.check_contiguous(toks["expected_input_tokens"], "expected_input_tokens")
+        dlpack.check_contiguous(toks["expected_input_positions"], "expected_input_positions")
     elif expected_input_tokens is not None or expected_input_positions is not None:
         raise ValueError("kv-canary: expected input tensors must be None when enable_write_input_assert=False")
     for n in ("violation_ring", "violation_write_index", "slot_run_counter", "kernel_run_counter",
               "enable_chain_position_assert"):
-        D.check_contiguous(ctx[n], n)
+        dlpack.check_contiguous(ctx[n], n)
     abi = _source_abi(sources)
     tag, mode = _tag(context.kernel_kind), _mode(getattr(context, "real_kv_hash_mode", 0))
     _check_canary_buf(ctx["canary_buf"])
@@ -483,20 +483,20 @@ def launch_canary_write_kernel(*, context: Any, plan: Any, input_ids: torch.Tens
         _want(t, n, torch.int64, (t_len,))
     _check_log(ctx)
     _want(ctx["enable_chain_position_assert"], "enable_chain_position_assert", torch.int32, (1,))
-    if mode != int(C.RealKvHashMode.NONE):
+    if mode != int(constants.RealKvHashMode.NONE):
         _check_row_width(abi)
     src_args, meta = _source_args(abi, mode)
     _check_devices({**ctx, **pl, **toks, **{a.name: a.tensor for a in src_args}}, "canary_buf")
-    args = [IP.TensorArg("canary_buf", ctx["canary_buf"], True)]
-    args += [IP.TensorArg(n, t) for n, t in pl.items()]
-    args += [IP.TensorArg(n, t) for n, t in toks.items()]
-    args += [IP.TensorArg(n, ctx[n], True)
+    args = [inplace.TensorArg("canary_buf", ctx["canary_buf"], True)]
+    args += [inplace.TensorArg(n, t) for n, t in pl.items()]
+    args += [inplace.TensorArg(n, t) for n, t in toks.items()]
+    args += [inplace.TensorArg(n, ctx[n], True)
              for n in ("violation_ring", "violation_write_index", "slot_run_counter", "kernel_run_counter")]
-    args += [IP.TensorArg("enable_chain_position_assert", ctx["enable_chain_position_assert"])]
+    args += [inplace.TensorArg("enable_chain_position_assert", ctx["enable_chain_position_assert"])]
     args += src_args
-    backend = K.resolve_backend(backend, ctx["canary_buf"].device.type)
+    backend = backends.resolve_backend(backend, platform=ctx["canary_buf"].device.type)
     statics = (backend, tag, mode, meta, flag)
-    IP.run_in_place("write", statics, K.write_body_factory, args)
+    inplace.run_in_place("write", statics, kernels.write_body_factory, args)
 
 
 # --- plan ------------------------------------------------------------------------------------------------
@@ -522,9 +522,9 @@ def launch_canary_plan_kernels(*, verify_plan_out: Any, write_plan_out: Any, req
             "kv-canary: launch_canary_plan_kernels requires full_to_swa_index_mapping when swa_window_size > 0"
         )
     vp = {f"verify_plan_out.{f}": _tensor(getattr(verify_plan_out, f, None), f"verify_plan_out.{f}")
-          for f in K.VERIFY_PLAN_FIELDS}
+          for f in kernels.VERIFY_PLAN_FIELDS}
     wp = {f"write_plan_out.{f}": _tensor(getattr(write_plan_out, f, None), f"write_plan_out.{f}")
-          for f in K.WRITE_PLAN_FIELDS}
+          for f in kernels.WRITE_PLAN_FIELDS}
     ins = {"req_pool_indices": _tensor(req_pool_indices, "req_pool_indices"),
            "prefix_lens": _tensor(prefix_lens, "prefix_lens"),
            "extend_seq_lens": _tensor(extend_seq_lens, "extend_seq_lens"),
@@ -557,7 +557,7 @@ def launch_canary_plan_kernels(*, verify_plan_out: Any, write_plan_out: Any, req
         ins["req_to_verify_expected_tokens_valid_lens"] = _tensor(
             req_to_verify_expected_tokens_valid_lens, "req_to_verify_expected_tokens_valid_lens")
     for n, t in {**ins, **vp, **wp}.items():
-        D.check_contiguous(t, n)
+        dlpack.check_contiguous(t, n)
     for n in ("req_pool_indices", "prefix_lens", "extend_seq_lens"):
         _want(ins[n], n, torch.int64, (bs,))
     _want(ins["req_to_token"], "req_to_token", torch.int32, (None, None))
@@ -569,7 +569,7 @@ def launch_canary_plan_kernels(*, verify_plan_out: Any, write_plan_out: Any, req
         _want(ins["req_to_verify_expected_tokens"], "req_to_verify_expected_tokens", torch.int32, (None, None))
         _want(ins["req_to_verify_expected_tokens_valid_lens"], "req_to_verify_expected_tokens_valid_lens",
               torch.int64, (bs,))
-    for f in K.VERIFY_PLAN_FIELDS[:4]:
+    for f in kernels.VERIFY_PLAN_FIELDS[:4]:
         _want(vp[f"verify_plan_out.{f}"], f"verify_plan_out.{f}", torch.int64, (plan_cap,))
     _want(vp["verify_plan_out.verify_num_valid"], "verify_plan_out.verify_num_valid", torch.int32, (1,))
     _want(vp["verify_plan_out.enable"], "verify_plan_out.enable", torch.int32, (1,))
@@ -581,7 +581,7 @@ def launch_canary_plan_kernels(*, verify_plan_out: Any, write_plan_out: Any, req
     if bs > cw:
         raise ValueError(f"kv-canary: bs={bs} exceeds write_req_capacity={cw}")
     _check_devices({**vp, **wp, **ins}, "verify_plan_out.verify_slot_indices")
-    args = [IP.TensorArg(n, t) for n, t in ins.items()]
-    args += [IP.TensorArg(n, t, True) for n, t in {**vp, **wp}.items()]
+    args = [inplace.TensorArg(n, t) for n, t in ins.items()]
+    args += [inplace.TensorArg(n, t, True) for n, t in {**vp, **wp}.items()]
     statics = (int(swa_window_size), int(kv_token_id_vs_position_offset), "full_to_swa_index_mapping" in ins, has_pool)
-    IP.run_in_place("plan", statics, K.plan_body_factory, args)
+    inplace.run_in_place("plan", statics, kernels.plan_body_factory, args)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from canary_jax import hashing as H
+from canary_jax import hashing
 from canary_jax import layout
 from canary_jax.hashing import U64
 from pallas_kernels.hashing import PairHash, shr, u32

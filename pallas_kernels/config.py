@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
+from canary_jax import backends
 
 GATHER_MODES = ("quad", "pair", "word")
 SOURCE_GATHER_MODES = ("quad", "pair", "word", "tile", "tile_contiguous")
@@ -127,6 +127,4 @@ DEFAULT_CONFIG = PallasConfig()
 _DEFAULT_PREFETCH = DEFAULT_CONFIG.write_prefetch
 
 
-def default_interpret() -> bool:
-    """``interpret=True`` unless the default JAX backend is a GPU (CUDA or ROCm)."""
-    return jax.default_backend() not in ("gpu", "cuda", "rocm")
+default_interpret = backends.default_interpret

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants as C
-from canary_jax import hashing as H
+from canary_jax import constants
+from canary_jax import hashing
 from canary_jax.hashing import U64
 
 MULTIPLIERS = ("portable", "asm")
@@ -69,30 +69,30 @@ class PairHash:
     def mul_const(self, a: U64, value: int) -> U64:
         """``a * value mod 2**64`` for a static Python-int multiplier."""
         if self.multiplier == "portable":
-            return H.u64_mul_const(a, value)
+            return hashing.u64_mul_const(a, value)
         c_lo, c_hi = value & 0xFFFFFFFF, (value >> 32) & 0xFFFFFFFF
         lo = a.lo * u32(c_lo)
         hi = _mulhi_asm(a.lo, c_lo) + a.lo * u32(c_hi) + a.hi * u32(c_lo)
         return U64(lo, hi)
 
     def splitmix64(self, x: U64) -> U64:
-        x = self.mul_const(H.u64_xor(x, H.u64_shr(x, 30)), C.SPLITMIX64_MUL1)
-        x = self.mul_const(H.u64_xor(x, H.u64_shr(x, 27)), C.SPLITMIX64_MUL2)
-        return H.u64_xor(x, H.u64_shr(x, 31))
+        x = self.mul_const(hashing.u64_xor(x, hashing.u64_shr(x, 30)), constants.SPLITMIX64_MUL1)
+        x = self.mul_const(hashing.u64_xor(x, hashing.u64_shr(x, 27)), constants.SPLITMIX64_MUL2)
+        return hashing.u64_xor(x, hashing.u64_shr(x, 31))
 
     def mix3(self, a: U64, b: U64, c: U64) -> U64:
         """``splitmix64(splitmix64(splitmix64(a) ^ b) ^ c)`` (SPEC 2.2)."""
         h = self.splitmix64(a)
-        h = self.splitmix64(H.u64_xor(h, b))
-        return self.splitmix64(H.u64_xor(h, c))
+        h = self.splitmix64(hashing.u64_xor(h, b))
+        return self.splitmix64(hashing.u64_xor(h, c))
 
     def fold_step(self, acc: U64, word: U64) -> U64:
         """One real-KV fold step: ``splitmix64(acc ^ word)`` (SPEC 2.5)."""
-        return self.splitmix64(H.u64_xor(acc, word))
+        return self.splitmix64(hashing.u64_xor(acc, word))
 
 
 def const_pair(value: int, like: jax.Array) -> U64:
     """A Python int (mod 2**64) broadcast to the shape of ``like`` as a U64."""
-    value &= C.U64_MASK
+    value &= constants.U64_MASK
     shape = jnp.shape(like)
     return U64(jnp.full(shape, u32(value), jnp.uint32), jnp.full(shape, u32(value >> 32), jnp.uint32))

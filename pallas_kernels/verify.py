@@ -31,12 +31,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from canary_jax import constants as C
-from canary_jax import hashing as H
+from canary_jax import constants
+from canary_jax import hashing
 from canary_jax import layout
-from canary_jax import sources as S
+from canary_jax import sources
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan
-from pallas_kernels import _util as U
+from pallas_kernels import _util
 from pallas_kernels.config import DEFAULT_CONFIG, PallasConfig, default_interpret
 from pallas_kernels.hashing import PairHash
 
@@ -45,22 +45,22 @@ _COUNT_CHUNK = 1024
 
 def _entry_state(idx, live, slot_ref, prev_ref, words_ref, *, n_slots, hasher, gather, with_rkv_field):
     """Loads one block of entries and recomputes the expected chain hash (shared by both kernels)."""
-    slot = U.load_pair(slot_ref, idx, 0, live, gather)
-    considered = live & ~U.is_zero(slot)
-    s, s_ok = U.index_of(slot, n_slots)
+    slot = _util.load_pair(slot_ref, idx, 0, live, gather)
+    considered = live & ~_util.is_zero(slot)
+    s, s_ok = _util.index_of(slot, n_slots)
     m = considered & s_ok
     n_words = 8 if with_rkv_field else 6
-    w = U.load_words(words_ref, s, 0, n_words, m, gather)
-    tok, pos, prev_h = H.U64(w[0], w[1]), H.U64(w[2], w[3]), H.U64(w[4], w[5])
-    rkv = H.U64(w[6], w[7]) if with_rkv_field else None
+    w = _util.load_words(words_ref, s, 0, n_words, m, gather)
+    tok, pos, prev_h = hashing.U64(w[0], w[1]), hashing.U64(w[2], w[3]), hashing.U64(w[4], w[5])
+    rkv = hashing.U64(w[6], w[7]) if with_rkv_field else None
 
-    prev = U.load_pair(prev_ref, idx, 0, considered, gather)
-    reachable = ~U.is_zero(prev)
-    p, p_ok = U.index_of(prev, n_slots)
-    pw = U.load_words(words_ref, p, 0, 6, considered & p_ok & reachable, gather)
-    computed = hasher.mix3(H.U64(pw[4], pw[5]), H.U64(pw[0], pw[1]), H.U64(pw[2], pw[3]))
-    exp_chain = U.sel(U.is_negative(prev), U.full_u64(H.ANCHOR_HASH, idx.shape), computed)
-    exp_chain = U.sel(reachable, exp_chain, prev_h)
+    prev = _util.load_pair(prev_ref, idx, 0, considered, gather)
+    reachable = ~_util.is_zero(prev)
+    p, p_ok = _util.index_of(prev, n_slots)
+    pw = _util.load_words(words_ref, p, 0, 6, considered & p_ok & reachable, gather)
+    computed = hasher.mix3(hashing.U64(pw[4], pw[5]), hashing.U64(pw[0], pw[1]), hashing.U64(pw[2], pw[3]))
+    exp_chain = _util.sel(_util.is_negative(prev), _util.full_u64(hashing.ANCHOR_HASH, idx.shape), computed)
+    exp_chain = _util.sel(reachable, exp_chain, prev_h)
     return dict(slot=slot, considered=considered, s=s, m=m, tok=tok, pos=pos, prev_h=prev_h, rkv=rkv,
                 reachable=reachable, exp_chain=exp_chain)
 
@@ -85,33 +85,33 @@ def _verify_kernel(
     bits_ref, counts_ref, base_ref = refs[len(descs):]
     active = _active(num_valid_ref, enable_ref, cap)
 
-    @pl.when(U.program_id() == 0)
+    @pl.when(_util.program_id() == 0)
     def _():
         base_ref[0] = write_index_ref[0]
 
     def block_body(b):
-        idx = b * block + U.iota(block)
+        idx = b * block + _util.iota(block)
         live = idx < active
         e = _entry_state(idx, live, slot_ref, prev_ref, words_ref, n_slots=n_slots, hasher=hasher,
                          gather=gather, with_rkv_field=True)
         considered = e["considered"]
-        exp_pos = U.load_pair(exp_pos_ref, idx, 0, considered, gather)
-        exp_rkv = U.real_kv_hash(src_refs, descs, e["s"], e["m"], hasher, source_gather, source_unroll,
+        exp_pos = _util.load_pair(exp_pos_ref, idx, 0, considered, gather)
+        exp_rkv = _util.real_kv_hash(src_refs, descs, e["s"], e["m"], hasher, source_gather, source_unroll,
                                  source_tile_words)
         bits = (
-            jnp.where(e["reachable"] & U.ne(e["prev_h"], e["exp_chain"]), 1, 0)
-            | jnp.where(U.ne(e["pos"], exp_pos), 2, 0)
-            | jnp.where(U.ne(e["rkv"], exp_rkv), 4, 0)
+            jnp.where(e["reachable"] & _util.ne(e["prev_h"], e["exp_chain"]), 1, 0)
+            | jnp.where(_util.ne(e["pos"], exp_pos), 2, 0)
+            | jnp.where(_util.ne(e["rkv"], exp_rkv), 4, 0)
         ).astype(jnp.int32)
         if check:
-            exp_tok = U.load_pair(exp_tok_ref, idx, 0, considered, gather)
-            tok_fail = ~U.is_minus_one(exp_tok) & U.ne(e["tok"], exp_tok)
+            exp_tok = _util.load_pair(exp_tok_ref, idx, 0, considered, gather)
+            tok_fail = ~_util.is_minus_one(exp_tok) & _util.ne(e["tok"], exp_tok)
             bits = bits | jnp.where(tok_fail, 32, 0).astype(jnp.int32)
         bits = jnp.where(considered, bits, 0)
-        U.store_vec(bits_ref, idx, bits.astype(jnp.uint8), idx < cap)
+        _util.store_vec(bits_ref, idx, bits.astype(jnp.uint8), idx < cap)
         counts_ref[b] = jnp.sum((bits != 0).astype(jnp.int32), dtype=jnp.int32)
 
-    U.for_each_block(U.cdiv(active, block), block_body)
+    _util.for_each_block(_util.cdiv(active, block), block_body)
 
 
 def _verify_rows_kernel(
@@ -133,32 +133,32 @@ def _verify_rows_kernel(
 ):
     del ring_in_ref, wi_in_ref, src_in_ref, krc_in_ref
     active = _active(num_valid_ref, enable_ref, cap)
-    num_blocks = U.cdiv(active, block)
+    num_blocks = _util.cdiv(active, block)
     base = base_ref[0]
 
-    @pl.when(U.program_id() == 0)
+    @pl.when(_util.program_id() == 0)
     def _():
-        total = U.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK)
+        total = _util.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK)
         wi_ref[0] = base + total
-        U.bump_pair_scalar(slot_counters_ref, 2 * tag, active)
-        U.bump_pair_scalar(kernel_counters_ref, 2 * tag, jnp.int32(1))
+        _util.bump_pair_scalar(slot_counters_ref, 2 * tag, active)
+        _util.bump_pair_scalar(kernel_counters_ref, 2 * tag, jnp.int32(1))
 
     def block_body(b):
         @pl.when(counts_ref[b] > 0)
         def _():
-            start = base + U.sum_counts(counts_ref, 0, b, chunk=_COUNT_CHUNK)
-            idx = b * block + U.iota(block)
+            start = base + _util.sum_counts(counts_ref, 0, b, chunk=_COUNT_CHUNK)
+            idx = b * block + _util.iota(block)
             live = idx < active
-            bits = U.load_vec(bits_ref, idx, live, 0).astype(jnp.int32)
+            bits = _util.load_vec(bits_ref, idx, live, 0).astype(jnp.int32)
             flag = (bits != 0).astype(jnp.int32)
             dest = start + jnp.cumsum(flag, axis=0) - flag
             keep = (flag != 0) & (dest >= 0) & (dest < ring_capacity)
             e = _entry_state(idx, keep, slot_ref, prev_ref, words_ref, n_slots=n_slots, hasher=hasher,
                              gather=gather, with_rkv_field=False)
             if check:
-                exp_tok = U.load_pair(exp_tok_ref, idx, 0, keep, gather)
+                exp_tok = _util.load_pair(exp_tok_ref, idx, 0, keep, gather)
             else:
-                exp_tok = U.full_u64(-1, idx.shape)
+                exp_tok = _util.full_u64(-1, idx.shape)
             zero = jnp.zeros(idx.shape, jnp.uint32)
             cols = [
                 jnp.full(idx.shape, tag, jnp.uint32), zero,
@@ -171,14 +171,14 @@ def _verify_rows_kernel(
                 bits.astype(jnp.uint32), zero,
             ]
             for k, v in enumerate(cols):
-                U.store_word(ring_ref, dest, k, v, keep)
+                _util.store_word(ring_ref, dest, k, v, keep)
 
-    U.for_each_block(num_blocks, block_body)
+    _util.for_each_block(num_blocks, block_body)
 
 
 def _verify_pallas(context: VerifyOrWriteContext, plan: VerifyPlan, *, check: bool, interpret: bool,
                    config: PallasConfig):
-    descs = S.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
+    descs = sources.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
     tag = int(context.kernel_kind)
     log = context.log
     words = layout.canary_words(context.canary_buf)
@@ -189,7 +189,7 @@ def _verify_pallas(context: VerifyOrWriteContext, plan: VerifyPlan, *, check: bo
     grid = (max(1, min(num_blocks, config.verify_max_programs)),)
     hasher = PairHash(config.resolved_multiplier(interpret))
     tensors = [s.tensor for s in context.real_kv_sources][: len(descs)]
-    srcs = [S.source_words(t) for t in tensors]
+    srcs = [sources.source_words(t) for t in tensors]
     params = pltriton.CompilerParams(num_warps=config.verify_num_warps, num_stages=1)
 
     bits, counts, base = pl.pallas_call(
@@ -210,7 +210,7 @@ def _verify_pallas(context: VerifyOrWriteContext, plan: VerifyPlan, *, check: bo
       plan.verify_expected_tokens, plan.verify_expected_positions, plan.verify_prev_slot_indices, words, *srcs)
 
     r = log.ring.shape[0]
-    ring = log.ring.reshape(r, 2 * C.VIOLATION_FIELDS)
+    ring = log.ring.reshape(r, 2 * constants.VIOLATION_FIELDS)
     slot_counters = log.slot_run_counters.reshape(-1)
     kernel_counters = log.kernel_run_counters.reshape(-1)
     ring, wi, slot_counters, kernel_counters = pl.pallas_call(
@@ -232,7 +232,7 @@ def _verify_pallas(context: VerifyOrWriteContext, plan: VerifyPlan, *, check: bo
       plan.verify_prev_slot_indices, words, bits, counts, base, ring, log.write_index, slot_counters,
       kernel_counters)
 
-    new_log = U.updated_log(log, ring=ring, write_index=wi, slot_counters=slot_counters,
+    new_log = _util.updated_log(log, ring=ring, write_index=wi, slot_counters=slot_counters,
                             kernel_counters=kernel_counters)
     return context.replace(log=new_log)
 
@@ -264,7 +264,7 @@ def verify_pallas(
     Returns:
       ``context`` with the new log.
     """
-    S.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)  # > 4 sources: before tracing
+    sources.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)  # > 4 sources: before tracing
     interpret = default_interpret() if interpret is None else bool(interpret)
     return _verify_jit(context, plan, check=bool(check_verify_expected_token), interpret=interpret,
                        config=(config or DEFAULT_CONFIG).for_interpret(interpret))

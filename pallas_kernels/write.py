@@ -54,12 +54,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from canary_jax import constants as C
-from canary_jax import hashing as H
+from canary_jax import constants
+from canary_jax import hashing
 from canary_jax import layout
-from canary_jax import sources as S
+from canary_jax import sources
 from canary_jax.plans import VerifyOrWriteContext, WritePlan
-from pallas_kernels import _util as U
+from pallas_kernels import _util
 from pallas_kernels.config import DEFAULT_CONFIG, PallasConfig, default_interpret
 from pallas_kernels.hashing import PairHash
 
@@ -71,7 +71,7 @@ _F_WINNER = 32
 _F_GATE = 64  # long role: the chain-position gate is on; the won pass compares the position
 _F_LONG = 128  # long role: prev_at / chain_exp come from a replay from the chunk's checkpoint (won pass)
 _LONG_SHIFT = 16  # long role: bits 16.. of the flag word: distance to the checkpoint entry
-_CLAIM_WORD = 2 * C.CANARY_FIELD_REAL_KV_HASH  # low word of field 3
+_CLAIM_WORD = 2 * constants.CANARY_FIELD_REAL_KV_HASH  # low word of field 3
 
 
 def _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, pos_ref, loc_ref, exp_tok_ref,
@@ -85,29 +85,29 @@ def _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, 
     per_step = 2 * (5 if assert_inputs else 3)
 
     def block_body(rb):
-        r = rb * lanes + U.iota(lanes)
+        r = rb * lanes + _util.iota(lanes)
         live_r = r < nv
-        start = U.clamp_to(U.load_pair(offsets_ref, r, 0, live_r, gather), num_tokens)
-        end = U.clamp_to(U.load_pair(offsets_ref, r + 1, 0, live_r, gather), num_tokens)
+        start = _util.clamp_to(_util.load_pair(offsets_ref, r, 0, live_r, gather), num_tokens)
+        end = _util.clamp_to(_util.load_pair(offsets_ref, r + 1, 0, live_r, gather), num_tokens)
         count = jnp.where(live_r, jnp.maximum(end - start, 0), 0)
         if long_threshold is not None:
             count = jnp.where(count > long_threshold, 0, count)
 
-        seed = U.load_pair(seeds_ref, r, 0, live_r, gather)
-        seed_neg = U.is_negative(seed)
-        si, s_ok = U.index_of(seed, n_slots)
-        w = U.load_words(words_ref, si, 0, 6, live_r & ~seed_neg & s_ok, gather)
-        seed_tok, seed_pos, seed_prev = H.U64(w[0], w[1]), H.U64(w[2], w[3]), H.U64(w[4], w[5])
-        running0 = U.sel(seed_neg, U.full_u64(H.ANCHOR_HASH, (lanes,)),
+        seed = _util.load_pair(seeds_ref, r, 0, live_r, gather)
+        seed_neg = _util.is_negative(seed)
+        si, s_ok = _util.index_of(seed, n_slots)
+        w = _util.load_words(words_ref, si, 0, 6, live_r & ~seed_neg & s_ok, gather)
+        seed_tok, seed_pos, seed_prev = hashing.U64(w[0], w[1]), hashing.U64(w[2], w[3]), hashing.U64(w[4], w[5])
+        running0 = _util.sel(seed_neg, _util.full_u64(hashing.ANCHOR_HASH, (lanes,)),
                          hasher.mix3(seed_prev, seed_tok, seed_pos))
         gate = (~seed_neg) & gate_on
-        run_pos0 = U.sel(gate, seed_pos, U.zeros_u64((lanes,)))
+        run_pos0 = _util.sel(gate, seed_pos, _util.zeros_u64((lanes,)))
 
         arrays = (loc_ref, ids_ref, pos_ref) + ((exp_tok_ref, exp_pos_ref) if assert_inputs else ())
 
         def load_chunk(c):
             # One [lanes, 2 * prefetch] load per array: the next `prefetch` entries of every lane's request.
-            runs = [U.load_pair_run(ref, start, c * prefetch, prefetch, count) for ref in arrays]
+            runs = [_util.load_pair_run(ref, start, c * prefetch, prefetch, count) for ref in arrays]
             out = []
             for k in range(prefetch):
                 for run in runs:
@@ -117,35 +117,35 @@ def _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, 
         def step(j, vals, running, run_pos):
             """One chain step; returns the new state and what the chunk stores for this entry."""
             live = j < count
-            loc, tok, pos = H.U64(vals[0], vals[1]), H.U64(vals[2], vals[3]), H.U64(vals[4], vals[5])
-            ok = live & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
-            want = U.add_small(run_pos, 1)
-            cfail = ok & gate & U.ne(pos, want)
+            loc, tok, pos = hashing.U64(vals[0], vals[1]), hashing.U64(vals[2], vals[3]), hashing.U64(vals[4], vals[5])
+            ok = live & (loc.hi == 0) & (loc.lo < _util.u32(n_slots))
+            want = _util.add_small(run_pos, 1)
+            cfail = ok & gate & _util.ne(pos, want)
             fl = _F_WRITTEN | jnp.where(cfail, _F_CHAIN, 0)
             if assert_inputs:
-                etok, epos = H.U64(vals[6], vals[7]), H.U64(vals[8], vals[9])
-                fl = (fl | jnp.where(U.ne(tok, etok), int(C.FailReason.WRITE_TOKEN_MISMATCH), 0)
-                      | jnp.where(U.ne(pos, epos), int(C.FailReason.WRITE_POSITION_MISMATCH), 0))
+                etok, epos = hashing.U64(vals[6], vals[7]), hashing.U64(vals[8], vals[9])
+                fl = (fl | jnp.where(_util.ne(tok, etok), int(constants.FailReason.WRITE_TOKEN_MISMATCH), 0)
+                      | jnp.where(_util.ne(pos, epos), int(constants.FailReason.WRITE_POSITION_MISMATCH), 0))
             out = dict(ok=ok, cfail=cfail, prev=running, run_pos=run_pos, fl=fl.astype(jnp.uint32),
-                       slot=jnp.where(ok, loc.lo, U.u32(0)).astype(jnp.int32))
-            running = U.sel(ok, hasher.mix3(running, tok, pos), running)
-            run_pos = U.sel(ok & gate, pos, run_pos)
+                       slot=jnp.where(ok, loc.lo, _util.u32(0)).astype(jnp.int32))
+            running = _util.sel(ok, hasher.mix3(running, tok, pos), running)
+            run_pos = _util.sel(ok & gate, pos, run_pos)
             return running, run_pos, out
 
         def store_chunk(c, outs):
             # One store per output array and chunk (Triton's per-memory-op compile passes grow steeply with
             # the number of memory ops in the loop; per-step stores made this kernel compile for minutes).
             first = start + c * prefetch  # entry of step 0 of this chunk, per lane
-            ok = U.from_columns([o["ok"] for o in outs])  # [lanes, p]
-            cfail = U.from_columns([o["cfail"] for o in outs])
-            U.store_run(flags_ref, first, U.from_columns([o["fl"] for o in outs]), ok)
-            U.store_pair_run(prev_at_ref, first, [o["prev"] for o in outs], ok)
-            U.store_pair_run(chain_exp_ref, first, [o["run_pos"] for o in outs], cfail)
-            slots = U.from_columns([o["slot"] for o in outs])
-            U.store_word(words_ref, slots, _CLAIM_WORD, jnp.zeros(slots.shape, jnp.uint32), ok)
+            ok = _util.from_columns([o["ok"] for o in outs])  # [lanes, p]
+            cfail = _util.from_columns([o["cfail"] for o in outs])
+            _util.store_run(flags_ref, first, _util.from_columns([o["fl"] for o in outs]), ok)
+            _util.store_pair_run(prev_at_ref, first, [o["prev"] for o in outs], ok)
+            _util.store_pair_run(chain_exp_ref, first, [o["run_pos"] for o in outs], cfail)
+            slots = _util.from_columns([o["slot"] for o in outs])
+            _util.store_word(words_ref, slots, _CLAIM_WORD, jnp.zeros(slots.shape, jnp.uint32), ok)
 
         def chunk_body(c, carry):
-            running, run_pos = H.U64(carry[0], carry[1]), H.U64(carry[2], carry[3])
+            running, run_pos = hashing.U64(carry[0], carry[1]), hashing.U64(carry[2], carry[3])
             vals = carry[4:]
             nxt = load_chunk(c + 1)
             outs = []
@@ -156,11 +156,11 @@ def _chain_role(num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, 
             store_chunk(c, outs)
             return (running.lo, running.hi, run_pos.lo, run_pos.hi) + nxt
 
-        num_chunks = U.cdiv(jnp.max(count), prefetch)
+        num_chunks = _util.cdiv(jnp.max(count), prefetch)
         init = (running0.lo, running0.hi, run_pos0.lo, run_pos0.hi) + load_chunk(jnp.int32(0))
         jax.lax.fori_loop(0, num_chunks, chunk_body, init)
 
-    U.for_each_block(U.cdiv(nv, lanes), block_body, pid=pid, programs=programs)
+    _util.for_each_block(_util.cdiv(nv, lanes), block_body, pid=pid, programs=programs)
 
 
 def _write_long_kernel(
@@ -201,13 +201,13 @@ def _write_long_kernel(
     chain bodies compile much faster apart.
     """
     del words_in_ref, flags_in_ref, prev_in_ref, chain_exp_in_ref
-    pid = U.program_id()
+    pid = _util.program_id()
     programs = jnp.asarray(pl.num_programs(0)).astype(jnp.int32)  # (int64 under x64 in interpret mode)
     nv = jnp.clip(num_reqs_ref[0], 0, cw)
     gate_on = assert_flag_ref[0] != 0
     big = jnp.int32(2**31 - 1)
-    one = U.iota(rows) * 0  # [rows] zeros: per-request values are carried as identical [rows] vectors
-    k_e = U.iota(chunk)
+    one = _util.iota(rows) * 0  # [rows] zeros: per-request values are carried as identical [rows] vectors
+    k_e = _util.iota(chunk)
     w2 = 2 * chunk
 
     def load_rows(ref, q):
@@ -219,58 +219,58 @@ def _write_long_kernel(
 
     def run_request(r):
         rv = one + r
-        start = U.clamp_to(U.load_pair(offsets_ref, rv, 0, rv >= 0, gather), num_tokens)  # [rows], identical
-        end = U.clamp_to(U.load_pair(offsets_ref, rv + 1, 0, rv >= 0, gather), num_tokens)
-        seed = U.load_pair(seeds_ref, rv, 0, rv >= 0, gather)
-        seed_neg = U.is_negative(seed)
-        si, s_ok = U.index_of(seed, n_slots)
-        w = U.load_words(words_ref, si, 0, 6, ~seed_neg & s_ok, gather)
-        seed_tok, seed_pos, seed_prev = H.U64(w[0], w[1]), H.U64(w[2], w[3]), H.U64(w[4], w[5])
-        running0 = U.sel(seed_neg, U.full_u64(H.ANCHOR_HASH, (rows,)), hasher.mix3(seed_prev, seed_tok, seed_pos))
+        start = _util.clamp_to(_util.load_pair(offsets_ref, rv, 0, rv >= 0, gather), num_tokens)  # [rows], identical
+        end = _util.clamp_to(_util.load_pair(offsets_ref, rv + 1, 0, rv >= 0, gather), num_tokens)
+        seed = _util.load_pair(seeds_ref, rv, 0, rv >= 0, gather)
+        seed_neg = _util.is_negative(seed)
+        si, s_ok = _util.index_of(seed, n_slots)
+        w = _util.load_words(words_ref, si, 0, 6, ~seed_neg & s_ok, gather)
+        seed_tok, seed_pos, seed_prev = hashing.U64(w[0], w[1]), hashing.U64(w[2], w[3]), hashing.U64(w[4], w[5])
+        running0 = _util.sel(seed_neg, _util.full_u64(hashing.ANCHOR_HASH, (rows,)), hasher.mix3(seed_prev, seed_tok, seed_pos))
         gate = jnp.max(((~seed_neg) & gate_on).astype(jnp.int32)) != 0  # scalar
-        run_pos0 = U.sel(jnp.broadcast_to(gate, (rows,)), seed_pos, U.zeros_u64((rows,)))
+        run_pos0 = _util.sel(jnp.broadcast_to(gate, (rows,)), seed_pos, _util.zeros_u64((rows,)))
         start_s, end_s = jnp.max(start), jnp.max(end)  # scalars
         q0 = jax.lax.div(start_s, jnp.int32(chunk))
-        q1 = U.cdiv(end_s, chunk)
+        q1 = _util.cdiv(end_s, chunk)
 
         def entry_part(q, first):
             """Flags and claim words of chunk ``q``, one entry per thread (``first``: the chunk's first entry
             of this request, where the checkpoint goes)."""
             i = q * chunk + k_e
             inside = (i >= start_s) & (i < end_s)
-            loc = U.load_pair_flat(loc_ref, i, inside)
-            ok = inside & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
+            loc = _util.load_pair_flat(loc_ref, i, inside)
+            ok = inside & (loc.hi == 0) & (loc.lo < _util.u32(n_slots))
             # (explicit uint32 operands: a select on a scalar predicate between two literals lowers to i1)
-            fl = jnp.where(jnp.broadcast_to(gate, (chunk,)), U.u32(_F_WRITTEN | _F_GATE | _F_LONG),
-                           U.u32(_F_WRITTEN | _F_LONG))
-            fl = fl | jax.lax.shift_left(jnp.maximum(i - first, 0).astype(jnp.uint32), U.u32(_LONG_SHIFT))
+            fl = jnp.where(jnp.broadcast_to(gate, (chunk,)), _util.u32(_F_WRITTEN | _F_GATE | _F_LONG),
+                           _util.u32(_F_WRITTEN | _F_LONG))
+            fl = fl | jax.lax.shift_left(jnp.maximum(i - first, 0).astype(jnp.uint32), _util.u32(_LONG_SHIFT))
             if assert_inputs:
-                tok, pos, etok, epos = (U.load_pair_flat(ref, i, ok) for ref in (ids_ref, pos_ref, exp_tok_ref,
+                tok, pos, etok, epos = (_util.load_pair_flat(ref, i, ok) for ref in (ids_ref, pos_ref, exp_tok_ref,
                                                                                   exp_pos_ref))
-                fl = (fl | jnp.where(U.ne(tok, etok), U.u32(C.FailReason.WRITE_TOKEN_MISMATCH), U.u32(0))
-                      | jnp.where(U.ne(pos, epos), U.u32(C.FailReason.WRITE_POSITION_MISMATCH), U.u32(0)))
-            U.store_vec(flags_ref, i, jnp.where(ok, fl, U.u32(0)), inside)
-            U.store_word(words_ref, jnp.where(ok, loc.lo, U.u32(0)).astype(jnp.int32), _CLAIM_WORD,
+                fl = (fl | jnp.where(_util.ne(tok, etok), _util.u32(constants.FailReason.WRITE_TOKEN_MISMATCH), _util.u32(0))
+                      | jnp.where(_util.ne(pos, epos), _util.u32(constants.FailReason.WRITE_POSITION_MISMATCH), _util.u32(0)))
+            _util.store_vec(flags_ref, i, jnp.where(ok, fl, _util.u32(0)), inside)
+            _util.store_word(words_ref, jnp.where(ok, loc.lo, _util.u32(0)).astype(jnp.int32), _CLAIM_WORD,
                          jnp.zeros((chunk,), jnp.uint32), ok)
 
         def chunk_body(q, carry):
-            running, run_pos = H.U64(carry[0], carry[1]), H.U64(carry[2], carry[3])
-            loc_c, tok_c, pos_c = (U.columns(to_rows(v)) for v in carry[4:7])
+            running, run_pos = hashing.U64(carry[0], carry[1]), hashing.U64(carry[2], carry[3])
+            loc_c, tok_c, pos_c = (_util.columns(to_rows(v)) for v in carry[4:7])
             first = jnp.maximum(q * chunk, start_s)
             entry_part(q, first)
             firsts = one + first
             every = one == 0  # the checkpoint: every row stores the same words
             for ref, v in ((prev_at_ref, running), (chain_exp_ref, run_pos)):
-                U.store_vec(ref, 2 * firsts, v.lo, every)
-                U.store_vec(ref, 2 * firsts + 1, v.hi, every)
+                _util.store_vec(ref, 2 * firsts, v.lo, every)
+                _util.store_vec(ref, 2 * firsts + 1, v.hi, every)
             nxt = tuple(load_rows(ref, q + 1) for ref in (loc_ref, ids_ref, pos_ref))
             for k in range(chunk):
                 i = q * chunk + k
-                loc = H.U64(loc_c[2 * k], loc_c[2 * k + 1])
-                tok, pos = H.U64(tok_c[2 * k], tok_c[2 * k + 1]), H.U64(pos_c[2 * k], pos_c[2 * k + 1])
-                ok = (i >= start) & (i < end) & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
-                running = U.sel(ok, hasher.mix3(running, tok, pos), running)
-                run_pos = U.sel(ok, pos, run_pos)
+                loc = hashing.U64(loc_c[2 * k], loc_c[2 * k + 1])
+                tok, pos = hashing.U64(tok_c[2 * k], tok_c[2 * k + 1]), hashing.U64(pos_c[2 * k], pos_c[2 * k + 1])
+                ok = (i >= start) & (i < end) & (loc.hi == 0) & (loc.lo < _util.u32(n_slots))
+                running = _util.sel(ok, hasher.mix3(running, tok, pos), running)
+                run_pos = _util.sel(ok, pos, run_pos)
             return (running.lo, running.hi, run_pos.lo, run_pos.hi) + nxt
 
         init = (running0.lo, running0.hi, run_pos0.lo, run_pos0.hi) + tuple(
@@ -278,10 +278,10 @@ def _write_long_kernel(
         jax.lax.fori_loop(q0, jnp.maximum(q1, q0), chunk_body, init)
 
     def scan_body(b, rank_base):
-        r = b * scan_block + U.iota(scan_block)
+        r = b * scan_block + _util.iota(scan_block)
         live_r = r < nv
-        start = U.clamp_to(U.load_pair(offsets_ref, r, 0, live_r, gather), num_tokens)
-        end = U.clamp_to(U.load_pair(offsets_ref, r + 1, 0, live_r, gather), num_tokens)
+        start = _util.clamp_to(_util.load_pair(offsets_ref, r, 0, live_r, gather), num_tokens)
+        end = _util.clamp_to(_util.load_pair(offsets_ref, r + 1, 0, live_r, gather), num_tokens)
         is_long = live_r & (end - start > threshold)
         n_long = is_long.astype(jnp.int32)
         rank = rank_base + jnp.cumsum(n_long, dtype=jnp.int32) - n_long
@@ -297,7 +297,7 @@ def _write_long_kernel(
         jax.lax.while_loop(lambda r_sel: r_sel < big, body, next_mine(mine0))
         return rank_base + jnp.sum(n_long, dtype=jnp.int32)  # (a plain sum is int64 under x64)
 
-    jax.lax.fori_loop(0, U.cdiv(nv, scan_block), scan_body, jnp.int32(0))
+    jax.lax.fori_loop(0, _util.cdiv(nv, scan_block), scan_body, jnp.int32(0))
 
 
 def _entry_role(loc_ref, src_refs, rkv_ref, *, pid, programs, descs, n_slots, num_tokens, block, hasher, gather,
@@ -308,15 +308,15 @@ def _entry_role(loc_ref, src_refs, rkv_ref, *, pid, programs, descs, n_slots, nu
     slot (a superset; padding entries with a valid slot cost a hash that nobody reads)."""
 
     def block_body(b):
-        i = b * block + U.iota(block)
+        i = b * block + _util.iota(block)
         inw = i < num_tokens
-        loc = U.load_pair_flat(loc_ref, i, inw)
-        valid = inw & (loc.hi == 0) & (loc.lo < U.u32(n_slots))
-        s = jnp.where(valid, loc.lo, U.u32(0)).astype(jnp.int32)
-        rkv = U.real_kv_hash(src_refs, descs, s, valid, hasher, source_gather, source_unroll, source_tile_words)
-        U.store_pair(rkv_ref, i, 0, rkv, valid)
+        loc = _util.load_pair_flat(loc_ref, i, inw)
+        valid = inw & (loc.hi == 0) & (loc.lo < _util.u32(n_slots))
+        s = jnp.where(valid, loc.lo, _util.u32(0)).astype(jnp.int32)
+        rkv = _util.real_kv_hash(src_refs, descs, s, valid, hasher, source_gather, source_unroll, source_tile_words)
+        _util.store_pair(rkv_ref, i, 0, rkv, valid)
 
-    U.for_each_block(U.cdiv(num_tokens, block), block_body, pid=pid, programs=programs)
+    _util.for_each_block(_util.cdiv(num_tokens, block), block_body, pid=pid, programs=programs)
 
 
 def _write_chain_kernel(
@@ -335,7 +335,7 @@ def _write_chain_kernel(
     src_refs = refs[: len(descs)]
     _, _, words_ref, flags_ref, prev_at_ref, chain_exp_ref, base_ref, *rkv = refs[len(descs):]
     rkv_ref = rkv[0] if rkv else None
-    pid = U.program_id()
+    pid = _util.program_id()
 
     @pl.when(pid == 0)
     def _():
@@ -360,9 +360,9 @@ def _write_chain_kernel(
 
 def _flagged(flags_ref, loc_ref, i, inw, bit: int):
     """Flag words of entries ``i``, which of them carry ``bit``, and their slots (0 where not)."""
-    fl = U.load_vec(flags_ref, i, inw, 0)
+    fl = _util.load_vec(flags_ref, i, inw, 0)
     has = inw & ((fl & bit) != 0)
-    return fl, has, jnp.where(has, U.load_word(loc_ref, i, 0, has), U.u32(0)).astype(jnp.int32)
+    return fl, has, jnp.where(has, _util.load_word(loc_ref, i, 0, has), _util.u32(0)).astype(jnp.int32)
 
 
 def _write_won_kernel(
@@ -378,45 +378,45 @@ def _write_won_kernel(
     del flags_in_ref, prev_in_ref, chain_exp_in_ref
 
     def block_body(b):
-        i = b * block + U.iota(block)
+        i = b * block + _util.iota(block)
         inw = i < num_tokens
         fl, written, s = _flagged(flags_ref, loc_ref, i, inw, _F_WRITTEN)
-        won = written & (U.load_word(words_ref, s, _CLAIM_WORD, written) == (i + 1).astype(jnp.uint32))
+        won = written & (_util.load_word(words_ref, s, _CLAIM_WORD, written) == (i + 1).astype(jnp.uint32))
         if has_long:  # (_F_GATE and _F_LONG come from the long role only)
             gated = written & ((fl & _F_GATE) != 0)
-            run_pos = U.load_pair(chain_exp_ref, i, 0, gated, gather)
+            run_pos = _util.load_pair(chain_exp_ref, i, 0, gated, gather)
             # Long-role entries: replay the chain from the chunk's checkpoint (at most chunk - 1 steps).
             off = jnp.where(written & ((fl & _F_LONG) != 0),
-                            jax.lax.shift_right_logical(fl, U.u32(_LONG_SHIFT)).astype(jnp.int32), 0)
+                            jax.lax.shift_right_logical(fl, _util.u32(_LONG_SHIFT)).astype(jnp.int32), 0)
             replay = off > 0
             e = i - off
-            running = U.load_pair(prev_at_ref, e, 0, replay, gather)
-            rp = U.load_pair(chain_exp_ref, e, 0, replay, gather)
+            running = _util.load_pair(prev_at_ref, e, 0, replay, gather)
+            rp = _util.load_pair(chain_exp_ref, e, 0, replay, gather)
 
             def step(j, carry):
-                running, rp = H.U64(carry[0], carry[1]), H.U64(carry[2], carry[3])
+                running, rp = hashing.U64(carry[0], carry[1]), hashing.U64(carry[2], carry[3])
                 x = e + j
                 act = j < off
-                w_x = act & ((U.load_vec(flags_ref, x, act, 0) & _F_WRITTEN) != 0)
-                tok = U.load_pair(ids_ref, x, 0, w_x, gather)
-                pos_x = U.load_pair(pos_ref, x, 0, w_x, gather)
-                running = U.sel(w_x, hasher.mix3(running, tok, pos_x), running)
-                rp = U.sel(w_x, pos_x, rp)
+                w_x = act & ((_util.load_vec(flags_ref, x, act, 0) & _F_WRITTEN) != 0)
+                tok = _util.load_pair(ids_ref, x, 0, w_x, gather)
+                pos_x = _util.load_pair(pos_ref, x, 0, w_x, gather)
+                running = _util.sel(w_x, hasher.mix3(running, tok, pos_x), running)
+                rp = _util.sel(w_x, pos_x, rp)
                 return running.lo, running.hi, rp.lo, rp.hi
 
             out = jax.lax.fori_loop(0, jnp.max(off), step, (running.lo, running.hi, rp.lo, rp.hi))
-            running, rp = H.U64(out[0], out[1]), H.U64(out[2], out[3])
-            U.store_pair(prev_at_ref, i, 0, running, replay)
-            U.store_pair(chain_exp_ref, i, 0, rp, replay)
-            run_pos = U.sel(replay, rp, run_pos)
-            pos = U.load_pair(pos_ref, i, 0, gated, gather)
-            fl = fl | jnp.where(gated & U.ne(pos, U.add_small(run_pos, 1)), _F_CHAIN, 0).astype(jnp.uint32)
-        U.store_vec(flags_ref, i, fl | jnp.where(won, _F_WINNER, 0).astype(jnp.uint32), inw)
+            running, rp = hashing.U64(out[0], out[1]), hashing.U64(out[2], out[3])
+            _util.store_pair(prev_at_ref, i, 0, running, replay)
+            _util.store_pair(chain_exp_ref, i, 0, rp, replay)
+            run_pos = _util.sel(replay, rp, run_pos)
+            pos = _util.load_pair(pos_ref, i, 0, gated, gather)
+            fl = fl | jnp.where(gated & _util.ne(pos, _util.add_small(run_pos, 1)), _F_CHAIN, 0).astype(jnp.uint32)
+        _util.store_vec(flags_ref, i, fl | jnp.where(won, _F_WINNER, 0).astype(jnp.uint32), inw)
         rows = ((fl & _F_INPUT) != 0).astype(jnp.int32) + ((fl & _F_CHAIN) != 0).astype(jnp.int32)
         counts_ref[b, 0] = jnp.sum(rows, dtype=jnp.int32)
         counts_ref[b, 1] = jnp.sum(written.astype(jnp.int32), dtype=jnp.int32)
 
-    U.for_each_block(U.cdiv(num_tokens, block), block_body)
+    _util.for_each_block(_util.cdiv(num_tokens, block), block_body)
 
 
 def _write_commit_kernel(
@@ -431,64 +431,64 @@ def _write_commit_kernel(
 ):
     rkv_ref = refs[0] if has_rkv else None
     words_ref, ring_ref, wi_ref, slot_counters_ref, kernel_counters_ref = refs[len(refs) - 5:]
-    num_blocks = U.cdiv(num_tokens, block)
+    num_blocks = _util.cdiv(num_tokens, block)
     base = base_ref[0]
 
-    @pl.when(U.program_id() == 0)
+    @pl.when(_util.program_id() == 0)
     def _():
-        rows = U.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK, column=0)
-        written = U.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK, column=1)
+        rows = _util.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK, column=0)
+        written = _util.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK, column=1)
         wi_ref[0] = base + rows
-        U.bump_pair_scalar(slot_counters_ref, 2 * tag, written)
-        U.bump_pair_scalar(kernel_counters_ref, 2 * tag, jnp.int32(1))
+        _util.bump_pair_scalar(slot_counters_ref, 2 * tag, written)
+        _util.bump_pair_scalar(kernel_counters_ref, 2 * tag, jnp.int32(1))
 
     def block_body(b):
-        i = b * block + U.iota(block)
+        i = b * block + _util.iota(block)
         inw = i < num_tokens
         fl, won, s = _flagged(flags_ref, loc_ref, i, inw, _F_WINNER)
-        fields = [U.load_pair(r, i, 0, won, gather) for r in (ids_ref, pos_ref, prev_at_ref)]
-        fields.append(U.load_pair(rkv_ref, i, 0, won, gather) if has_rkv else U.zeros_u64((block,)))
+        fields = [_util.load_pair(r, i, 0, won, gather) for r in (ids_ref, pos_ref, prev_at_ref)]
+        fields.append(_util.load_pair(rkv_ref, i, 0, won, gather) if has_rkv else _util.zeros_u64((block,)))
         for f, v in enumerate(fields):
-            U.store_pair(words_ref, s, 2 * f, v, won)
+            _util.store_pair(words_ref, s, 2 * f, v, won)
 
         @pl.when(counts_ref[b, 0] > 0)
         def _():
-            start = base + U.sum_counts(counts_ref, 0, b, chunk=_COUNT_CHUNK, column=0)
+            start = base + _util.sum_counts(counts_ref, 0, b, chunk=_COUNT_CHUNK, column=0)
             in_rec = ((fl & _F_INPUT) != 0).astype(jnp.int32)
             ch_rec = ((fl & _F_CHAIN) != 0).astype(jnp.int32)
             n = in_rec + ch_rec
             d_in = start + jnp.cumsum(n, axis=0) - n
             d_ch = d_in + in_rec
             any_rec = n > 0
-            loc = U.load_pair(loc_ref, i, 0, any_rec, gather)
-            tok = U.load_pair(ids_ref, i, 0, any_rec, gather)
-            pos = U.load_pair(pos_ref, i, 0, any_rec, gather)
-            prev_at = U.load_pair(prev_at_ref, i, 0, any_rec, gather)
-            chain_exp = U.add_small(U.load_pair(chain_exp_ref, i, 0, ch_rec != 0, gather), 1)  # run position + 1
+            loc = _util.load_pair(loc_ref, i, 0, any_rec, gather)
+            tok = _util.load_pair(ids_ref, i, 0, any_rec, gather)
+            pos = _util.load_pair(pos_ref, i, 0, any_rec, gather)
+            prev_at = _util.load_pair(prev_at_ref, i, 0, any_rec, gather)
+            chain_exp = _util.add_small(_util.load_pair(chain_exp_ref, i, 0, ch_rec != 0, gather), 1)  # run position + 1
             zero = jnp.zeros((block,), jnp.uint32)
             tag_w = jnp.full((block,), tag, jnp.uint32)
             head = [tag_w, zero, loc.lo, loc.hi, pos.lo, pos.hi, tok.lo, tok.hi]
             if assert_inputs:
-                etok = U.load_pair(exp_tok_ref, i, 0, in_rec != 0, gather)
-                epos = U.load_pair(exp_pos_ref, i, 0, in_rec != 0, gather)
+                etok = _util.load_pair(exp_tok_ref, i, 0, in_rec != 0, gather)
+                epos = _util.load_pair(exp_pos_ref, i, 0, in_rec != 0, gather)
                 in_cols = head + [etok.lo, etok.hi, prev_at.lo, prev_at.hi, epos.lo, epos.hi,
                                   fl & _F_INPUT, zero]
                 keep_in = (in_rec != 0) & (d_in >= 0) & (d_in < ring_capacity)
                 for k, v in enumerate(in_cols):
-                    U.store_word(ring_ref, d_in, k, v, keep_in)
+                    _util.store_word(ring_ref, d_in, k, v, keep_in)
             ch_cols = head + [tok.lo, tok.hi, prev_at.lo, prev_at.hi, chain_exp.lo, chain_exp.hi,
-                              jnp.full((block,), int(C.FailReason.WRITE_POSITION_MISMATCH), jnp.uint32), zero]
+                              jnp.full((block,), int(constants.FailReason.WRITE_POSITION_MISMATCH), jnp.uint32), zero]
             keep_ch = (ch_rec != 0) & (d_ch >= 0) & (d_ch < ring_capacity)
             for k, v in enumerate(ch_cols):
-                U.store_word(ring_ref, d_ch, k, v, keep_ch)
+                _util.store_word(ring_ref, d_ch, k, v, keep_ch)
 
-    U.for_each_block(num_blocks, block_body)
+    _util.for_each_block(num_blocks, block_body)
 
 
 def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, positions, out_cache_loc,
                   expected_input_tokens, expected_input_positions, *, assert_inputs: bool, interpret: bool,
                   config: PallasConfig):
-    descs = S.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
+    descs = sources.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
     tag = int(context.kernel_kind)
     log = context.log
     num_tokens = int(input_ids.shape[0])
@@ -502,7 +502,7 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
     if not assert_inputs:
         expected_input_tokens, expected_input_positions = input_ids, positions  # never read
     tensors = [s.tensor for s in context.real_kv_sources][: len(descs)]
-    srcs = [S.source_words(t) for t in tensors]
+    srcs = [sources.source_words(t) for t in tensors]
     u32, i32 = jnp.uint32, jnp.int32
     sds = jax.ShapeDtypeStruct
     block = config.write_block
@@ -588,7 +588,7 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
 
     # 4. Stores, violation rows, write index and counters.
     r = log.ring.shape[0]
-    ring = log.ring.reshape(r, 2 * C.VIOLATION_FIELDS)
+    ring = log.ring.reshape(r, 2 * constants.VIOLATION_FIELDS)
     slot_counters = log.slot_run_counters.reshape(-1)
     kernel_counters = log.kernel_run_counters.reshape(-1)
     first = 10 + len(rkv)
@@ -606,7 +606,7 @@ def _write_pallas(context: VerifyOrWriteContext, plan: WritePlan, input_ids, pos
     )(base, input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions, prev_at,
       chain_exp, flags, counts, *rkv, words, ring, log.write_index, slot_counters, kernel_counters)
 
-    new_log = U.updated_log(log, ring=ring, write_index=wi, slot_counters=slot_counters,
+    new_log = _util.updated_log(log, ring=ring, write_index=wi, slot_counters=slot_counters,
                             kernel_counters=kernel_counters)
     return context.replace(canary_buf=layout.canary_bytes(words), log=new_log)
 
@@ -661,7 +661,7 @@ def write_pallas(
     Returns:
       ``context`` with the new canary buffer and log.
     """
-    S.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)  # > 4 sources: before tracing
+    sources.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)  # > 4 sources: before tracing
     if enable_write_input_assert and (expected_input_tokens is None or expected_input_positions is None):
         raise ValueError("kv-canary: expected input tensors are required when enable_write_input_assert=True")
     if not enable_write_input_assert and (expected_input_tokens is not None or expected_input_positions is not None):

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-import canary_jax as cj
-from canary_jax import constants as C
+import canary_jax
+from canary_jax import constants
 
-import oracle as O
+from helpers import oracle
 
 # --- golden values (SPEC 2.6; Python ints, uint64) ---------------------------------------------------------
 H = 0xDE7FAE23A9A1B716  # splitmix64(CANARY_CHAIN_ANCHOR)
@@ -46,13 +46,13 @@ TWO_SOURCES_STORED = 0xB6209A488C3F52B0  # src0 bytes 00..0F, src1 bytes 10..1F
 FF16_STORED = 0xCA5420B0710A0DAC
 MIX3_000 = 0  # mix3(0, 0, 0): the chain hash of an all-zero record
 
-TAG = C.CanaryLaunchTag.TAIL_K_FULL
-NONE, PARTIAL, ALL = C.RealKvHashMode.NONE, C.RealKvHashMode.PARTIAL, C.RealKvHashMode.ALL
+TAG = constants.CanaryLaunchTag.TAIL_K_FULL
+NONE, PARTIAL, ALL = constants.RealKvHashMode.NONE, constants.RealKvHashMode.PARTIAL, constants.RealKvHashMode.ALL
 B_CHAIN, B_POS, B_RKV, B_WTOK, B_WPOS, B_TOK = 1, 2, 4, 8, 16, 32
 
 
 def s64(v: int) -> int:
-    return O.s64(v)
+    return oracle.s64(v)
 
 
 def pairs(values, n: int | None = None, fill: int = 0) -> jnp.ndarray:
@@ -60,7 +60,7 @@ def pairs(values, n: int | None = None, fill: int = 0) -> jnp.ndarray:
     vals = [int(v) for v in values]
     if n is not None:
         vals = vals + [fill] * (n - len(vals))
-    arr = np.array([O.u64(v) for v in vals], dtype=np.uint64).astype("<u8")
+    arr = np.array([oracle.u64(v) for v in vals], dtype=np.uint64).astype("<u8")
     return jnp.asarray(arr.view("<u4").reshape(-1, 2).copy())
 
 
@@ -90,35 +90,35 @@ class Harness:
     def __init__(self, tc: "BackendSuite", *, num_slots: int, stride: int, ring: int, sources=(),
                  mode=NONE, chain_assert: int = 1, buf: np.ndarray | None = None):
         self.tc = tc
-        self.st = O.State.fresh(num_slots, stride, ring, chain_position_assert=chain_assert)
+        self.st = oracle.State.fresh(num_slots, stride, ring, chain_position_assert=chain_assert)
         if buf is not None:
             self.st.buf[...] = buf
         self.srcs = tuple(sources)
         self.mode = mode
-        log = cj.ViolationLog.allocate(ring_capacity=ring, enable_chain_position_assert=bool(chain_assert))
-        self.ctx = cj.VerifyOrWriteContext(
+        log = canary_jax.ViolationLog.allocate(ring_capacity=ring, enable_chain_position_assert=bool(chain_assert))
+        self.ctx = canary_jax.VerifyOrWriteContext(
             canary_buf=jnp.asarray(self.st.buf.copy()),
             kernel_kind=TAG,
             log=log,
             real_kv_sources=tuple(
-                cj.RealKvSource(tensor=jnp.asarray(s.data), page_size=s.page_size, num_bytes_per_token=s.nbpt,
+                canary_jax.RealKvSource(tensor=jnp.asarray(s.data), page_size=s.page_size, num_bytes_per_token=s.nbpt,
                                 read_bytes=s.read_bytes) for s in self.srcs),
             real_kv_hash_mode=mode,
         )
-        self.osrcs = tuple(O.Source.of(s.data, s.page_size, s.nbpt, s.read_bytes) for s in self.srcs)
+        self.osrcs = tuple(oracle.Source.of(s.data, s.page_size, s.nbpt, s.read_bytes) for s in self.srcs)
 
     # --- direct canary edits (both sides) ---
     def poke(self, slot: int, fields: Sequence[int]) -> None:
-        O.write_record(self.st.buf, slot, fields)
+        oracle.write_record(self.st.buf, slot, fields)
         buf = np.array(self.ctx.canary_buf)
-        O.write_record(buf, slot, fields)
+        oracle.write_record(buf, slot, fields)
         self.ctx = self.ctx.replace(canary_buf=jnp.asarray(buf))
 
     def lay_chain(self, slots, tokens, positions, seed_hash: int = H) -> list[int]:
         """Stores a clean chain directly (independent of the write kernel); returns stored prev hashes."""
-        hs = O.chain_prev_hashes(tokens, positions, seed_hash)
+        hs = oracle.chain_prev_hashes(tokens, positions, seed_hash)
         for k, slot in enumerate(slots):
-            rkv = O.real_kv_hash(self.osrcs, int(self.mode), slot)
+            rkv = oracle.real_kv_hash(self.osrcs, int(self.mode), slot)
             self.poke(slot, [tokens[k], positions[k], hs[k], rkv])
         return hs[: len(slots)]
 
@@ -131,8 +131,8 @@ class Harness:
         kern_arr[int(tag)] = [kernel_count & 0xFFFFFFFF, (kernel_count >> 32) & 0xFFFFFFFF]
         self.ctx = self.ctx.replace(log=dataclasses.replace(
             log, slot_run_counters=jnp.asarray(slot_arr), kernel_run_counters=jnp.asarray(kern_arr)))
-        self.st.slot_counters[int(tag)] = O.s64(slot_count)
-        self.st.kernel_counters[int(tag)] = O.s64(kernel_count)
+        self.st.slot_counters[int(tag)] = oracle.s64(slot_count)
+        self.st.kernel_counters[int(tag)] = oracle.s64(kernel_count)
 
     # --- launches ---
     def verify(self, entries, *, num_valid=None, enable=1, check=False, tag=TAG, cap=None, tail=None,
@@ -145,7 +145,7 @@ class Harness:
         assert len(full) == cap, (len(full), cap)
         slots, poss, prevs, toks = (list(c) for c in zip(*full))
         nv = len(ents) if num_valid is None else num_valid
-        plan = cj.VerifyPlan(
+        plan = canary_jax.VerifyPlan(
             verify_slot_indices=pairs(slots),
             verify_expected_tokens=pairs(toks),
             verify_expected_positions=pairs(poss),
@@ -153,9 +153,9 @@ class Harness:
             verify_num_valid=jnp.asarray(np.array([nv], np.int32)),
             enable=jnp.asarray(np.array([enable], np.int32)),
         )
-        O.verify(self.st, tag=int(tag), slots=slots, positions=poss, prev_slots=prevs, expected_tokens=toks,
+        oracle.verify(self.st, tag=int(tag), slots=slots, positions=poss, prev_slots=prevs, expected_tokens=toks,
                  num_valid=nv, enable=enable, check_token=check, sources=self.osrcs, mode=int(self.mode))
-        self.ctx = cj.verify(self.ctx.replace(kernel_kind=tag), plan, check_verify_expected_token=check,
+        self.ctx = canary_jax.verify(self.ctx.replace(kernel_kind=tag), plan, check_verify_expected_token=check,
                              backend=self.tc.BACKEND)
         if compare:
             self.check()
@@ -194,19 +194,19 @@ class Harness:
                   compare=True):
         """One write launch from raw plan arrays (offsets: Cw + 1, seeds: Cw) and int64 token arrays."""
         ids, pos, loc, etok, epos = (np.asarray(a, np.int64) for a in (ids, pos, loc, etok, epos))
-        plan = cj.WritePlan(
+        plan = canary_jax.WritePlan(
             write_offsets=pairs(offsets),
             write_seed_slot_indices=pairs(seeds),
             write_num_valid_reqs=jnp.asarray(np.array([nvr], np.int32)),
         )
-        O.write(self.st, tag=int(tag), offsets=offsets, seeds=seeds, input_ids=ids.tolist(),
+        oracle.write(self.st, tag=int(tag), offsets=offsets, seeds=seeds, input_ids=ids.tolist(),
                 positions=pos.tolist(), out_cache_loc=loc.tolist(), num_valid_reqs=nvr, input_assert=input_assert,
                 expected_tokens=etok.tolist(), expected_positions=epos.tolist(), sources=self.osrcs,
                 mode=int(self.mode))
         kw = {}
         if input_assert:
             kw = dict(expected_input_tokens=etok, expected_input_positions=epos)
-        self.ctx = cj.write(self.ctx.replace(kernel_kind=tag), plan, ids, pos, loc,
+        self.ctx = canary_jax.write(self.ctx.replace(kernel_kind=tag), plan, ids, pos, loc,
                             enable_write_input_assert=input_assert, backend=self.tc.BACKEND, **kw)
         if compare:
             self.check()
@@ -238,7 +238,7 @@ class Harness:
         return int(counters_int64(self.ctx.log.kernel_run_counters)[int(tag)])
 
     def record(self, slot: int) -> tuple[int, int, int, int]:
-        return O.read_record(np.asarray(self.ctx.canary_buf), slot)
+        return oracle.read_record(np.asarray(self.ctx.canary_buf), slot)
 
 
 class BackendSuite(absltest.TestCase):
@@ -297,7 +297,7 @@ class BackendSuite(absltest.TestCase):
         h.lay_chain([20, 21, 22], [5, 6, 7], [0, 1, 2])
         # Middle entry: plan expects position 9, slot stores 1; chain still fine.
         h.verify([(20, 0, -1), (21, 9, 20), (22, 2, 21)])
-        exp_chain = O.mix3(H, 5, 0)
+        exp_chain = oracle.mix3(H, 5, 0)
         self.assertEqual(h.rows(), [[int(TAG), 21, 1, 6, -1, s64(exp_chain), s64(exp_chain), B_POS]])
 
     def test_verify_real_kv_flip_sets_only_bit4(self):
@@ -311,11 +311,11 @@ class BackendSuite(absltest.TestCase):
         # Flip byte 0 of the slot's KV (as SGLang's perturbation does): only bit 4 fires.
         data2 = data.copy()
         data2[30, 0] ^= 0xFF
-        h.ctx = h.ctx.replace(real_kv_sources=(cj.RealKvSource(tensor=jnp.asarray(data2), page_size=1,
+        h.ctx = h.ctx.replace(real_kv_sources=(canary_jax.RealKvSource(tensor=jnp.asarray(data2), page_size=1,
                                                                 num_bytes_per_token=16, read_bytes=16),))
-        h.osrcs = (O.Source.of(data2, 1, 16, 16),)
+        h.osrcs = (oracle.Source.of(data2, 1, 16, 16),)
         h.verify([(30, 0, -1)])
-        exp_rkv = O.combine([O.fold_bytes(bytes([0xFE]) + PATTERN16[1:])])
+        exp_rkv = oracle.combine([oracle.fold_bytes(bytes([0xFE]) + PATTERN16[1:])])
         rows = h.rows()
         self.assertLen(rows, 1)
         self.assertEqual(rows[0][7], B_RKV)
@@ -329,7 +329,7 @@ class BackendSuite(absltest.TestCase):
         h.verify([(40, 0, -1, -1), (41, 1, 40, 200)], check=True)
         self.assertEqual(h.rows(), [])
         h.verify([(40, 0, -1, 100), (41, 1, 40, 201)], check=True)
-        c1 = s64(O.mix3(H, 100, 0))
+        c1 = s64(oracle.mix3(H, 100, 0))
         self.assertEqual(h.rows(), [[int(TAG), 41, 1, 200, 201, c1, c1, B_TOK]])
 
     def test_verify_token_and_position_bits_34(self):
@@ -343,7 +343,7 @@ class BackendSuite(absltest.TestCase):
         h.lay_chain([40, 41], [100, 200], [0, 1])
         # Garbage expected tokens, flag off: no token bit; a position failure shows column 4 = -1.
         h.verify([(40, 0, -1, 12345), (41, 7, 40, 999)], check=False)
-        c1 = s64(O.mix3(H, 100, 0))
+        c1 = s64(oracle.mix3(H, 100, 0))
         self.assertEqual(h.rows(), [[int(TAG), 41, 1, 200, -1, c1, c1, B_POS]])
 
     def test_verify_expected_token_minus_one_column(self):
@@ -357,13 +357,13 @@ class BackendSuite(absltest.TestCase):
         # SGLang's pinned row: HEAD_K_FULL, slot 5 stores (token 33, position 0, prev H); plan expects 99.
         h = self.harness()
         h.poke(5, [33, 0, H, 0])
-        h.verify([(5, 99, -1)], tag=C.CanaryLaunchTag.HEAD_K_FULL)
+        h.verify([(5, 99, -1)], tag=constants.CanaryLaunchTag.HEAD_K_FULL)
         self.assertEqual(h.rows(), [[0, 5, 0, 33, -1, H_S, H_S, 2]])
         raw = np.asarray(h.ctx.log.ring)[0].astype("<u4").tobytes()
         self.assertLen(raw, 64)
-        want = b"".join(O.u64(v).to_bytes(8, "little") for v in [0, 5, 0, 33, -1, H, H, 2])
+        want = b"".join(oracle.u64(v).to_bytes(8, "little") for v in [0, 5, 0, 33, -1, H, H, 2])
         self.assertEqual(raw, want)
-        self.assertEqual(h.kernel_counter(C.CanaryLaunchTag.HEAD_K_FULL), 1)
+        self.assertEqual(h.kernel_counter(constants.CanaryLaunchTag.HEAD_K_FULL), 1)
         self.assertEqual(h.kernel_counter(TAG), 0)
 
     def test_verify_prev_slot_zero_skips_only_chain_check(self):
@@ -378,11 +378,11 @@ class BackendSuite(absltest.TestCase):
         h = self.harness()
         slots = [60, 61, 62, 63, 64]
         hs = h.lay_chain(slots, list(CHAIN5_TOKENS), list(range(5)))
-        self.assertEqual([O.u64(x) for x in hs], list(CHAIN5_PREV))
+        self.assertEqual([oracle.u64(x) for x in hs], list(CHAIN5_PREV))
         h.poke(62, [999, 2, CHAIN5_PREV[2], 0])  # token of k=2 trampled
         h.verify([(s, k, slots[k - 1] if k else -1) for k, s in enumerate(slots)])
         # Slot 62 itself looks fine (its prev is right); its successor 63 carries the chain bit.
-        exp = s64(O.mix3(CHAIN5_PREV[2], 999, 2))
+        exp = s64(oracle.mix3(CHAIN5_PREV[2], 999, 2))
         self.assertEqual(h.rows(), [[int(TAG), 63, 3, 404, -1, s64(CHAIN5_PREV[3]), exp, B_CHAIN]])
 
     def test_verify_failure_matrix(self):
@@ -479,7 +479,7 @@ class BackendSuite(absltest.TestCase):
     def test_verify_kernel_kind_stamping(self):
         h = self.harness()
         h.poke(5, [33, 0, H, 0])
-        tags = (C.CanaryLaunchTag.SWEEP_V_FULL, C.CanaryLaunchTag.TAIL_K_SWA, C.CanaryLaunchTag.SWEEP_V_SWA)
+        tags = (constants.CanaryLaunchTag.SWEEP_V_FULL, constants.CanaryLaunchTag.TAIL_K_SWA, constants.CanaryLaunchTag.SWEEP_V_SWA)
         for tag in tags:
             h.verify([(5, 1, -1)], tag=tag)
         self.assertEqual([r[0] for r in h.rows()], [5, 8, 11])
@@ -554,8 +554,8 @@ class BackendSuite(absltest.TestCase):
             self.assertEqual(h.rows(), [], n)
             # Source order matters: reversed sources give another fingerprint.
             if n >= 2:
-                rev = O.real_kv_hash(tuple(reversed(h.osrcs)), ALL, 10)
-                self.assertNotEqual(rev, O.u64(h.record(10)[3]))
+                rev = oracle.real_kv_hash(tuple(reversed(h.osrcs)), ALL, 10)
+                self.assertNotEqual(rev, oracle.u64(h.record(10)[3]))
 
     def test_verify_two_sources_literal(self):
         d0 = np.zeros((self.NUM_SLOTS, 16), np.uint8)
@@ -635,7 +635,7 @@ class BackendSuite(absltest.TestCase):
             h.poke(90 + k, [k, k, v, v])  # nonzero rkv with no sources fails (except v = 0)
         h.verify([(90 + k, k, 0) for k in range(len(values))])
         self.assertEqual([r[1] for r in h.rows()], [91, 92, 93, 94])
-        self.assertEqual([O.u64(r[5]) for r in h.rows()], values[1:])
+        self.assertEqual([oracle.u64(r[5]) for r in h.rows()], values[1:])
 
     # --- out-of-range decisions (canary-jax never reads outside a buffer) ---
     def test_verify_out_of_range_slots_read_as_zero_records(self):
@@ -647,7 +647,7 @@ class BackendSuite(absltest.TestCase):
         h.verify([(n, 0, -1), (n + 1000, 3, 5), (-7, 0, -1), (5, 0, n + 5), (2**40, 0, 0)])
         r = h.rows()
         self.assertEqual(r[0], [int(TAG), n, 0, 0, -1, 0, H_S, B_CHAIN])
-        self.assertEqual(r[1], [int(TAG), n + 1000, 0, 0, -1, 0, s64(O.mix3(H, 1, 0)), B_CHAIN | B_POS])
+        self.assertEqual(r[1], [int(TAG), n + 1000, 0, 0, -1, 0, s64(oracle.mix3(H, 1, 0)), B_CHAIN | B_POS])
         self.assertEqual(r[2], [int(TAG), -7, 0, 0, -1, 0, H_S, B_CHAIN])
         self.assertEqual(r[3], [int(TAG), 5, 0, 1, -1, H_S, MIX3_000, B_CHAIN])
         self.assertLen(r, 4)  # 2**40 with prev 0 and position 0 reads clean zeros
@@ -659,14 +659,14 @@ class BackendSuite(absltest.TestCase):
         n = self.NUM_SLOTS
         data = np.full((2 * n, 16), 0x33, np.uint8)
         h = self.harness(sources=[SrcSpec(data, 1, 16, 16)], mode=ALL)
-        self.assertNotEqual(O.real_kv_hash(h.osrcs, ALL, n + 5), 0)
+        self.assertNotEqual(oracle.real_kv_hash(h.osrcs, ALL, n + 5), 0)
         h.verify([(n + 5, 0, 0)])
         self.assertEqual(h.rows(), [])
 
     def test_verify_source_rows_outside_read_as_zero(self):
         data = np.full((8, 16), 0x11, np.uint8)  # only slots 0..7 have KV rows
         h = self.harness(sources=[SrcSpec(data, 1, 16, 16)], mode=ALL)
-        h.poke(5, [0, 0, H, O.real_kv_hash(h.osrcs, ALL, 5)])
+        h.poke(5, [0, 0, H, oracle.real_kv_hash(h.osrcs, ALL, 5)])
         h.poke(20, [0, 0, H, 0])  # row 20 outside the source -> zero bytes -> 0
         h.verify([(5, 0, -1), (20, 0, -1)])
         self.assertEqual(h.rows(), [])
@@ -706,7 +706,7 @@ class BackendSuite(absltest.TestCase):
         h.poke(50, [7, 10, H, 0])  # seed slot: token 7, position 10, prev H
         slots = [51, 52, 53, 54, 55]
         h.write([(50, [(s, CHAIN5_TOKENS[k], 11 + k) for k, s in enumerate(slots)])])
-        self.assertEqual([O.u64(h.record(s)[2]) for s in slots], list(RESUME_PREV))
+        self.assertEqual([oracle.u64(h.record(s)[2]) for s in slots], list(RESUME_PREV))
         self.assertEqual(h.write_index, 0)  # positions 11.. follow seed position 10: no chain-position row
         h.verify([(s, 11 + k, slots[k - 1] if k else 50) for k, s in enumerate(slots)])
         self.assertEqual(h.rows(), [])
@@ -715,7 +715,7 @@ class BackendSuite(absltest.TestCase):
         h = self.harness()
         # Entry 1 carries token 20 but the oracle expected 21: bit 8; the chain advances on 20.
         h.write([(-1, [(10, 5, 0, 5, 0), (11, 20, 1, 21, 1), (12, 30, 2, 30, 2)])], input_assert=True)
-        c1 = O.mix3(H, 5, 0)
+        c1 = oracle.mix3(H, 5, 0)
         self.assertEqual(h.rows(), [[int(TAG), 11, 1, 20, 21, s64(c1), 1, B_WTOK]])
         h.verify([(10, 0, -1), (11, 1, 10), (12, 2, 11)])
         self.assertEqual(h.write_index, 1)  # downstream verify is clean
@@ -723,8 +723,8 @@ class BackendSuite(absltest.TestCase):
     def test_write_position_mismatch_input_assert(self):
         h = self.harness()
         h.write([(-1, [(10, 5, 0, 5, 0), (11, 6, 4, 6, 1), (12, 7, 9, 8, 2)])], input_assert=True)
-        c1 = O.mix3(H, 5, 0)
-        c2 = O.mix3(c1, 6, 4)
+        c1 = oracle.mix3(H, 5, 0)
+        c2 = oracle.mix3(c1, 6, 4)
         self.assertEqual(h.rows(), [[int(TAG), 11, 4, 6, 6, s64(c1), 1, B_WPOS],
                                     [int(TAG), 12, 9, 7, 8, s64(c2), 2, B_WPOS | B_WTOK]])
         self.assertEqual(h.record(12), (7, 9, s64(c2), 0))
@@ -746,10 +746,10 @@ class BackendSuite(absltest.TestCase):
     def test_write_chain_position_assert(self):
         h = self.harness()
         h.poke(50, [7, 10, H, 0])
-        seed_run = O.mix3(H, 7, 10)
+        seed_run = oracle.mix3(H, 7, 10)
         # Positions 11, 13, 14 after seed position 10: entry 1 jumps (expects 12), then 14 follows 13.
         h.write([(50, [(51, 1, 11), (52, 2, 13), (53, 3, 14)])])
-        c1 = O.mix3(seed_run, 1, 11)
+        c1 = oracle.mix3(seed_run, 1, 11)
         self.assertEqual(h.rows(), [[int(TAG), 52, 13, 2, 2, s64(c1), 12, B_WPOS]])
 
     def test_write_chain_position_gates(self):
@@ -764,7 +764,7 @@ class BackendSuite(absltest.TestCase):
     def test_write_input_assert_row_before_chain_row(self):
         h = self.harness()
         h.poke(50, [7, 10, H, 0])
-        seed_run = O.mix3(H, 7, 10)
+        seed_run = oracle.mix3(H, 7, 10)
         h.write([(50, [(51, 1, 20, 2, 11)])], input_assert=True)
         self.assertEqual(h.rows(), [[int(TAG), 51, 20, 1, 2, s64(seed_run), 11, B_WTOK | B_WPOS],
                                     [int(TAG), 51, 20, 1, 1, s64(seed_run), 11, B_WPOS]])
@@ -775,14 +775,14 @@ class BackendSuite(absltest.TestCase):
         h.write([(-1, [(10, 5, 0), (-1, 6, 1, 0, 0), (-5, 6, 1), (12, 7, 1)])], input_assert=True)
         self.assertEqual(h.slot_counter(), 2)
         self.assertEqual(h.write_index, 0)  # skipped entries produce no input-assert row either
-        self.assertEqual(h.record(12), (7, 1, s64(O.mix3(H, 5, 0)), 0))  # chain did not advance on skips
+        self.assertEqual(h.record(12), (7, 1, s64(oracle.mix3(H, 5, 0)), 0))  # chain did not advance on skips
 
     def test_write_out_of_range_slot_skipped(self):
         n = self.NUM_SLOTS
         h = self.harness()
         h.write([(-1, [(10, 5, 0), (n, 6, 1), (n + 77, 6, 1), (2**40, 1, 1), (11, 7, 1)])])
         self.assertEqual(h.slot_counter(), 2)
-        self.assertEqual(h.record(11), (7, 1, s64(O.mix3(H, 5, 0)), 0))
+        self.assertEqual(h.record(11), (7, 1, s64(oracle.mix3(H, 5, 0)), 0))
 
     def test_write_out_of_range_seed_reads_zero_record(self):
         n = self.NUM_SLOTS
@@ -790,7 +790,7 @@ class BackendSuite(absltest.TestCase):
         # seed >= N: all-zero record -> running = mix3(0,0,0) = 0, gate on with run_pos 0 -> expects 1.
         h.write([(n + 3, [(10, 5, 1), (11, 6, 5)])])
         self.assertEqual(h.record(10), (5, 1, MIX3_000, 0))
-        self.assertEqual(h.rows(), [[int(TAG), 11, 5, 6, 6, s64(O.mix3(0, 5, 1)), 2, B_WPOS]])
+        self.assertEqual(h.rows(), [[int(TAG), 11, 5, 6, 6, s64(oracle.mix3(0, 5, 1)), 2, B_WPOS]])
 
     def test_write_padding_rows_and_num_valid_reqs(self):
         h = self.harness()
@@ -855,7 +855,7 @@ class BackendSuite(absltest.TestCase):
         h.poke(40, [9, 3, 0x77, 0])
         # Request 0 rewrites slot 40; request 1 seeds from slot 40: it sees the old record.
         h.write([(-1, [(40, 1, 0)]), (40, [(41, 2, 4)])])
-        self.assertEqual(h.record(41), (2, 4, s64(O.mix3(0x77, 9, 3)), 0))
+        self.assertEqual(h.record(41), (2, 4, s64(oracle.mix3(0x77, 9, 3)), 0))
 
     def test_write_duplicate_slot_later_entry_wins(self):
         h = self.harness()
@@ -879,9 +879,9 @@ class BackendSuite(absltest.TestCase):
                                 (ALL, 32, BYTES00_1F_ALL32_STORED)):
             h = self.harness(sources=[SrcSpec(data, 1, 32, rb)], mode=mode)
             h.write([(-1, [(3, 1, 0), (4, 2, 1)])])
-            self.assertEqual(O.u64(h.record(3)[3]), want3, (mode, rb))
+            self.assertEqual(oracle.u64(h.record(3)[3]), want3, (mode, rb))
             if mode != NONE and rb == 16 or mode == PARTIAL:
-                self.assertEqual(O.u64(h.record(4)[3]), PATTERN16_STORED)
+                self.assertEqual(oracle.u64(h.record(4)[3]), PATTERN16_STORED)
             h.verify([(3, 0, -1), (4, 1, 3)])
             self.assertEqual(h.write_index, 0)
 
@@ -906,7 +906,7 @@ class BackendSuite(absltest.TestCase):
         d1[6] = np.arange(16, 32)
         h = self.harness(sources=[SrcSpec(d0, 1, 16, 16), SrcSpec(d1, 1, 16, 16)], mode=PARTIAL)
         h.write([(-1, [(6, 1, 0)])])
-        self.assertEqual(O.u64(h.record(6)[3]), TWO_SOURCES_STORED)
+        self.assertEqual(oracle.u64(h.record(6)[3]), TWO_SOURCES_STORED)
 
     def test_write_boundary_values(self):
         tokens = [0, 1, 0xFFFFFFFF, -1, 2**31, 2**31 - 1, 2**63 - 1, -(2**63)]
@@ -914,12 +914,12 @@ class BackendSuite(absltest.TestCase):
         h = self.harness()
         slots = list(range(80, 80 + len(tokens)))
         h.write([(-1, [(s, tokens[k], positions[k]) for k, s in enumerate(slots)])])
-        hs = O.chain_prev_hashes(tokens, positions)
+        hs = oracle.chain_prev_hashes(tokens, positions)
         for k, s in enumerate(slots):
             self.assertEqual(h.record(s), (tokens[k], positions[k], s64(hs[k]), 0))
         # Chain-position assert at the int64 edge: seed position 2**63 - 1 expects wrap to -2**63.
         h.write([(slots[-1], [(100, 1, -(2**63)), (101, 2, 0)])])
-        self.assertEqual(h.rows(), [[int(TAG), 101, 0, 2, 2, s64(O.mix3(hs[-1], 1, -(2**63))), -(2**63) + 1,
+        self.assertEqual(h.rows(), [[int(TAG), 101, 0, 2, 2, s64(oracle.mix3(hs[-1], 1, -(2**63))), -(2**63) + 1,
                                      B_WPOS]])
 
     def test_write_multi_request_row_order(self):
@@ -953,7 +953,7 @@ class BackendSuite(absltest.TestCase):
                     ValueError, r"^kv-canary: at most 4 RealKvSource entries supported by the CUDA ABI, got 5$"):
                 h.verify([(1, 0, -1)])
             with self.assertRaisesRegex(ValueError, r"at most 4 RealKvSource entries .* got 5"):
-                h.st = O.State.fresh(self.NUM_SLOTS)  # (oracle ran first; reset it, we only check the raise)
+                h.st = oracle.State.fresh(self.NUM_SLOTS)  # (oracle ran first; reset it, we only check the raise)
                 h.write([(-1, [(1, 1, 0)])])
             np.testing.assert_array_equal(np.asarray(h.ctx.canary_buf), before[0])
             np.testing.assert_array_equal(np.asarray(h.ctx.log.ring), before[1])
@@ -961,18 +961,18 @@ class BackendSuite(absltest.TestCase):
 
     def test_write_expected_inputs_presence(self):
         h = self.harness()
-        plan = cj.WritePlan(write_offsets=pairs([0, 1], self.WRITE_REQ_CAPACITY + 1),
+        plan = canary_jax.WritePlan(write_offsets=pairs([0, 1], self.WRITE_REQ_CAPACITY + 1),
                             write_seed_slot_indices=pairs([-1], self.WRITE_REQ_CAPACITY, fill=-1),
                             write_num_valid_reqs=jnp.asarray(np.array([1], np.int32)))
         t = np.ones(self.NUM_TOKENS, np.int64)
         before = np.asarray(h.ctx.canary_buf).copy()
         with self.assertRaisesRegex(
                 ValueError, r"^kv-canary: expected input tensors are required when enable_write_input_assert=True$"):
-            cj.write(h.ctx, plan, t, t, t, enable_write_input_assert=True, expected_input_tokens=t,
+            canary_jax.write(h.ctx, plan, t, t, t, enable_write_input_assert=True, expected_input_tokens=t,
                      backend=self.BACKEND)
         with self.assertRaisesRegex(
                 ValueError, r"^kv-canary: expected input tensors must be None when enable_write_input_assert=False$"):
-            cj.write(h.ctx, plan, t, t, t, enable_write_input_assert=False, expected_input_positions=t,
+            canary_jax.write(h.ctx, plan, t, t, t, enable_write_input_assert=False, expected_input_positions=t,
                      backend=self.BACKEND)
         np.testing.assert_array_equal(np.asarray(h.ctx.canary_buf), before)
         self.assertEqual(h.kernel_counter(), 0)
@@ -1021,7 +1021,7 @@ class BackendSuite(absltest.TestCase):
                 slot = rnd.randrange(1, n)
                 rec = list(h.record(slot))
                 rec[rnd.randrange(4)] ^= 1 << rnd.randrange(64)
-                h.poke(slot, [O.s64(v) for v in rec])
+                h.poke(slot, [oracle.s64(v) for v in rec])
             # --- verify step over all known chains ---
             ents = []
             for rq in reqs:
@@ -1074,7 +1074,7 @@ class BackendSuite(absltest.TestCase):
             buf = np.frombuffer(rnd.randbytes(n * self.SLOT_STRIDE), np.uint8).reshape(n, -1).copy()
             for s in range(n):  # make some records plausible: small positions, some chain links
                 if rnd.random() < 0.5:
-                    O.write_record(buf, s, [rnd.randrange(50), rnd.randrange(8), O.s64(H), 0])
+                    oracle.write_record(buf, s, [rnd.randrange(50), rnd.randrange(8), oracle.s64(H), 0])
             h = self.harness(buf=buf, ring=self.SMALL_RING if seed % 2 else None)
             for _ in range(3):
                 ents = [(rnd.randrange(-2, n + 2), rnd.randrange(8), rnd.choice([-1, 0, rnd.randrange(n)]),

@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from canary_jax import constants as C
-from canary_jax import hashing as H
-from canary_jax.demo import cli
+from canary_jax import constants
+from canary_jax import hashing
+from canary_jax.cli import main as cli
 
 
 def _run(capsys, argv):
@@ -91,7 +91,7 @@ def test_output_probe_leaves_no_stray_file_and_keeps_existing_content(tmp_path):
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_write_failure_at_write_time_is_one_line_exit_2(capsys, tmp_path):
     ring = np.zeros((2, 8), np.int64)
-    ring[0] = [int(C.CanaryLaunchTag.HEAD_K_FULL), 3, 1, 5, 5, 0, 0, int(C.FailReason.VERIFY_POSITION_MISMATCH)]
+    ring[0] = [int(constants.CanaryLaunchTag.HEAD_K_FULL), 3, 1, 5, 5, 0, 0, int(constants.FailReason.VERIFY_POSITION_MISMATCH)]
     p = tmp_path / "ring.npz"
     np.savez(p, ring=ring, write_index=np.array([1], np.int32))
     rc, out, err = _run(capsys, ["verify-dump", str(p), "--json", "/dev/full"])
@@ -138,11 +138,11 @@ def test_verify_dump_rejects_unrecognised_files(capsys, tmp_path):
 
 def test_verify_dump_sglang_int64_ring(capsys, tmp_path):
     ring = np.zeros((4, 8), np.int64)
-    anchor = H.splitmix64_python(C.CANARY_CHAIN_ANCHOR) - (1 << 64)
-    ring[0] = [int(C.CanaryLaunchTag.TAIL_K_FULL), 17, 5, 42, -1, anchor, anchor,
-               int(C.FailReason.VERIFY_REAL_KV_HASH_MISMATCH)]
-    ring[1] = [int(C.CanaryLaunchTag.HEAD_K_FULL), 9, 3, 7, 8, 0, 4,
-               int(C.FailReason.WRITE_TOKEN_MISMATCH | C.FailReason.WRITE_POSITION_MISMATCH)]
+    anchor = hashing.splitmix64_python(constants.CANARY_CHAIN_ANCHOR) - (1 << 64)
+    ring[0] = [int(constants.CanaryLaunchTag.TAIL_K_FULL), 17, 5, 42, -1, anchor, anchor,
+               int(constants.FailReason.VERIFY_REAL_KV_HASH_MISMATCH)]
+    ring[1] = [int(constants.CanaryLaunchTag.HEAD_K_FULL), 9, 3, 7, 8, 0, 4,
+               int(constants.FailReason.WRITE_TOKEN_MISMATCH | constants.FailReason.WRITE_POSITION_MISMATCH)]
     p = tmp_path / "ring.npy"
     np.save(p, ring)
     rc, out, _ = _run(capsys, ["verify-dump", str(p)])
@@ -161,9 +161,9 @@ def test_verify_dump_sglang_int64_ring(capsys, tmp_path):
 
 def test_verify_dump_without_write_index_infers_from_any_nonzero_column(capsys, tmp_path):
     ring = np.zeros((6, 8), np.int64)
-    ring[0] = [int(C.CanaryLaunchTag.TAIL_K_FULL), 17, 5, 42, -1, 1, 2, 0]  # fail bits 0, but a recorded row
-    ring[1] = [99, 9, 3, 7, 8, 0, 4, int(C.FailReason.VERIFY_POSITION_MISMATCH)]
-    ring[2] = [int(C.CanaryLaunchTag.HEAD_K_FULL), 9, 3, 7, 8, 0, 4, 2**40]
+    ring[0] = [int(constants.CanaryLaunchTag.TAIL_K_FULL), 17, 5, 42, -1, 1, 2, 0]  # fail bits 0, but a recorded row
+    ring[1] = [99, 9, 3, 7, 8, 0, 4, int(constants.FailReason.VERIFY_POSITION_MISMATCH)]
+    ring[2] = [int(constants.CanaryLaunchTag.HEAD_K_FULL), 9, 3, 7, 8, 0, 4, 2**40]
     p = tmp_path / "ring.npy"
     np.save(p, ring)
     rc, out, err = _run(capsys, ["verify-dump", str(p)])
@@ -196,11 +196,11 @@ def test_verify_dump_empty_archive_and_directory(capsys, tmp_path):
 
 def test_verify_dump_clean_canary_buffer(capsys, tmp_path):
     # Two chained records at slots 1 and 2 (positions 0, 1): the census finds no broken link.
-    anchor = H.splitmix64_python(C.CANARY_CHAIN_ANCHOR)
+    anchor = hashing.splitmix64_python(constants.CANARY_CHAIN_ANCHOR)
     buf = np.zeros((4, 32), np.uint8)
     rec = buf.view("<i8").reshape(4, 4)
     rec[1] = [101, 0, np.int64(anchor - (1 << 64)), 0]
-    m = H.splitmix64_python(H.splitmix64_python(H.splitmix64_python(anchor) ^ 101) ^ 0)
+    m = hashing.splitmix64_python(hashing.splitmix64_python(hashing.splitmix64_python(anchor) ^ 101) ^ 0)
     rec[2] = [202, 1, np.uint64(m).astype(np.int64), 0]
     p = tmp_path / "buf.npy"
     np.save(p, buf)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 from absl.testing import absltest
 
-import canary_jax as cj
-from canary_jax import constants as C
-from canary_jax import decode as D
+import canary_jax
+from canary_jax import constants
+from canary_jax import decode
 from canary_jax import ints
 
 H = 0xDE7FAE23A9A1B716
@@ -24,7 +24,7 @@ class DecodeRecordsTest(absltest.TestCase):
 
     def test_fields_from_int64_ring(self):
         rows = [[2, 5, 0, 33, -1, H_S, H_S, 2], [0, 52, 13, 2, 2, -7, 12, 16]]
-        recs = cj.decode_violations(ring_of(rows), np.array([2], np.int32))
+        recs = canary_jax.decode_violations(ring_of(rows), np.array([2], np.int32))
         self.assertLen(recs, 2)
         r = recs[0]
         self.assertEqual((r.index, r.kernel_kind, r.slot_idx, r.position, r.stored_token, r.expected_token,
@@ -40,52 +40,52 @@ class DecodeRecordsTest(absltest.TestCase):
         rows = [[k, k, 0, 0, -1, 0, 0, 1] for k in range(3)]
         ring = ring_of(rows)
         pairs = ints.int64_to_pairs_np(ring)
-        a = cj.decode_violations(ring, 3)
-        b = cj.decode_violations(pairs, np.array([3], np.int32))
+        a = canary_jax.decode_violations(ring, 3)
+        b = canary_jax.decode_violations(pairs, np.array([3], np.int32))
         self.assertEqual(a, b)
-        self.assertEqual([r.slot_idx for r in cj.decode_violations(ring, 3, start=1)], [1, 2])
-        self.assertEqual(cj.decode_violations(ring, 0), [])
+        self.assertEqual([r.slot_idx for r in canary_jax.decode_violations(ring, 3, start=1)], [1, 2])
+        self.assertEqual(canary_jax.decode_violations(ring, 0), [])
         # write_index past capacity: only the R stored rows exist.
-        self.assertLen(cj.decode_violations(ring, 9), 4)
+        self.assertLen(canary_jax.decode_violations(ring, 9), 4)
 
     def test_from_violation_log(self):
-        log = cj.ViolationLog.allocate(ring_capacity=2)
-        ctx = cj.VerifyOrWriteContext(canary_buf=cj.allocate_canary_buffer(8), kernel_kind=C.CanaryLaunchTag.SWEEP_K_SWA,
+        log = canary_jax.ViolationLog.allocate(ring_capacity=2)
+        ctx = canary_jax.VerifyOrWriteContext(canary_buf=canary_jax.allocate_canary_buffer(8), kernel_kind=constants.CanaryLaunchTag.SWEEP_K_SWA,
                                       log=log)
-        plan = cj.VerifyPlan.from_entries(slots=[1, 2, 3], positions=[4, 5, 6], prev_slots=[0, 0, 0])
-        ctx = cj.verify(ctx, plan, backend="reference")
-        recs = cj.decode_violations(ctx.log)
+        plan = canary_jax.VerifyPlan.from_entries(slots=[1, 2, 3], positions=[4, 5, 6], prev_slots=[0, 0, 0])
+        ctx = canary_jax.verify(ctx, plan, backend="reference")
+        recs = canary_jax.decode_violations(ctx.log)
         self.assertEqual([(r.kernel_kind, r.slot_idx, r.position, r.fail_reason_bits) for r in recs],
                          [(10, 1, 0, 2), (10, 2, 0, 2)])
         self.assertEqual(ctx.log.ring_rows().tolist(), [[10, 1, 0, 0, -1, 0, 0, 2], [10, 2, 0, 0, -1, 0, 0, 2]])
-        msgs = cj.format_violations(ctx.log, step_when_pumped=3)
+        msgs = canary_jax.format_violations(ctx.log, step_when_pumped=3)
         self.assertLen(msgs, 2)
         self.assertTrue(msgs[0].endswith("  total_violations=3 ring_overflow=True step_when_pumped=3"))
         self.assertIn("canary_kind:       sweep_k_swa", msgs[0])
 
     def test_bad_ring_shapes(self):
         with self.assertRaisesRegex(ValueError, r"violation ring must be int64\[R, 8\] or uint32\[R, 8, 2\]"):
-            cj.decode_violations(np.zeros((4, 7), np.int64), 1)
+            canary_jax.decode_violations(np.zeros((4, 7), np.int64), 1)
         with self.assertRaisesRegex(ValueError, r"violation ring must be"):
-            cj.decode_violations(np.zeros((4, 8), np.int32), 1)
+            canary_jax.decode_violations(np.zeros((4, 8), np.int32), 1)
         with self.assertRaisesRegex(ValueError, r"violation_write_index must hold one value"):
-            cj.decode_violations(np.zeros((4, 8), np.int64), np.array([1, 2]))
+            canary_jax.decode_violations(np.zeros((4, 8), np.int64), np.array([1, 2]))
 
     def test_labels(self):
-        self.assertEqual(D.reason_labels(63), ["verify_chain_hash", "verify_position", "verify_real_kv_hash",
+        self.assertEqual(decode.reason_labels(63), ["verify_chain_hash", "verify_position", "verify_real_kv_hash",
                                                "write_token", "write_position", "verify_token"])
-        self.assertEqual(D.reason_labels(0), [])
-        self.assertEqual(D.tag_label(99), "unknown(99)")
-        self.assertEqual(D.tag_label(-1), "unknown(-1)")
-        self.assertEqual(D.canary_kind_label(4), "sweep_k_full")
-        self.assertEqual(D.canary_kind_label(7), "per_forward_head_v_swa")
-        self.assertEqual(D.canary_kind_label(12), "unknown(12)")
+        self.assertEqual(decode.reason_labels(0), [])
+        self.assertEqual(decode.tag_label(99), "unknown(99)")
+        self.assertEqual(decode.tag_label(-1), "unknown(-1)")
+        self.assertEqual(decode.canary_kind_label(4), "sweep_k_full")
+        self.assertEqual(decode.canary_kind_label(7), "per_forward_head_v_swa")
+        self.assertEqual(decode.canary_kind_label(12), "unknown(12)")
 
 
 class FormatTest(absltest.TestCase):
 
     def fmt(self, row, *, total=1, overflow=False, step=7):
-        return cj.format_violation(D.ViolationRecord.from_row(0, row), total=total, ring_overflow=overflow,
+        return canary_jax.format_violation(decode.ViolationRecord.from_row(0, row), total=total, ring_overflow=overflow,
                                    step_when_pumped=step)
 
     def test_verify_row_without_token_bits(self):
@@ -161,7 +161,7 @@ class FormatTest(absltest.TestCase):
 
     def test_format_violations_cursor_and_int64_ring(self):
         rows = [[2, 1, 0, 0, -1, 0, 0, 2], [2, 2, 0, 0, -1, 0, 0, 2], [2, 3, 0, 0, -1, 0, 0, 2]]
-        msgs = cj.format_violations(ring_of(rows, 3), np.array([5], np.int32), start=1, step_when_pumped=4)
+        msgs = canary_jax.format_violations(ring_of(rows, 3), np.array([5], np.int32), start=1, step_when_pumped=4)
         self.assertEqual([m.split("\n")[0].split(" ")[4] for m in msgs], ["slot_idx=2", "slot_idx=3"])
         self.assertTrue(all(m.endswith("total_violations=5 ring_overflow=True step_when_pumped=4") for m in msgs))
 
@@ -171,18 +171,18 @@ class DecodeEdgeCasesTest(absltest.TestCase):
     """Rows a live ring should never hold still decode to something visible."""
 
     def test_unknown_fail_bits_are_labelled(self):
-        self.assertEqual(D.reason_labels(1 | (1 << 40)), ["verify_chain_hash", "unknown(0x10000000000)"])
-        self.assertEqual(D.reason_labels(0), [])
+        self.assertEqual(decode.reason_labels(1 | (1 << 40)), ["verify_chain_hash", "unknown(0x10000000000)"])
+        self.assertEqual(decode.reason_labels(0), [])
 
     def test_bare_ring_needs_write_index(self):
         ring = np.zeros((4, 8), np.int64)
         with self.assertRaisesRegex(TypeError, "pass write_index together with a bare violation ring"):
-            D.decode_violations(ring)
+            decode.decode_violations(ring)
 
     def test_wrapped_int32_write_index_means_full_ring(self):
         ring = np.zeros((4, 8), np.int64)
         ring[:, 7] = 2
-        self.assertLen(D.decode_violations(ring, np.array([-5], np.int32)), 4)
+        self.assertLen(decode.decode_violations(ring, np.array([-5], np.int32)), 4)
 
 
 if __name__ == "__main__":

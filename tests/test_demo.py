@@ -10,14 +10,14 @@ import re
 import numpy as np
 import pytest
 
-from canary_jax.demo import campaign as K
-from canary_jax.demo import cli
-from canary_jax.demo import render
-from canary_jax.demo import engine as E
-from canary_jax.demo import faults as F
-from canary_jax.demo import model as M
-from canary_jax.demo import workload as W
-from canary_jax.demo.radix import PageAllocator, RadixCache
+from canary_jax.cli.demo import campaign
+from canary_jax.cli import main as cli
+from canary_jax.cli import render
+from canary_jax.cli.demo import engine
+from canary_jax.cli.demo.faults import ALL_FAULTS, FAULTS_BY_KIND, FAULT_KINDS, parse_kinds
+from canary_jax.cli.demo import model
+from canary_jax.cli.demo import workload
+from canary_jax.cli.demo.radix import PageAllocator, RadixCache
 
 SHORT = ["--requests", "10", "--max-new-tokens", "8", "--trials", "1", "--no-progress"]
 
@@ -37,7 +37,7 @@ def test_short_demo_detects_every_kind_without_false_positives(short_demo):
     assert summary["false_positives"] == 0
     assert summary["steps"] > 0
     kinds = {f["kind"]: f for f in summary["faults"]}
-    assert set(kinds) == set(F.FAULT_KINDS)
+    assert set(kinds) == set(FAULT_KINDS)
     for kind, f in kinds.items():
         assert f["injected"] >= 1, kind
         assert f["detected"] == f["injected"], (kind, f)
@@ -148,32 +148,32 @@ def test_small_workload_16_byte_rows_all_kinds(tmp_path, capsys):
 
 
 def test_injection_steps_fit_the_workload():
-    small = K.CampaignConfig(engine=E.EngineConfig(), model=M.ModelConfig(num_layers=1), num_requests=4,
+    small = campaign.CampaignConfig(engine=engine.EngineConfig(), model=model.ModelConfig(num_layers=1), num_requests=4,
                              max_new_tokens=3, trials=1)
-    trace = K.dry_run(small, list(F.ALL_FAULTS))
+    trace = campaign.dry_run(small, list(ALL_FAULTS))
     assert trace.num_steps == 10
     assert trace.sweep_steps == (3, 7)
     assert trace.ready["orphan_flip"] and min(trace.ready["orphan_flip"]) > 0  # needs a finished request first
-    camp = K.Campaign(small, list(F.ALL_FAULTS))
-    for f in F.ALL_FAULTS:
+    camp = campaign.Campaign(small, list(ALL_FAULTS))
+    for f in ALL_FAULTS:
         latest = camp.latest_inject[f.kind]
         assert latest in trace.ready[f.kind] and f.detectable_after(trace, latest), f.kind
         for trial in range(3):
             assert camp.inject_step(f, np.random.default_rng([0, trial, 1])) <= latest
     assert camp.latest_inject["orphan_flip"] <= 7  # a sweep (after step 7) must still come
     # The default workload keeps the documented 6 + [0, 8) injection steps.
-    default = K.CampaignConfig(engine=E.EngineConfig(num_pages=256), model=M.ModelConfig(num_layers=1))
-    camp = K.Campaign(default, list(F.ALL_FAULTS))
+    default = campaign.CampaignConfig(engine=engine.EngineConfig(num_pages=256), model=model.ModelConfig(num_layers=1))
+    camp = campaign.Campaign(default, list(ALL_FAULTS))
     assert camp.trace.num_steps == 64
-    for f in F.ALL_FAULTS:
+    for f in ALL_FAULTS:
         rng_a, rng_b = np.random.default_rng([0, 1, 2]), np.random.default_rng([0, 1, 2])
         assert camp.inject_step(f, rng_a) == 6 + int(rng_b.integers(0, 8)), f.kind
     # A workload that never offers a kind its preconditions is refused up front.
-    with pytest.raises(E.ConfigError, match="too short for orphan_flip: in its 12 forward steps orphan_flip never"):
-        K.Campaign(K.CampaignConfig(engine=E.EngineConfig(), model=M.ModelConfig(num_layers=1), num_requests=2,
-                                    max_new_tokens=8, trials=1), [F.FAULTS_BY_KIND["orphan_flip"]])
-    with pytest.raises(E.ConfigError, match=r"seed must be an integer in \[0, 4294967295\]"):
-        K.CampaignConfig(engine=E.EngineConfig(), model=M.ModelConfig(), seed=2**32)
+    with pytest.raises(engine.ConfigError, match="too short for orphan_flip: in its 12 forward steps orphan_flip never"):
+        campaign.Campaign(campaign.CampaignConfig(engine=engine.EngineConfig(), model=model.ModelConfig(num_layers=1), num_requests=2,
+                                    max_new_tokens=8, trials=1), [FAULTS_BY_KIND["orphan_flip"]])
+    with pytest.raises(engine.ConfigError, match=r"seed must be an integer in \[0, 4294967295\]"):
+        campaign.CampaignConfig(engine=engine.EngineConfig(), model=model.ModelConfig(), seed=2**32)
 
 
 def _fault(kind, trials, inj, det, lat, status, exp=True):
@@ -257,10 +257,10 @@ def test_radix_match_insert_split_evict():
 
 
 def test_engine_clean_run_pages_and_rows_come_back():
-    prompts = W.load_prompts()
-    reqs = W.build_requests(prompts, num_requests=6, max_new_tokens=4, seed=1)
-    cfg = E.EngineConfig(num_pages=80, max_running=3)
-    eng = E.Engine(cfg, M.ModelConfig(num_layers=1), reqs)
+    prompts = workload.load_prompts()
+    reqs = workload.build_requests(prompts, num_requests=6, max_new_tokens=4, seed=1)
+    cfg = engine.EngineConfig(num_pages=80, max_running=3)
+    eng = engine.Engine(cfg, model.ModelConfig(num_layers=1), reqs)
     steps = 0
     while (res := eng.step()) is not None:
         assert not res.new_violations
@@ -280,37 +280,37 @@ def test_engine_clean_run_pages_and_rows_come_back():
 
 
 def test_config_refuses_impossible_sizes():
-    cfg = E.EngineConfig(num_pages=4, page_size=4)
-    with pytest.raises(E.ConfigError, match="pool too small"):
+    cfg = engine.EngineConfig(num_pages=4, page_size=4)
+    with pytest.raises(engine.ConfigError, match="pool too small"):
         cfg.check_workload([100], 8)
-    with pytest.raises(E.ConfigError, match="max_context"):
-        E.EngineConfig(max_context=64).check_workload([100], 8)
-    with pytest.raises(E.ConfigError, match="max_running"):
-        E.EngineConfig(max_running=10, max_tokens_per_step=8, chunk_size=8)
+    with pytest.raises(engine.ConfigError, match="max_context"):
+        engine.EngineConfig(max_context=64).check_workload([100], 8)
+    with pytest.raises(engine.ConfigError, match="max_running"):
+        engine.EngineConfig(max_running=10, max_tokens_per_step=8, chunk_size=8)
 
 
 def test_parse_kinds():
-    assert [f.kind for f in F.parse_kinds("all")] == list(F.FAULT_KINDS)
-    assert F.parse_kinds("none") == []
-    assert [f.kind for f in F.parse_kinds("token_swap, kv_flip_lo,token_swap")] == ["token_swap", "kv_flip_lo"]
+    assert [f.kind for f in parse_kinds("all")] == list(FAULT_KINDS)
+    assert parse_kinds("none") == []
+    assert [f.kind for f in parse_kinds("token_swap, kv_flip_lo,token_swap")] == ["token_swap", "kv_flip_lo"]
     with pytest.raises(ValueError, match="unknown fault kind 'nope'"):
-        F.parse_kinds("kv_flip_lo,nope")
+        parse_kinds("kv_flip_lo,nope")
     for empty in ("", "  ", ",", " , ,"):
         with pytest.raises(ValueError, match="--inject is empty"):
-            F.parse_kinds(empty)
+            parse_kinds(empty)
 
 
 def test_kv_flip_hi_applicability():
-    hi = F.FAULTS_BY_KIND["kv_flip_hi"]
-    assert "only 16 bytes" in hi.not_applicable(M.ModelConfig(head_dim=4, num_kv_heads=2))
-    assert hi.not_applicable(M.ModelConfig(head_dim=8, num_kv_heads=2)) == ""
-    assert F.FAULTS_BY_KIND["kv_flip_lo"].not_applicable(M.ModelConfig(head_dim=4, num_kv_heads=2)) == ""
+    hi = FAULTS_BY_KIND["kv_flip_hi"]
+    assert "only 16 bytes" in hi.not_applicable(model.ModelConfig(head_dim=4, num_kv_heads=2))
+    assert hi.not_applicable(model.ModelConfig(head_dim=8, num_kv_heads=2)) == ""
+    assert FAULTS_BY_KIND["kv_flip_lo"].not_applicable(model.ModelConfig(head_dim=4, num_kv_heads=2)) == ""
 
 
 def test_health_check_flags_a_canary_path_that_stops_launching():
-    prompts = W.load_prompts()
-    reqs = W.build_requests(prompts, num_requests=6, max_new_tokens=12, seed=2)
-    eng = E.Engine(E.EngineConfig(num_pages=80, max_running=3, sweep_interval=4), M.ModelConfig(num_layers=1), reqs)
+    prompts = workload.load_prompts()
+    reqs = workload.build_requests(prompts, num_requests=6, max_new_tokens=12, seed=2)
+    eng = engine.Engine(engine.EngineConfig(num_pages=80, max_running=3, sweep_interval=4), model.ModelConfig(num_layers=1), reqs)
     eng.canary.sweep = lambda *a, **k: 0  # the sweep silently stops running
     for _ in range(17):
         if eng.step() is None:

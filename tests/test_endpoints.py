@@ -8,15 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from canary_jax import constants as C
+from canary_jax import constants
 from canary_jax import decode
-from canary_jax.endpoints import (CanaryBufferGroup, ExpectedInputs, PoolKind, build_endpoints_from_group,
+from canary_jax.runtime.endpoints import (CanaryBufferGroup, ExpectedInputs, PoolKind, build_endpoints_from_group,
                                   dispatch, launch_group, select_endpoints)
 from canary_jax.layout import ViolationLog, read_slot
 from canary_jax.plans import VerifyPlan, WritePlan
 from canary_jax.sources import RealKvSource
 
-T = C.CanaryLaunchTag
+T = constants.CanaryLaunchTag
 N = 16
 BACKEND = "reference"
 H_S = 0xDE7FAE23A9A1B716 - (1 << 64)  # anchor hash as stored

@@ -28,9 +28,9 @@ import torch
 import jax
 import jax.numpy as jnp
 
-from interop import dlpack as D
-from interop import inplace as IP
-from interop import sglang as G
+from interop import dlpack
+from interop import inplace
+from interop import sglang
 from test_interop_torchref import ref_verify, ref_write
 from test_interop_world import World, assert_same_bytes, random_verify_plan, random_write_args
 
@@ -56,31 +56,31 @@ def _clone_plan(p):
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64, torch.bfloat16])
 def test_cuda_import_export_zero_copy(dtype):
     t = torch.zeros(1000, 32, dtype=dtype, device="cuda")
-    a = D.to_jax(t, name="t")
+    a = dlpack.to_jax(t, name="t")
     assert a.unsafe_buffer_pointer() == t.data_ptr()
     assert list(a.devices())[0].platform == "gpu"
     if dtype == torch.int64:
         assert a.shape == (1000, 32, 2)
-    back = D.to_torch(a)
+    back = dlpack.to_torch(a)
     assert back.data_ptr() == t.data_ptr() and back.device == t.device
 
 
 def test_cuda_int64_values_survive_as_pairs():
     vals = torch.tensor([0, -1, 2**40 + 5, -(2**63), 2**63 - 1], dtype=torch.int64, device="cuda")
-    a = D.to_jax(vals, name="vals")
+    a = dlpack.to_jax(vals, name="vals")
     lo = jax.lax.convert_element_type(a[:, 0], jnp.uint32)
     assert a.dtype in (jnp.int32, jnp.uint32) and int(lo[2]) == 5
 
 
 def _write_once(w, *, backend, tag=2, n=3, start_slot=5):
-    plan = G.WritePlan.allocate(write_req_capacity=2, device="cuda")
+    plan = sglang.WritePlan.allocate(write_req_capacity=2, device="cuda")
     plan.write_offsets.copy_(torch.tensor([0, n, n]))
     plan.write_seed_slot_indices.fill_(-1)
     plan.write_num_valid_reqs.fill_(1)
     kw = dict(input_ids=torch.arange(101, 101 + n, device="cuda"), positions=torch.arange(n, device="cuda"),
               out_cache_loc=torch.arange(start_slot, start_slot + n, device="cuda"), enable_write_input_assert=False,
               expected_input_tokens=None, expected_input_positions=None)
-    G.launch_canary_write_kernel(context=w.context(tag), plan=plan, backend=backend, **kw)
+    sglang.launch_canary_write_kernel(context=w.context(tag), plan=plan, backend=backend, **kw)
     return plan, kw
 
 
@@ -92,8 +92,8 @@ def test_cuda_launch_is_in_place_and_aliases_when_donation_does(backend):
     _write_once(w, backend=backend)
     torch.cuda.synchronize()
     assert {k: t.data_ptr() for k, t in w.tensors().items()} == ptrs
-    rep = IP.last_launch_report()
-    assert rep["donated"] == IP.donation_aliases(torch.device("cuda"))
+    rep = inplace.last_launch_report()
+    assert rep["donated"] == inplace.donation_aliases(torch.device("cuda"))
     if rep["donated"]:
         assert "canary_buf" in rep["aliased"], rep  # no O(num_slots) copy
     assert w.buf.view(torch.int64)[5, :2].tolist() == [101, 0]
@@ -114,14 +114,14 @@ def _random_sequence(backend, worlds, seed=2):
                 if who == "ref":
                     ref_write(context=world.context(tag), plan=plan, **kw)
                 else:
-                    G.launch_canary_write_kernel(context=world.context(tag), plan=plan,
+                    sglang.launch_canary_write_kernel(context=world.context(tag), plan=plan,
                                                  backend=backend if who == "gpu" else "reference", **kw)
             else:
                 plan = random_verify_plan(r, world, device=dev)
                 if who == "ref":
                     ref_verify(context=world.context(tag), plan=plan, check_verify_expected_token=True)
                 else:
-                    G.launch_canary_verify_kernel(context=world.context(tag), plan=plan,
+                    sglang.launch_canary_verify_kernel(context=world.context(tag), plan=plan,
                                                   check_verify_expected_token=True,
                                                   backend=backend if who == "gpu" else "reference")
         yield step, op
@@ -153,14 +153,14 @@ def _verify_setup(backend):
     rng = random.Random(3)
     w = World.make(rng, device="cuda", sources=((torch.uint8, 1, 16, 16, 0),), mode=1)
     _write_once(w, backend=backend, n=4, start_slot=8)
-    plan = G.VerifyPlan.allocate(verify_capacity=4, device="cuda")
+    plan = sglang.VerifyPlan.allocate(verify_capacity=4, device="cuda")
     plan.verify_slot_indices.copy_(torch.arange(8, 12))
     plan.verify_expected_positions.copy_(torch.arange(4))
     plan.verify_prev_slot_indices.copy_(torch.tensor([-1, 8, 9, 10]))
     plan.verify_expected_tokens.fill_(-1)
     plan.verify_num_valid.fill_(4)
     torch.cuda.synchronize()
-    G.launch_canary_verify_kernel(context=w.context(2), plan=plan, check_verify_expected_token=False,
+    sglang.launch_canary_verify_kernel(context=w.context(2), plan=plan, check_verify_expected_token=False,
                                   backend=backend)
     torch.cuda.synchronize()
     assert w.state.violation_write_index.item() == 0
@@ -176,7 +176,7 @@ def test_cuda_jax_waits_for_a_side_stream_write_the_current_stream_waits_for(bac
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the corruption lands
         w.kv[0][10, 0] ^= 0x5A  # flips a byte slot 10 fingerprints
     torch.cuda.current_stream().wait_stream(side)
-    G.launch_canary_verify_kernel(context=w.context(2), plan=plan, check_verify_expected_token=False,
+    sglang.launch_canary_verify_kernel(context=w.context(2), plan=plan, check_verify_expected_token=False,
                                   backend=backend)
     rows = w.state.violation_ring[:1].clone()  # queued right after the launch on the current stream
     n = w.state.violation_write_index.clone()
@@ -195,12 +195,12 @@ def _busy(x):
 def test_cuda_torch_sees_results_while_jax_stream_is_busy(backend):
     rng = random.Random(4)
     w = World.make(rng, device="cuda")
-    x = _busy(D.to_jax(torch.ones(8192, 8192, device="cuda"), name="x"))  # tens of ms queued on JAX's stream
-    plan = G.WritePlan.allocate(write_req_capacity=1, device="cuda")
+    x = _busy(dlpack.to_jax(torch.ones(8192, 8192, device="cuda"), name="x"))  # tens of ms queued on JAX's stream
+    plan = sglang.WritePlan.allocate(write_req_capacity=1, device="cuda")
     plan.write_offsets.copy_(torch.tensor([0, 2]))
     plan.write_seed_slot_indices.fill_(-1)
     plan.write_num_valid_reqs.fill_(1)
-    G.launch_canary_write_kernel(context=w.context(2), plan=plan, input_ids=torch.tensor([7, 8], device="cuda"),
+    sglang.launch_canary_write_kernel(context=w.context(2), plan=plan, input_ids=torch.tensor([7, 8], device="cuda"),
                                  positions=torch.tensor([0, 1], device="cuda"),
                                  out_cache_loc=torch.tensor([3, 4], device="cuda"), enable_write_input_assert=False,
                                  expected_input_tokens=None, expected_input_positions=None, backend=backend)
@@ -213,11 +213,11 @@ def test_cuda_torch_sees_results_while_jax_stream_is_busy(backend):
 
 
 def test_cuda_host_sync_mode_also_orders():
-    IP.set_stream_sync("host")
+    inplace.set_stream_sync("host")
     try:
         test_cuda_torch_sees_results_while_jax_stream_is_busy("reference")
     finally:
-        IP.set_stream_sync("fence")
+        inplace.set_stream_sync("fence")
 
 
 # --- bad input ---------------------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def test_cuda_bad_input_names_the_argument_and_touches_nothing():
     for exc, pattern, args in cases:
         args.setdefault("context", ctx)
         with pytest.raises(exc, match=pattern):
-            G.launch_canary_write_kernel(plan=plan, **args)
+            sglang.launch_canary_write_kernel(plan=plan, **args)
     torch.cuda.synchronize()
     assert_same_bytes(_snapshot(w), before, "refused calls")
 
@@ -260,7 +260,7 @@ def test_cuda_tensors_on_two_gpus_are_refused_and_touch_nothing():
     plan, kw = _write_once(w, backend="reference")
     before = _snapshot(w)
     with pytest.raises(ValueError, match=r"positions must be on canary_buf's device cuda:0, got cuda:1"):
-        G.launch_canary_write_kernel(context=w.context(2), plan=plan,
+        sglang.launch_canary_write_kernel(context=w.context(2), plan=plan,
                                      **dict(kw, positions=kw["positions"].to("cuda:1")))
     torch.cuda.synchronize()
     assert_same_bytes(_snapshot(w), before, "refused two-GPU call")
@@ -292,4 +292,4 @@ def test_cuda_donated_buffers_survive_alloc_free_cycles():
     stats1 = jax.devices("gpu")[0].memory_stats() or {}
     if "bytes_in_use" in stats0 and "bytes_in_use" in stats1:
         assert stats1["bytes_in_use"] - stats0["bytes_in_use"] < 64 << 20
-    assert IP.donation_aliases(dev) in (True, False)
+    assert inplace.donation_aliases(dev) in (True, False)

@@ -18,8 +18,8 @@ import warnings
 import pytest
 import torch
 
-from interop import inplace as IP
-from interop import sglang as G
+from interop import inplace
+from interop import sglang
 from test_interop_torchref import ref_write
 from test_interop_world import World, assert_same_bytes
 
@@ -27,15 +27,15 @@ from test_interop_world import World, assert_same_bytes
 @pytest.fixture
 def forced_donation(monkeypatch):
     """Donation on for CPU launches (measured off on XLA:CPU), alias checks in their default mode."""
-    monkeypatch.setitem(IP._DONATION, "cpu", True)
-    IP._compiled.cache_clear()  # fresh programs: each test sees its program's first launch
-    IP.set_alias_check("first")
+    monkeypatch.setitem(inplace._DONATION, "cpu", True)
+    inplace._compiled.cache_clear()  # fresh programs: each test sees its program's first launch
+    inplace.set_alias_check("first")
     yield
-    IP.set_alias_check("first")
+    inplace.set_alias_check("first")
 
 
 def _write_args(n=3, start_slot=5):
-    plan = G.WritePlan.allocate(write_req_capacity=2)
+    plan = sglang.WritePlan.allocate(write_req_capacity=2)
     plan.write_offsets.copy_(torch.tensor([0, n, n]))
     plan.write_seed_slot_indices.copy_(torch.tensor([-1, -1]))
     plan.write_num_valid_reqs.fill_(1)
@@ -56,7 +56,7 @@ def _launch_both(ours, ref, plan, kw, step):
     """One write on both worlds; each step writes new token ids and seeds from the previous chain end."""
     kw["input_ids"].copy_(torch.arange(3) + 1000 * step)
     plan.write_seed_slot_indices[0] = -1 if step == 0 else 7
-    G.launch_canary_write_kernel(context=ours.ctx, plan=plan, backend="reference", **kw)
+    sglang.launch_canary_write_kernel(context=ours.ctx, plan=plan, backend="reference", **kw)
     ref_write(context=ref.ctx, plan=plan, **kw)
 
 
@@ -64,17 +64,17 @@ def test_steady_state_launches_do_not_query_output_pointers(forced_donation):
     ours, ref = _worlds()
     plan, kw = _write_args()
     _launch_both(ours, ref, plan, kw, 0)
-    first = IP.last_launch_report()
+    first = inplace.last_launch_report()
     assert first["donated"] is True and first["alias_checked"] is True
     assert first["aliased"] == [] and len(first["copied_back"]) == 5  # XLA:CPU: donated outputs are new buffers
-    checks, traces = IP.alias_check_count(), IP.trace_count()
+    checks, traces = inplace.alias_check_count(), inplace.trace_count()
     for step in range(1, 6):
         _launch_both(ours, ref, plan, kw, step)
-        rep = IP.last_launch_report()
+        rep = inplace.last_launch_report()
         assert rep["alias_checked"] is False and rep["copied_back"] == first["copied_back"]
         assert_same_bytes(ours.tensors(), ref.tensors(), f"step {step}")
-    assert IP.alias_check_count() == checks  # no pointer query after the first launch
-    assert IP.trace_count() == traces
+    assert inplace.alias_check_count() == checks  # no pointer query after the first launch
+    assert inplace.trace_count() == traces
     assert ours.buf.view(torch.int64)[5:8, 0].tolist() == [5000, 5001, 5002]
     assert ours.state.kernel_run_counters[2].item() == 6 and ours.state.slot_run_counters[2].item() == 18
 
@@ -82,26 +82,26 @@ def test_steady_state_launches_do_not_query_output_pointers(forced_donation):
 def test_every_mode_queries_each_launch(forced_donation):
     ours, ref = _worlds()
     plan, kw = _write_args()
-    IP.set_alias_check("every")
+    inplace.set_alias_check("every")
     _launch_both(ours, ref, plan, kw, 0)
-    checks = IP.alias_check_count()
+    checks = inplace.alias_check_count()
     for step in range(1, 4):
         _launch_both(ours, ref, plan, kw, step)
-        assert IP.last_launch_report()["alias_checked"] is True
-    assert IP.alias_check_count() - checks == 3 * 5  # 5 mutable buffers: canary, ring, index, 2 counter windows
+        assert inplace.last_launch_report()["alias_checked"] is True
+    assert inplace.alias_check_count() - checks == 3 * 5  # 5 mutable buffers: canary, ring, index, 2 counter windows
     assert_same_bytes(ours.tensors(), ref.tensors(), "every mode")
     with pytest.raises(ValueError, match="alias check mode must be 'first' or 'every', got 'sometimes'"):
-        IP.set_alias_check("sometimes")
+        inplace.set_alias_check("sometimes")
 
 
 def test_periodic_recheck_recovers_outputs_wrongly_trusted(forced_donation, monkeypatch):
     """If a program's outputs stopped aliasing after the first launch (never seen; the compiled aliases fix
     it), the launches in between kept their results in the cached outputs: the re-check copies them back."""
-    monkeypatch.setattr(IP, "ALIAS_RECHECK_PERIOD", 4)
+    monkeypatch.setattr(inplace, "ALIAS_RECHECK_PERIOD", 4)
     ours, ref = _worlds()
     plan, kw = _write_args()
     _launch_both(ours, ref, plan, kw, 0)
-    prog = IP._LAST_REPORT["_prog"]
+    prog = inplace._LAST_REPORT["_prog"]
     assert prog.launches == 1 and prog.aliases == (False,) * 5
     prog.aliases = (True,) * 5  # pretend the first launch had found every output aliased
     _launch_both(ours, ref, plan, kw, 1)
@@ -113,49 +113,49 @@ def test_periodic_recheck_recovers_outputs_wrongly_trusted(forced_donation, monk
         warnings.simplefilter("always")
         _launch_both(ours, ref, plan, kw, 3)  # launch 4: re-check, mismatch, copy back
     assert any("did not on launch 4" in str(w.message) for w in caught)
-    assert prog.every is True and IP.last_launch_report()["alias_checked"] is True
+    assert prog.every is True and inplace.last_launch_report()["alias_checked"] is True
     assert ours.state.kernel_run_counters[2].item() == 4
     assert_same_bytes(ours.tensors(), ref.tensors(), "after the re-check")
     _launch_both(ours, ref, plan, kw, 4)
-    assert IP.last_launch_report()["alias_checked"] is True  # checks every launch from now on
+    assert inplace.last_launch_report()["alias_checked"] is True  # checks every launch from now on
     assert_same_bytes(ours.tensors(), ref.tensors(), "after switching to every")
 
 
 def test_phase_timing_accounts_for_each_launch():
     w = World.make(random.Random(8))
     plan, kw = _write_args()
-    IP.set_phase_timing(True)
+    inplace.set_phase_timing(True)
     try:
         for _ in range(4):
-            G.launch_canary_write_kernel(context=w.context(2), plan=plan, backend="reference", **kw)
-        phases = IP.phase_times()
+            sglang.launch_canary_write_kernel(context=w.context(2), plan=plan, backend="reference", **kw)
+        phases = inplace.phase_times()
     finally:
-        IP.set_phase_timing(False)
+        inplace.set_phase_timing(False)
     assert set(phases) == {"prepare", "import", "fence", "dispatch", "outputs", "export", "total"}
     assert all(p["calls"] == 4 for p in phases.values())
     parts = sum(p["us_per_call"] for k, p in phases.items() if k != "total")
     assert 0 < parts <= phases["total"]["us_per_call"] * 1.01 + 1
-    assert IP.phase_times() == {}  # cleared by set_phase_timing
+    assert inplace.phase_times() == {}  # cleared by set_phase_timing
 
 
 def test_last_launch_program_dispatches_the_same_program_from_jax():
     """The bench's JAX twin: the launch's own jitted program on JAX copies of its inputs gives the bytes the
     next launch leaves in the torch tensors."""
-    from interop import dlpack as D
+    from interop import dlpack
 
     w = World.make(random.Random(9), sources=((torch.uint8, 1, 16, 16, 0),), mode=1)
     plan, kw = _write_args()
-    G.launch_canary_write_kernel(context=w.context(2), plan=plan, backend="reference", **kw)
-    fn, mutable_idx, views, dev = IP.last_launch_program()
+    sglang.launch_canary_write_kernel(context=w.context(2), plan=plan, backend="reference", **kw)
+    fn, mutable_idx, views, dev = inplace.last_launch_program()
     assert dev.type == "cpu" and len(mutable_idx) == 5 and len(views) > len(mutable_idx)
     copies = [v.clone() for v in views]
-    fence = D._import_exact(torch.zeros(16, dtype=torch.uint8), name="fence")
-    traces = IP.trace_count()
-    outs = fn(fence, *[D._import_exact(c, name="copy") for c in copies])
-    assert IP.trace_count() == traces  # the launch's program, already traced
+    fence = dlpack._import_exact(torch.zeros(16, dtype=torch.uint8), name="fence")
+    traces = inplace.trace_count()
+    outs = fn(fence, *[dlpack._import_exact(c, name="copy") for c in copies])
+    assert inplace.trace_count() == traces  # the launch's program, already traced
     plan.write_seed_slot_indices[0] = 7  # the torch launch: the same inputs
     plan.write_seed_slot_indices[0] = -1
-    G.launch_canary_write_kernel(context=w.context(2), plan=plan, backend="reference", **kw)
+    sglang.launch_canary_write_kernel(context=w.context(2), plan=plan, backend="reference", **kw)
     for i, out in zip(mutable_idx, outs):
-        assert torch.equal(D.to_torch(out).reshape(views[i].shape), views[i]), i
+        assert torch.equal(dlpack.to_torch(out).reshape(views[i].shape), views[i]), i
     assert w.state.kernel_run_counters[2].item() == 2

@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from interop import inplace as IP
-from interop import sglang as G
+from interop import inplace
+from interop import sglang
 from test_interop_torchref import ref_plan, ref_verify, ref_write
 from test_interop_world import World, assert_same_bytes, random_verify_plan, random_write_args
 
@@ -37,12 +37,12 @@ def _run_pair(rng, w_ours, w_ref, op, tag, backend):
     """One random launch on both worlds; returns a label."""
     if op == "write":
         plan, kw = random_write_args(rng, w_ours)
-        G.launch_canary_write_kernel(context=w_ours.context(tag), plan=plan, backend=backend, **kw)
+        sglang.launch_canary_write_kernel(context=w_ours.context(tag), plan=plan, backend=backend, **kw)
         ref_write(context=w_ref.context(tag), plan=_clone_plan(plan), **kw)
     else:
         plan = random_verify_plan(rng, w_ours)
         check = rng.random() < 0.5
-        G.launch_canary_verify_kernel(context=w_ours.context(tag), plan=plan, check_verify_expected_token=check,
+        sglang.launch_canary_verify_kernel(context=w_ours.context(tag), plan=plan, check_verify_expected_token=check,
                                       backend=backend)
         ref_verify(context=w_ref.context(tag), plan=_clone_plan(plan), check_verify_expected_token=check)
     return op
@@ -69,7 +69,7 @@ def test_random_launches_match_sglang_reference_bytes(config, backend):
     ops = ["write"] * 6 + ["verify"] * 6 + ["write", "verify"] * 3
     if backend == "pallas":  # interpreted on CPU: slow, so a short smoke run
         ops = ["write", "write", "verify"]
-    tags = [int(G.CanaryLaunchTag.TAIL_K_FULL), int(G.CanaryLaunchTag.HEAD_V_SWA)]
+    tags = [int(sglang.CanaryLaunchTag.TAIL_K_FULL), int(sglang.CanaryLaunchTag.HEAD_V_SWA)]
     for step, op in enumerate(ops):
         if step % 5 == 4:  # corrupt a KV byte and a canary field on both sides
             kv_byte, slot, byte = rng.randrange(16), rng.randrange(1, ours.buf.shape[0]), rng.randrange(32)
@@ -89,12 +89,12 @@ def test_tensors_are_updated_in_place():
     w = World.make(rng)
     ptrs = {k: t.data_ptr() for k, t in w.tensors().items()}
     ids = {k: id(t) for k, t in w.tensors().items()}
-    plan = G.WritePlan.allocate(write_req_capacity=2)
+    plan = sglang.WritePlan.allocate(write_req_capacity=2)
     plan.write_offsets.copy_(torch.tensor([0, 3, 3]))
     plan.write_seed_slot_indices.copy_(torch.tensor([-1, -1]))
     plan.write_num_valid_reqs.fill_(1)
-    ctx = w.context(int(G.CanaryLaunchTag.TAIL_K_FULL))
-    G.launch_canary_write_kernel(context=ctx, plan=plan, input_ids=torch.tensor([101, 202, 303]),
+    ctx = w.context(int(sglang.CanaryLaunchTag.TAIL_K_FULL))
+    sglang.launch_canary_write_kernel(context=ctx, plan=plan, input_ids=torch.tensor([101, 202, 303]),
                                  positions=torch.tensor([0, 1, 2]), out_cache_loc=torch.tensor([5, 6, 7]),
                                  enable_write_input_assert=False, expected_input_tokens=None,
                                  expected_input_positions=None)
@@ -111,12 +111,12 @@ def test_tensors_are_updated_in_place():
 def test_write_with_no_tokens_only_counts_the_launch(backend):
     w = World.make(random.Random(4))
     before = w.buf.clone()
-    plan = G.WritePlan.allocate(write_req_capacity=2)
+    plan = sglang.WritePlan.allocate(write_req_capacity=2)
     plan.write_offsets.zero_()
     plan.write_seed_slot_indices.fill_(-1)
     plan.write_num_valid_reqs.zero_()
     empty = torch.zeros(0, dtype=torch.int64)
-    G.launch_canary_write_kernel(context=w.context(int(G.CanaryLaunchTag.TAIL_K_FULL)), plan=plan,
+    sglang.launch_canary_write_kernel(context=w.context(int(sglang.CanaryLaunchTag.TAIL_K_FULL)), plan=plan,
                                  input_ids=empty, positions=empty, out_cache_loc=empty,
                                  enable_write_input_assert=False, expected_input_tokens=None,
                                  expected_input_positions=None, backend=backend)
@@ -129,14 +129,14 @@ def test_steady_state_launch_does_not_retrace_or_reimport():
     w = World.make(rng, sources=((torch.uint8, 1, 16, 16, 0),), mode=1)
     plan = random_verify_plan(rng, w)
     ctx = w.context(2)
-    G.launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=True)
-    traces = IP.trace_count()
-    cache = IP.import_cache()
+    sglang.launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=True)
+    traces = inplace.trace_count()
+    cache = inplace.import_cache()
     misses = cache.misses
     for _ in range(5):
         plan.verify_num_valid.fill_(rng.randrange(11))  # new values, same tensors
-        G.launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=True)
-    assert IP.trace_count() == traces
+        sglang.launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=True)
+    assert inplace.trace_count() == traces
     assert cache.misses == misses  # every tensor came from the import cache
 
 
@@ -144,13 +144,13 @@ def test_import_cache_entries_die_with_their_tensor():
     rng = random.Random(5)
     w = World.make(rng)
     plan = random_verify_plan(rng, w)
-    G.launch_canary_verify_kernel(context=w.context(0), plan=plan, check_verify_expected_token=False)
-    n = len(IP.import_cache())
+    sglang.launch_canary_verify_kernel(context=w.context(0), plan=plan, check_verify_expected_token=False)
+    n = len(inplace.import_cache())
     del plan
     import gc
 
     gc.collect()
-    assert len(IP.import_cache()) < n
+    assert len(inplace.import_cache()) < n
 
 
 def test_backend_keyword_and_environment(monkeypatch):
@@ -158,14 +158,14 @@ def test_backend_keyword_and_environment(monkeypatch):
     w = World.make(rng)
     plan = random_verify_plan(rng, w)
     monkeypatch.setenv("CANARY_JAX_BACKEND", "reference")
-    G.launch_canary_verify_kernel(context=w.context(0), plan=plan, check_verify_expected_token=False)
+    sglang.launch_canary_verify_kernel(context=w.context(0), plan=plan, check_verify_expected_token=False)
     monkeypatch.setenv("CANARY_JAX_BACKEND", "bogus")
     with pytest.raises(ValueError, match="backend must be one of"):
-        G.launch_canary_verify_kernel(context=w.context(0), plan=plan, check_verify_expected_token=False)
-    G.launch_canary_verify_kernel(context=w.context(0), plan=plan, check_verify_expected_token=False,
+        sglang.launch_canary_verify_kernel(context=w.context(0), plan=plan, check_verify_expected_token=False)
+    sglang.launch_canary_verify_kernel(context=w.context(0), plan=plan, check_verify_expected_token=False,
                                   backend="reference")  # the keyword wins
     with pytest.raises(ValueError, match="backend must be one of"):
-        G.launch_canary_verify_kernel(context=w.context(0), plan=plan, check_verify_expected_token=False,
+        sglang.launch_canary_verify_kernel(context=w.context(0), plan=plan, check_verify_expected_token=False,
                                       backend="cuda")
 
 
@@ -185,7 +185,7 @@ def test_duck_typed_objects_are_accepted():
                    enable_chain_position_assert=st.enable_chain_position_assert)
     plan, kw = random_write_args(rng, w)
     duck_plan = Anything(**{f: getattr(plan, f) for f in plan.__dataclass_fields__})
-    G.launch_canary_write_kernel(context=ctx, plan=duck_plan, **kw)
+    sglang.launch_canary_write_kernel(context=ctx, plan=duck_plan, **kw)
     ref_write(context=ref.context(3), plan=plan, **kw)
     assert_same_bytes(w.tensors(), ref.tensors(), "duck-typed write")
 
@@ -216,11 +216,11 @@ def test_plan_matches_sglang_reference_bytes(variant):
     for trial in range(4):
         cap = [40, 8][trial % 2]  # 8 overflows most batches
         kw = _plan_inputs(rng, **opts)
-        vp = G.VerifyPlan.allocate(verify_capacity=cap).zero_for_testing_()
-        wp = G.WritePlan.allocate(write_req_capacity=6).zero_for_testing_()
+        vp = sglang.VerifyPlan.allocate(verify_capacity=cap).zero_for_testing_()
+        wp = sglang.WritePlan.allocate(write_req_capacity=6).zero_for_testing_()
         vp.verify_slot_indices.fill_(77)  # stale contents must survive where SGLang leaves them
         vp2, wp2 = _clone_plan(vp), _clone_plan(wp)
-        G.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=cap, **kw)
+        sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=cap, **kw)
         ref_plan(verify_plan_out=vp2, write_plan_out=wp2, verify_capacity=cap, **kw)
         for f in vp.__dataclass_fields__:
             assert torch.equal(getattr(vp, f), getattr(vp2, f)), (variant, trial, f)
@@ -231,26 +231,26 @@ def test_plan_matches_sglang_reference_bytes(variant):
 def test_plan_errors_are_sglangs():
     rng = random.Random(9)
     kw = _plan_inputs(rng)
-    vp, wp = G.VerifyPlan.allocate(verify_capacity=8), G.WritePlan.allocate(write_req_capacity=6)
+    vp, wp = sglang.VerifyPlan.allocate(verify_capacity=8), sglang.WritePlan.allocate(write_req_capacity=6)
     with pytest.raises(ValueError, match="requires full_to_swa_index_mapping when swa_window_size > 0"):
-        G.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=8,
+        sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=8,
                                      **{**kw, "swa_window_size": 4})
     with pytest.raises(ValueError, match=r"torch_reference verify_capacity=9 does not match .*shape\[0\]=8"):
-        G.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=9, **kw)
+        sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=9, **kw)
     with pytest.raises(ValueError, match="requires req_to_verify_expected_tokens_valid_lens"):
-        G.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=8, **{
+        sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=8, **{
             **kw, "req_to_verify_expected_tokens": torch.zeros(6, 30, dtype=torch.int32)})
     with pytest.raises(TypeError, match="req_to_token must have dtype torch.int32, got torch.int64"):
-        G.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=8,
+        sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=8,
                                      **{**kw, "req_to_token": kw["req_to_token"].long()})
     with pytest.raises(ValueError, match="bs=5 exceeds write_req_capacity=4"):
-        G.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=G.WritePlan.allocate(write_req_capacity=4),
+        sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=sglang.WritePlan.allocate(write_req_capacity=4),
                                      verify_capacity=8, **kw)
 
 
 # --- errors ----------------------------------------------------------------------------------------------
 def _write_kw(w, **over):
-    plan = G.WritePlan.allocate(write_req_capacity=2)
+    plan = sglang.WritePlan.allocate(write_req_capacity=2)
     plan.write_offsets.copy_(torch.tensor([0, 2, 2]))
     plan.write_seed_slot_indices.fill_(-1)
     plan.write_num_valid_reqs.fill_(1)
@@ -291,7 +291,7 @@ ERROR_CASES = {
     "expected_extra": (ValueError, "expected input tensors must be None when enable_write_input_assert=False",
                        lambda w: dict(expected_input_tokens=torch.tensor([1, 2]))),
     "offsets_len": (ValueError, r"canary_write: write_offsets.size\(0\) must equal write_req_capacity \+ 1 \(3\), got 4",
-                    lambda w: dict(plan=G.WritePlan(write_offsets=torch.zeros(4, dtype=torch.int64),
+                    lambda w: dict(plan=sglang.WritePlan(write_offsets=torch.zeros(4, dtype=torch.int64),
                                                     write_seed_slot_indices=torch.zeros(2, dtype=torch.int64),
                                                     write_num_valid_reqs=torch.ones(1, dtype=torch.int32)))),
     "stride_16": (ValueError, r"canary_buf slot stride must hold at least 4 int64 fields, got 2",
@@ -301,21 +301,21 @@ ERROR_CASES = {
     "ring_aliases_buf": (ValueError, r"overlaps",
                          lambda w: dict(context=_ctx(w, violation_ring=w.buf.view(torch.int64)[:4, :].reshape(-1)[:16].reshape(2, 8)))),
     "source_aliases_output": (ValueError, r"overlaps real_kv_sources\[0\]\.tensor",
-                              lambda w: dict(context=_ctx(w, real_kv_sources=(G.RealKvSource(
+                              lambda w: dict(context=_ctx(w, real_kv_sources=(sglang.RealKvSource(
                                   tensor=w.buf, page_size=1, num_bytes_per_token=32, read_bytes=16),),
-                                  real_kv_hash_mode=G.RealKvHashMode.PARTIAL))),
+                                  real_kv_hash_mode=sglang.RealKvHashMode.PARTIAL))),
     "source_3d": (ValueError, r"real_kv_sources\[0\].tensor \(viewed as uint8\) must be 2-D, got 3-D",
-                  lambda w: dict(context=_ctx(w, real_kv_sources=(G.RealKvSource(
+                  lambda w: dict(context=_ctx(w, real_kv_sources=(sglang.RealKvSource(
                       tensor=torch.zeros(61, 2, 16, dtype=torch.uint8), page_size=1, num_bytes_per_token=16,
                       read_bytes=16),)))),
     "source_noncontig": (ValueError, r"^kv-canary: real_kv_sources\[0\].tensor must be contiguous$",
-                         lambda w: dict(context=_ctx(w, real_kv_sources=(G.RealKvSource(
+                         lambda w: dict(context=_ctx(w, real_kv_sources=(sglang.RealKvSource(
                              tensor=torch.zeros(61, 64, dtype=torch.uint8)[:, :32], page_size=1,
                              num_bytes_per_token=16, read_bytes=16),)))),
     "source_narrow": (ValueError, r"row is too narrow for its slot layout: dim-1 is 32 bytes but page_size=4 x "
                                   r"num_bytes_per_token=16 needs 64",
-                      lambda w: dict(context=_ctx(w, real_kv_hash_mode=G.RealKvHashMode.ALL, real_kv_sources=(
-                          G.RealKvSource(tensor=torch.zeros(16, 32, dtype=torch.uint8), page_size=4,
+                      lambda w: dict(context=_ctx(w, real_kv_hash_mode=sglang.RealKvHashMode.ALL, real_kv_sources=(
+                          sglang.RealKvSource(tensor=torch.zeros(16, 32, dtype=torch.uint8), page_size=4,
                                          num_bytes_per_token=16, read_bytes=16),)))),
     "bad_tag": (ValueError, r"kernel_kind must be a CanaryLaunchTag", lambda w: dict(context=_ctx(w, kernel_kind=12))),
     "consumed_capsule": (ValueError, r"input_ids is a DLPack capsule that was already consumed",
@@ -341,7 +341,7 @@ def test_refused_write_names_the_argument_and_touches_nothing(case):
     before = _snapshot(w)
     plan_before = {f: getattr(kw["plan"], f).clone() for f in kw["plan"].__dataclass_fields__}
     with pytest.raises(exc, match=pattern):
-        G.launch_canary_write_kernel(**kw)
+        sglang.launch_canary_write_kernel(**kw)
     assert_same_bytes(_snapshot(w), before, case)
     for f, t in plan_before.items():
         assert torch.equal(getattr(kw["plan"], f), t)
@@ -355,18 +355,18 @@ def test_refused_verify_errors():
     with pytest.raises(ValueError, match=r"^kv-canary: plan.verify_expected_positions must be contiguous$"):
         bad = _clone_plan(plan)
         object.__setattr__(bad, "verify_expected_positions", torch.zeros(20, dtype=torch.int64)[::2])
-        G.launch_canary_verify_kernel(context=w.context(0), plan=bad, check_verify_expected_token=False)
+        sglang.launch_canary_verify_kernel(context=w.context(0), plan=bad, check_verify_expected_token=False)
     with pytest.raises(TypeError, match=r"plan.enable must have dtype torch.int32, got torch.int64"):
         bad = _clone_plan(plan)
         object.__setattr__(bad, "enable", torch.ones(1, dtype=torch.int64))
-        G.launch_canary_verify_kernel(context=w.context(0), plan=bad, check_verify_expected_token=False)
+        sglang.launch_canary_verify_kernel(context=w.context(0), plan=bad, check_verify_expected_token=False)
     with pytest.raises(ValueError, match=r"at most 4 RealKvSource entries supported by the CUDA ABI, got 5"):
-        src = G.RealKvSource(tensor=torch.zeros(61, 16, dtype=torch.uint8), page_size=1, num_bytes_per_token=16,
+        src = sglang.RealKvSource(tensor=torch.zeros(61, 16, dtype=torch.uint8), page_size=1, num_bytes_per_token=16,
                              read_bytes=16)
-        G.launch_canary_verify_kernel(context=_ctx(w, real_kv_sources=(src,) * 5), plan=plan,
+        sglang.launch_canary_verify_kernel(context=_ctx(w, real_kv_sources=(src,) * 5), plan=plan,
                                       check_verify_expected_token=False)
     with pytest.raises(ValueError, match=r"violation_write_index overlaps|overlaps violation_write_index"):
-        G.launch_canary_verify_kernel(context=_ctx(w, violation_write_index=plan.enable), plan=plan,
+        sglang.launch_canary_verify_kernel(context=_ctx(w, violation_write_index=plan.enable), plan=plan,
                                       check_verify_expected_token=False)
     assert_same_bytes(_snapshot(w), before, "verify errors")
 
@@ -374,18 +374,18 @@ def test_refused_verify_errors():
 def test_real_kv_source_validation_messages():
     t = torch.zeros(4, 32, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"page_size must be >= 1, got 0"):
-        G.RealKvSource(tensor=t, page_size=0, num_bytes_per_token=16, read_bytes=16)
+        sglang.RealKvSource(tensor=t, page_size=0, num_bytes_per_token=16, read_bytes=16)
     with pytest.raises(ValueError, match=r"num_bytes_per_token must be a positive multiple of 16, got 24"):
-        G.RealKvSource(tensor=t, page_size=1, num_bytes_per_token=24, read_bytes=16)
+        sglang.RealKvSource(tensor=t, page_size=1, num_bytes_per_token=24, read_bytes=16)
     with pytest.raises(ValueError, match=r"read_bytes must be a positive multiple of 16 in \(0, num_bytes_per_token=16\], got 0"):
-        G.RealKvSource(tensor=t, page_size=1, num_bytes_per_token=16, read_bytes=0)
+        sglang.RealKvSource(tensor=t, page_size=1, num_bytes_per_token=16, read_bytes=0)
     with pytest.raises(ValueError, match=r"tensor must be at least 2-D, got shape \(32,\)"):
-        G.RealKvSource(tensor=t[0], page_size=1, num_bytes_per_token=16, read_bytes=16)
+        sglang.RealKvSource(tensor=t[0], page_size=1, num_bytes_per_token=16, read_bytes=16)
     with pytest.raises(ValueError, match=r"row stride must be a multiple of 16 bytes, got 24 bytes"):
-        G.RealKvSource(tensor=torch.zeros(4, 24, dtype=torch.uint8), page_size=1, num_bytes_per_token=16,
+        sglang.RealKvSource(tensor=torch.zeros(4, 24, dtype=torch.uint8), page_size=1, num_bytes_per_token=16,
                        read_bytes=16)
     with pytest.raises(ValueError, match="VerifyPlan verify_capacity must be positive, got 0"):
-        G.VerifyPlan.allocate(verify_capacity=0)
+        sglang.VerifyPlan.allocate(verify_capacity=0)
     with pytest.raises(ValueError, match="WritePlan write_req_capacity must be positive, got -1"):
-        G.WritePlan.allocate(write_req_capacity=-1)
-    assert G.VerifyPlan.allocation_bytes(10) == 328 and G.WritePlan.allocation_bytes(10) == 172
+        sglang.WritePlan.allocate(write_req_capacity=-1)
+    assert sglang.VerifyPlan.allocation_bytes(10) == 328 and sglang.WritePlan.allocation_bytes(10) == 172

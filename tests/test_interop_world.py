@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from interop import sglang as G
+from interop import sglang
 
 MASK = (1 << 64) - 1
 
@@ -25,7 +25,7 @@ def s64(v: int) -> int:
 @dataclasses.dataclass
 class World:
     buf: torch.Tensor
-    state: G.CanaryDeviceState
+    state: sglang.CanaryDeviceState
     kv: list  # source tensors
     source_meta: list  # (page_size, nbpt, read_bytes)
     mode: int
@@ -35,7 +35,7 @@ class World:
              sources: tuple = (), mode: int = 0, device="cpu") -> "World":
         """sources: tuples (dtype, page_size, nbpt, read_bytes, extra_row_bytes)."""
         buf = torch.zeros(num_slots, stride, dtype=torch.uint8, device=device)
-        state = G.CanaryDeviceState.allocate(ring_capacity=ring, device=device)
+        state = sglang.CanaryDeviceState.allocate(ring_capacity=ring, device=device)
         kv, meta = [], []
         for dtype, page, nbpt, rb, extra in sources:
             rows = (num_slots + page - 1) // page
@@ -49,7 +49,7 @@ class World:
 
     def clone(self) -> "World":
         st = self.state
-        state = G.CanaryDeviceState(
+        state = sglang.CanaryDeviceState(
             violation_ring=st.violation_ring.clone(),
             violation_write_index=st.violation_write_index.clone(),
             slot_run_counters=st.slot_run_counters.clone(),
@@ -59,12 +59,12 @@ class World:
         return World(self.buf.clone(), state, [t.clone() for t in self.kv], list(self.source_meta), self.mode)
 
     def sources(self) -> tuple:
-        return tuple(G.RealKvSource(tensor=t, page_size=p, num_bytes_per_token=n, read_bytes=r)
+        return tuple(sglang.RealKvSource(tensor=t, page_size=p, num_bytes_per_token=n, read_bytes=r)
                      for t, (p, n, r) in zip(self.kv, self.source_meta))
 
-    def context(self, tag: int) -> G.VerifyOrWriteContext:
-        return self.state.context(canary_buf=self.buf, kernel_kind=G.CanaryLaunchTag(tag),
-                                  real_kv_sources=self.sources(), real_kv_hash_mode=G.RealKvHashMode(self.mode))
+    def context(self, tag: int) -> sglang.VerifyOrWriteContext:
+        return self.state.context(canary_buf=self.buf, kernel_kind=sglang.CanaryLaunchTag(tag),
+                                  real_kv_sources=self.sources(), real_kv_hash_mode=sglang.RealKvHashMode(self.mode))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         st = self.state
@@ -86,7 +86,7 @@ def assert_same_bytes(a: dict, b: dict, what: str = "") -> None:
 def random_write_args(rng: random.Random, w: World, *, cw: int = 4, t: int = 12, device="cpu"):
     """A random WritePlan plus token arrays of fixed shapes (Cw, T): duplicates, skips, seeds anywhere."""
     n = w.buf.shape[0]
-    plan = G.WritePlan.allocate(write_req_capacity=cw, device=device)
+    plan = sglang.WritePlan.allocate(write_req_capacity=cw, device=device)
     bs = rng.randint(0, cw)
     counts = [rng.randint(0, 4) for _ in range(bs)]
     while sum(counts) > t:
@@ -123,7 +123,7 @@ def random_verify_plan(rng: random.Random, w: World, *, cap: int = 10, device="c
     """A random VerifyPlan: stored/wrong positions, prev -1 / 0 / a slot / its real predecessor, tokens."""
     n = w.buf.shape[0]
     rows = w.buf.view(torch.int64)[:, :4].tolist()
-    plan = G.VerifyPlan.allocate(verify_capacity=cap, device=device)
+    plan = sglang.VerifyPlan.allocate(verify_capacity=cap, device=device)
     slots, toks, poss, prevs = [], [], [], []
     for _ in range(cap):
         s = rng.randrange(n) if rng.random() < 0.9 else 0

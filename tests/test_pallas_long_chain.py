@@ -18,8 +18,8 @@ import jax
 from absl.testing import absltest
 
 import backend_suite
-import oracle as O
-from pallas_kernels import write as W
+from helpers import oracle
+from pallas_kernels import write
 from pallas_kernels.config import PallasConfig
 
 LONG_CONFIG = PallasConfig(write_long_threshold=2, write_long_chunk=4, write_prefetch=2)
@@ -35,9 +35,9 @@ class PallasLongChainTest(backend_suite.BackendSuite):
         super().setUp()
         if self._testMethodName.startswith("test_verify"):
             self.skipTest("verify launches do not use the write chain roles")
-        self._saved = W.DEFAULT_CONFIG
-        W.DEFAULT_CONFIG = LONG_CONFIG
-        self.addCleanup(setattr, W, "DEFAULT_CONFIG", self._saved)
+        self._saved = write.DEFAULT_CONFIG
+        write.DEFAULT_CONFIG = LONG_CONFIG
+        self.addCleanup(setattr, write, "DEFAULT_CONFIG", self._saved)
 
     def test_long_role_is_on_for_these_shapes(self):
         # The shapes below must really route requests to the long role, or the suite tests nothing new.
@@ -72,7 +72,7 @@ class PallasLongChainTest(backend_suite.BackendSuite):
         wrong positions raise chain-position rows in entry order."""
         h = self.harness()
         n = self.NUM_SLOTS
-        h.poke(5, [11, 3, O.s64(backend_suite.H), 0])
+        h.poke(5, [11, 3, oracle.s64(backend_suite.H), 0])
         ents = [(10, 1, 4), (-1, 2, 5), (11, 3, 5), (n, 4, 6), (12, 5, 9), (0, 6, 10), (13, 7, 11),
                 (n + 7, 8, 12), (14, 9, 12), (15, 10, 12)]
         h.write([(5, ents), (-1, [(20, 1, 0)])], input_assert=False)
@@ -85,14 +85,14 @@ class PallasLongChainTest(backend_suite.BackendSuite):
         state as the oracle."""
         with jax.enable_x64(True):
             h = self.harness()
-            h.poke(5, [11, 3, O.s64(backend_suite.H), 0])
+            h.poke(5, [11, 3, oracle.s64(backend_suite.H), 0])
             ents = [(10 + j, 100 + j, 4 + j + (j == 6), 100 + j + (j == 2), 4 + j) for j in range(11)]
             h.write([(5, ents), (-1, [(40, 1, 0), (41, 2, 1)])], input_assert=True)
             self.assertEqual(h.write_index, 4)  # a token and a position input row, two chain-position rows
 
     def test_one_program_runs_several_long_requests(self):
         """``write_max_programs=1``: a single long-role program walks every long request in rank order."""
-        W.DEFAULT_CONFIG = PallasConfig(write_long_threshold=2, write_long_chunk=4, write_prefetch=2,
+        write.DEFAULT_CONFIG = PallasConfig(write_long_threshold=2, write_long_chunk=4, write_prefetch=2,
                                         write_max_programs=1)
         h = self.harness()
         reqs = [(-1, [(10 * r + j + 1, r, j + (r == 3 and j == 2)) for j in range(3 + r)]) for r in range(6)]
@@ -105,7 +105,7 @@ class PallasLongChainTest(backend_suite.BackendSuite):
         """37 and 45 tokens (not multiples of the chunk: the padded loads and the last partial chunk) with
         chunks of 2, 8 and 16 entries."""
         for chunk in (2, 8, 16):
-            W.DEFAULT_CONFIG = PallasConfig(write_long_threshold=3, write_long_chunk=chunk, write_prefetch=2)
+            write.DEFAULT_CONFIG = PallasConfig(write_long_threshold=3, write_long_chunk=chunk, write_prefetch=2)
             h = self.harness()
             reqs = [(-1, [(j + 1, 5 + j, j) for j in range(17)]), (-1, [(30, 1, 0)]),
                     (-1, [(40 + j, 7, j) for j in range(12)])]

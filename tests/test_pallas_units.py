@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-import canary_jax as cj
-from canary_jax import hashing as H
+import canary_jax
+from canary_jax import hashing
 from canary_jax import ints
-from canary_jax import reference as R
+from canary_jax import reference
 from pallas_kernels.config import PallasConfig, default_interpret
 from pallas_kernels.hashing import PairHash, const_pair
 from pallas_kernels.verify import verify_pallas
@@ -21,12 +21,12 @@ from pallas_kernels.write import write_pallas
 M = (1 << 64) - 1
 
 
-def _u64(vals) -> H.U64:
+def _u64(vals) -> hashing.U64:
     arr = np.asarray([v & M for v in vals], dtype=np.uint64)
-    return H.U64(jnp.asarray((arr & 0xFFFFFFFF).astype(np.uint32)), jnp.asarray((arr >> 32).astype(np.uint32)))
+    return hashing.U64(jnp.asarray((arr & 0xFFFFFFFF).astype(np.uint32)), jnp.asarray((arr >> 32).astype(np.uint32)))
 
 
-def _ints(u: H.U64) -> list[int]:
+def _ints(u: hashing.U64) -> list[int]:
     lo, hi = np.asarray(u.lo).astype(np.uint64), np.asarray(u.hi).astype(np.uint64)
     return [int(x) for x in (lo | (hi << np.uint64(32)))]
 
@@ -38,14 +38,14 @@ class PairHashTest(absltest.TestCase):
         vals = [0, 1, 2, 0x9E3779B97F4A7C15, M, 1 << 63] + [int(x) for x in rng.integers(0, 2**63, 200)]
         vals += [v | (1 << 63) for v in vals[6:50]]
         got = _ints(jax.jit(PairHash("portable").splitmix64)(_u64(vals)))
-        self.assertEqual(got, [H.splitmix64_python(v) for v in vals])
+        self.assertEqual(got, [hashing.splitmix64_python(v) for v in vals])
 
     def test_spec_pins(self):
         h = PairHash("portable")
         self.assertEqual(_ints(h.mix3(_u64([1]), _u64([2]), _u64([3]))), [0xA55BDF37C08724B5])
         self.assertEqual(_ints(h.mix3(_u64([0]), _u64([0]), _u64([0]))), [0])
         self.assertEqual(_ints(h.splitmix64(_u64([0xC0FFEE1234567890]))), [0xDE7FAE23A9A1B716])
-        anchor = const_pair(H.ANCHOR_HASH, jnp.zeros((3,), jnp.uint32))
+        anchor = const_pair(hashing.ANCHOR_HASH, jnp.zeros((3,), jnp.uint32))
         self.assertEqual(_ints(anchor), [0xDE7FAE23A9A1B716] * 3)
 
     def test_unknown_multiplier(self):
@@ -121,28 +121,28 @@ class SourceGatherVariantsTest(absltest.TestCase):
         for page, nbpt, read, pad in geoms:
             rows = -(-n // page)
             data = jnp.asarray(rng.integers(0, 256, (rows, page * nbpt + pad), dtype=np.uint8))
-            srcs.append(cj.RealKvSource(tensor=data, page_size=page, num_bytes_per_token=nbpt, read_bytes=read))
+            srcs.append(canary_jax.RealKvSource(tensor=data, page_size=page, num_bytes_per_token=nbpt, read_bytes=read))
         slots = rng.permutation(np.arange(1, n))[:40]
         slots[7] = slots[3]  # a duplicate slot: the later entry wins
         counts = [10, 1, 1, 28]
         seeds = [-1, int(slots[0]), -1, int(slots[12])]
-        plan = cj.WritePlan.from_requests(counts=counts, seed_slots=seeds)
+        plan = canary_jax.WritePlan.from_requests(counts=counts, seed_slots=seeds)
         ids, pos = _pairs(rng.integers(0, 1 << 40, 40)), _pairs(np.arange(40) % 9)
         loc = _pairs(np.concatenate([slots[:38], [-1, n + 5]]))  # a skipped and an out-of-range entry
         prev = np.concatenate([[-1], slots[:-1]])
-        vplan = cj.VerifyPlan.from_entries(slots=slots, positions=np.arange(40) % 9, prev_slots=prev)
-        for mode in (cj.RealKvHashMode.ALL, cj.RealKvHashMode.PARTIAL):
-            ctx = cj.VerifyOrWriteContext(canary_buf=jnp.zeros((n, 32), jnp.uint8),
-                                          kernel_kind=cj.CanaryLaunchTag.TAIL_K_FULL,
-                                          log=cj.ViolationLog.allocate(ring_capacity=64),
+        vplan = canary_jax.VerifyPlan.from_entries(slots=slots, positions=np.arange(40) % 9, prev_slots=prev)
+        for mode in (canary_jax.RealKvHashMode.ALL, canary_jax.RealKvHashMode.PARTIAL):
+            ctx = canary_jax.VerifyOrWriteContext(canary_buf=jnp.zeros((n, 32), jnp.uint8),
+                                          kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+                                          log=canary_jax.ViolationLog.allocate(ring_capacity=64),
                                           real_kv_sources=tuple(srcs), real_kv_hash_mode=mode)
-            want = R.write_reference(ctx, plan, ids, pos, loc)
+            want = reference.write_reference(ctx, plan, ids, pos, loc)
             # Corrupt one source byte of a written slot so that verify has a real-KV row to report.
             bad = list(srcs)
             bad[0] = dataclasses.replace(srcs[0], tensor=srcs[0].tensor.at[int(slots[5]), 0].add(1))
-            vwant = R.verify_reference(want.replace(real_kv_sources=tuple(bad)), vplan)
+            vwant = reference.verify_reference(want.replace(real_kv_sources=tuple(bad)), vplan)
             self.assertGreater(int(vwant.log.write_index[0]), 0)
-            for kw in self.VARIANTS if mode == cj.RealKvHashMode.ALL else self.VARIANTS[:1]:
+            for kw in self.VARIANTS if mode == canary_jax.RealKvHashMode.ALL else self.VARIANTS[:1]:
                 cfg = PallasConfig(**kw)
                 with self.subTest(mode=mode.name, **kw):
                     got = write_pallas(ctx, plan, ids, pos, loc, config=cfg)
@@ -157,27 +157,27 @@ class EarlyRefusalTest(absltest.TestCase):
 
     def _ctx(self, n_sources: int):
         data = jnp.zeros((16, 16), jnp.uint8)
-        srcs = tuple(cj.RealKvSource(tensor=data, page_size=1, num_bytes_per_token=16, read_bytes=16)
+        srcs = tuple(canary_jax.RealKvSource(tensor=data, page_size=1, num_bytes_per_token=16, read_bytes=16)
                      for _ in range(n_sources))
-        return cj.VerifyOrWriteContext(canary_buf=jnp.zeros((16, 32), jnp.uint8),
-                                       kernel_kind=cj.CanaryLaunchTag.TAIL_K_FULL,
-                                       log=cj.ViolationLog.allocate(ring_capacity=4), real_kv_sources=srcs,
-                                       real_kv_hash_mode=cj.RealKvHashMode.ALL)
+        return canary_jax.VerifyOrWriteContext(canary_buf=jnp.zeros((16, 32), jnp.uint8),
+                                       kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+                                       log=canary_jax.ViolationLog.allocate(ring_capacity=4), real_kv_sources=srcs,
+                                       real_kv_hash_mode=canary_jax.RealKvHashMode.ALL)
 
     def test_more_than_four_sources_before_tracing(self):
         ctx = self._ctx(5)
-        plan = cj.VerifyPlan.from_entries(slots=[1], positions=[0], prev_slots=[-1])
+        plan = canary_jax.VerifyPlan.from_entries(slots=[1], positions=[0], prev_slots=[-1])
         msg = r"^kv-canary: at most 4 RealKvSource entries supported by the CUDA ABI, got 5$"
         with self.assertRaisesRegex(ValueError, msg):
             verify_pallas(ctx, plan)
-        wplan = cj.WritePlan.from_requests(counts=[1], seed_slots=[-1])
+        wplan = canary_jax.WritePlan.from_requests(counts=[1], seed_slots=[-1])
         z = jnp.zeros((1, 2), jnp.uint32)
         with self.assertRaisesRegex(ValueError, msg):
             write_pallas(ctx, wplan, z, z, z)
 
     def test_expected_inputs_presence(self):
         ctx = self._ctx(0)
-        wplan = cj.WritePlan.from_requests(counts=[1], seed_slots=[-1])
+        wplan = canary_jax.WritePlan.from_requests(counts=[1], seed_slots=[-1])
         z = jnp.zeros((1, 2), jnp.uint32)
         with self.assertRaisesRegex(ValueError, r"required when enable_write_input_assert=True"):
             write_pallas(ctx, wplan, z, z, z, enable_write_input_assert=True, expected_input_tokens=z)

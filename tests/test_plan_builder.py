@@ -13,7 +13,7 @@ from canary_jax import ints
 from canary_jax.plan_builder import build_plans, scatter_req_token_ids, swa_translate
 from canary_jax.plans import VerifyPlan, WritePlan
 
-import plan_oracle as PO
+from helpers import plan_oracle
 
 I64 = ints.pairs_to_int64_np
 
@@ -34,7 +34,7 @@ def plan_arrays(vp: VerifyPlan, wp: WritePlan) -> dict:
 
 
 class PlanTestBase(absltest.TestCase):
-    def assert_matches_oracle(self, got: dict, want: PO.PlanResult, bs: int, msg: str = "") -> None:
+    def assert_matches_oracle(self, got: dict, want: plan_oracle.PlanResult, bs: int, msg: str = "") -> None:
         self.assertEqual(got["num_valid"], want.num_valid, msg)
         self.assertEqual(got["enable"], want.enable, msg)
         if want.enable:
@@ -75,7 +75,7 @@ class PlanTestBase(absltest.TestCase):
             kv_token_id_vs_position_offset=kw.get("k", 0),
         )
         got = plan_arrays(*build_plans(**jkw))
-        want = PO.plan_oracle(
+        want = plan_oracle.plan_oracle(
             req_pool_indices=kw["rpi"], prefix_lens=kw["prefix"], extend_seq_lens=kw["extend"],
             req_to_token=np.asarray(kw["r2t"]), verify_capacity=kw.get("cap", CAP),
             write_req_capacity=kw.get("cw", CW), swa_window_size=kw.get("w", 0), lut=kw.get("lut"),
@@ -174,7 +174,7 @@ class PlanHandTest(PlanTestBase):
         r2t = table({1: [1, 9, 2]})
         lut = [0, 11, 12, 13]  # slot 9 is past the end -> LUT[3] = 13
         with self.assertRaisesRegex(ValueError, "SWA slot 9 is outside full_to_swa_index_mapping length 4"):
-            PO.plan_oracle(req_pool_indices=[1], prefix_lens=[3], extend_seq_lens=[1], req_to_token=r2t,
+            plan_oracle.plan_oracle(req_pool_indices=[1], prefix_lens=[3], extend_seq_lens=[1], req_to_token=r2t,
                            verify_capacity=CAP, write_req_capacity=CW, swa_window_size=8, lut=lut, strict=True)
         got = self.run_both(rpi=[1], prefix=[3], extend=[1], r2t=r2t, w=8, lut=lut, exact_lut=True, strict=False)
         np.testing.assert_array_equal(got["slots"][:3], [11, 13, 12])
@@ -444,7 +444,7 @@ class ScatterTest(absltest.TestCase):
     def check(self, flat, offsets, rpi):
         got = scatter_req_token_ids(flat_in=np.asarray(flat, np.int64), offsets=np.asarray(offsets, np.int64),
                                     req_pool_indices=np.asarray(rpi, np.int64), pool_out=jnp.asarray(self.POOL))
-        want = PO.scatter_oracle(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=self.POOL)
+        want = plan_oracle.scatter_oracle(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=self.POOL)
         np.testing.assert_array_equal(np.asarray(got), want)
         return np.asarray(got)
 

@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from canary_jax import constants as C
+from canary_jax import constants
 from canary_jax import ints
 from canary_jax.layout import ViolationLog
-from canary_jax.report import (HealthChecker, validate_mode, StatsLogger, ViolationMonitor, ViolationReporter,
+from canary_jax.runtime.report import (HealthChecker, validate_mode, StatsLogger, ViolationMonitor, ViolationReporter,
                                canary_stats, expected_health_tags)
 
-T = C.CanaryLaunchTag
-F = C.FailReason
+T = constants.CanaryLaunchTag
+F = constants.FailReason
 H = 0xDE7FAE23A9A1B716
 H_S = H - (1 << 64)
 MIX = 0x1B798564098041C9  # mix3(H, 42, 0)

@@ -18,17 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from canary_jax import constants as C
+from canary_jax import constants
 from canary_jax import decode
-from canary_jax.endpoints import CanaryBufferGroup, ExpectedInputs, PoolKind
+from canary_jax.runtime.endpoints import CanaryBufferGroup, ExpectedInputs, PoolKind
 from canary_jax.plan_builder import scatter_req_token_ids
-from canary_jax.report import HealthChecker, ViolationMonitor, ViolationReporter, canary_stats
+from canary_jax.runtime.report import HealthChecker, ViolationMonitor, ViolationReporter, canary_stats
 from canary_jax.sources import RealKvSource
-from canary_jax.step import (CanaryBatch, CanaryState, CanaryStepConfig, active_tags, canary_head, canary_step,
+from canary_jax.runtime.step import (CanaryBatch, CanaryState, CanaryStepConfig, active_tags, canary_head, canary_step,
                              canary_sweep, canary_tail)
-from canary_jax.sweep import RadixNode, build_sweep_plan_from_radix
+from canary_jax.runtime.sweep import RadixNode, build_sweep_plan_from_radix
 
-T = C.CanaryLaunchTag
+T = constants.CanaryLaunchTag
 NUM_SLOTS = 256  # full pool slots; slot 0 is the padding slot
 PAGE = 4
 KV_BYTES = 16
@@ -37,7 +37,7 @@ BS, NUM_TOKENS = 4, 32
 CHUNK = 12
 SWA_WINDOW = 6
 RING = 64
-CONFIG = CanaryStepConfig(verify_capacity=160, write_req_capacity=BS, real_kv_hash_mode=C.RealKvHashMode.PARTIAL,
+CONFIG = CanaryStepConfig(verify_capacity=160, write_req_capacity=BS, real_kv_hash_mode=constants.RealKvHashMode.PARTIAL,
                           enable_write_input_assert=True, enable_verify_token_assert=True, backend="reference")
 SWEEP_CAPACITY = 256
 # Full slot s lives at SWA slot LUT[s] (a permutation; 0 stays the padding slot).

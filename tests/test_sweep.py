@@ -11,7 +11,7 @@ from absl.testing import absltest
 
 from canary_jax import ints
 from canary_jax.plan_builder import build_plans
-from canary_jax.sweep import (RadixNode, SweepSchedule, build_sweep_plan_from_radix, build_sweep_plan_from_requests,
+from canary_jax.runtime.sweep import (RadixNode, SweepSchedule, build_sweep_plan_from_radix, build_sweep_plan_from_requests,
                               sweep_entries_to_plan, walk_radix_tree)
 
 I64 = ints.pairs_to_int64_np
@@ -159,10 +159,10 @@ class ScheduleTest(absltest.TestCase):
 
     def test_pass_log_every_hundred(self):
         s = SweepSchedule(1)
-        with self.assertLogs("canary_jax.sweep", level=logging.INFO) as cm:
+        with self.assertLogs("canary_jax.runtime.sweep", level=logging.INFO) as cm:
             for step in range(100):
                 s.mark_done(step)
-        self.assertEqual(cm.output, ["INFO:canary_jax.sweep:[canary] sweep succeeded 100 times (last_step=99)"])
+        self.assertEqual(cm.output, ["INFO:canary_jax.runtime.sweep:[canary] sweep succeeded 100 times (last_step=99)"])
         self.assertEqual(s.sweep_passes, 100)
 
 

@@ -20,10 +20,10 @@ import random
 import pytest
 import torch
 
-from interop import sglang as G
+from interop import sglang
 from test_interop_torchref import ref_plan, ref_verify, ref_write
 
-TAG = G.CanaryLaunchTag
+TAG = sglang.CanaryLaunchTag
 CHAIN, POSITION, REAL_KV, TOKEN = 1, 2, 4, 32
 
 
@@ -47,15 +47,15 @@ class TinyEngine:
         self.worlds = {}
         for who in ("ours", "ref"):
             self.worlds[who] = dict(
-                state=G.CanaryDeviceState.allocate(ring_capacity=ring, device=device),
+                state=sglang.CanaryDeviceState.allocate(ring_capacity=ring, device=device),
                 k_head=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
                 k_tail=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
-                vp=G.VerifyPlan.allocate(verify_capacity=verify_cap, device=device).zero_for_testing_(),
-                wp=G.WritePlan.allocate(write_req_capacity=bs_cap, device=device).zero_for_testing_(),
+                vp=sglang.VerifyPlan.allocate(verify_capacity=verify_cap, device=device).zero_for_testing_(),
+                wp=sglang.WritePlan.allocate(write_req_capacity=bs_cap, device=device).zero_for_testing_(),
             )
         nbpt = heads * head_dim * 2
         # layer-0 K as SGLang's pool patch exposes it: [rows, bytes_per_row], page_size 1, ALL mode
-        self.k0_source = G.RealKvSource(tensor=self.k[0].view(num_slots, heads * head_dim), page_size=1,
+        self.k0_source = sglang.RealKvSource(tensor=self.k[0].view(num_slots, heads * head_dim), page_size=1,
                                         num_bytes_per_token=nbpt, read_bytes=nbpt)
         self.contexts = {}
         for who, w in self.worlds.items():
@@ -64,7 +64,7 @@ class TinyEngine:
                 TAG.HEAD_K_FULL: st.context(canary_buf=w["k_head"], kernel_kind=TAG.HEAD_K_FULL),
                 TAG.TAIL_K_FULL: st.context(canary_buf=w["k_tail"], kernel_kind=TAG.TAIL_K_FULL,
                                             real_kv_sources=(self.k0_source,),
-                                            real_kv_hash_mode=G.RealKvHashMode.ALL),
+                                            real_kv_hash_mode=sglang.RealKvHashMode.ALL),
             }
         self.steps = 0
 
@@ -133,7 +133,7 @@ class TinyEngine:
         for who in ("ours", "ref"):
             w = self.worlds[who]
             if who == "ours":
-                G.launch_canary_plan_kernels(verify_plan_out=w["vp"], write_plan_out=w["wp"], **plan_kw)
+                sglang.launch_canary_plan_kernels(verify_plan_out=w["vp"], write_plan_out=w["wp"], **plan_kw)
             else:
                 ref_plan(verify_plan_out=w["vp"], write_plan_out=w["wp"], **plan_kw)
         self._phase(TAG.HEAD_K_FULL, write_kw)
@@ -156,9 +156,9 @@ class TinyEngine:
         for who in ("ours", "ref"):
             w, ctx = self.worlds[who], self.contexts[who][tag]
             if who == "ours":
-                G.launch_canary_verify_kernel(context=ctx, plan=w["vp"], check_verify_expected_token=True,
+                sglang.launch_canary_verify_kernel(context=ctx, plan=w["vp"], check_verify_expected_token=True,
                                               backend=self.backend)
-                G.launch_canary_write_kernel(context=ctx, plan=w["wp"], backend=self.backend, **write_kw)
+                sglang.launch_canary_write_kernel(context=ctx, plan=w["wp"], backend=self.backend, **write_kw)
             else:
                 ref_verify(context=ctx, plan=w["vp"], check_verify_expected_token=True)
                 ref_write(context=ctx, plan=w["wp"], **write_kw)

@@ -14,39 +14,38 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-import canary_jax as cj
-from canary_jax import constants as C
+import canary_jax
+from canary_jax import constants
 from canary_jax import ints
-from canary_jax import sources as S
-
-import oracle as O
+from canary_jax.sources import SourceDescriptor, check_real_kv_sources
+from helpers import oracle
 
 N = 16
 T = 4
-TAG = C.CanaryLaunchTag.TAIL_K_FULL
-ALL = C.RealKvHashMode.ALL
+TAG = constants.CanaryLaunchTag.TAIL_K_FULL
+ALL = constants.RealKvHashMode.ALL
 
 
 def src(tensor, page_size=1, nbpt=16, read_bytes=16):
-    return cj.RealKvSource(tensor=tensor, page_size=page_size, num_bytes_per_token=nbpt, read_bytes=read_bytes)
+    return canary_jax.RealKvSource(tensor=tensor, page_size=page_size, num_bytes_per_token=nbpt, read_bytes=read_bytes)
 
 
 def ctx_with(*, sources=(), mode=ALL, buf=None, log=None, kind=TAG):
-    return cj.VerifyOrWriteContext(
-        canary_buf=cj.allocate_canary_buffer(N) if buf is None else buf,
+    return canary_jax.VerifyOrWriteContext(
+        canary_buf=canary_jax.allocate_canary_buffer(N) if buf is None else buf,
         kernel_kind=kind,
-        log=cj.ViolationLog.allocate(ring_capacity=4) if log is None else log,
+        log=canary_jax.ViolationLog.allocate(ring_capacity=4) if log is None else log,
         real_kv_sources=tuple(sources),
         real_kv_hash_mode=mode,
     )
 
 
 def vplan(n=1, cap=4):
-    return cj.VerifyPlan.from_entries(slots=[1] * n, positions=[0] * n, prev_slots=[-1] * n, verify_capacity=cap)
+    return canary_jax.VerifyPlan.from_entries(slots=[1] * n, positions=[0] * n, prev_slots=[-1] * n, verify_capacity=cap)
 
 
 def wplan(cap=2):
-    return cj.WritePlan.from_requests(counts=[1], seed_slots=[-1], write_req_capacity=cap)
+    return canary_jax.WritePlan.from_requests(counts=[1], seed_slots=[-1], write_req_capacity=cap)
 
 
 def tok(values=(1, 2, 3, 4)):
@@ -105,7 +104,7 @@ class RealKvSourceTest(absltest.TestCase):
         ]
         for kw, msg in cases:
             with self.assertRaisesRegex(ValueError, msg):
-                cj.RealKvSource(**kw)
+                canary_jax.RealKvSource(**kw)
 
     def test_strided_numpy_row_stride(self):
         base = np.zeros((4, 40), np.uint8)
@@ -114,7 +113,7 @@ class RealKvSourceTest(absltest.TestCase):
         # stride(0) = 48 (a multiple of 16): accepted here, refused at launch as non-contiguous.
         s = src(np.zeros((4, 48), np.uint8)[:, :32])
         with self.assertRaisesRegex(ValueError, r"^kv-canary: real_kv_sources\[0\]\.tensor must be contiguous$"):
-            S.check_real_kv_sources([s], ALL)
+            check_real_kv_sources([s], ALL)
 
     def test_valid_sources(self):
         for tensor in (np.zeros((4, 16), np.uint8), jnp.zeros((4, 8), jnp.bfloat16), np.zeros((2, 4), np.float32),
@@ -128,31 +127,31 @@ class RealKvSourceTest(absltest.TestCase):
         three_d = src(np.zeros((N, 2, 16), np.uint8))
         with self.assertRaisesRegex(
                 ValueError, r"^kv-canary: real_kv_sources\[1\]\.tensor \(viewed as uint8\) must be 2-D, got 3-D$"):
-            S.check_real_kv_sources([src(np.zeros((N, 16), np.uint8)), three_d], ALL)
+            check_real_kv_sources([src(np.zeros((N, 16), np.uint8)), three_d], ALL)
         narrow = src(np.zeros((N, 32), np.uint8), page_size=4, nbpt=16)
         with self.assertRaisesRegex(ValueError, re.escape(
                 "kv-canary: RealKvSource row is too narrow for its slot layout: dim-1 is 32 bytes but page_size=4 "
                 "x num_bytes_per_token=16 needs 64")):
-            S.check_real_kv_sources([narrow], ALL)
+            check_real_kv_sources([narrow], ALL)
         with self.assertRaisesRegex(TypeError, r"real_kv_sources\[0\] must be a RealKvSource, got tuple"):
-            S.check_real_kv_sources([(np.zeros((N, 16)), 1, 16, 16)], ALL)
+            check_real_kv_sources([(np.zeros((N, 16)), 1, 16, 16)], ALL)
 
     def test_more_than_four_sources_first_in_every_mode(self):
         ok = src(np.zeros((N, 16), np.uint8))
         bad = src(np.zeros((N, 2, 16), np.uint8))  # would fail the 2-D check; the count check comes first
-        for mode in C.RealKvHashMode:
+        for mode in constants.RealKvHashMode:
             with self.assertRaisesRegex(
                     ValueError, r"^kv-canary: at most 4 RealKvSource entries supported by the CUDA ABI, got 5$"):
-                S.check_real_kv_sources([bad, ok, ok, ok, ok], mode)
-        self.assertEqual(S.check_real_kv_sources([ok] * 4, C.RealKvHashMode.NONE), ())
-        self.assertEqual(S.check_real_kv_sources([], ALL), ())
+                check_real_kv_sources([bad, ok, ok, ok, ok], mode)
+        self.assertEqual(check_real_kv_sources([ok] * 4, constants.RealKvHashMode.NONE), ())
+        self.assertEqual(check_real_kv_sources([], ALL), ())
 
     def test_descriptors(self):
-        d = S.check_real_kv_sources([src(np.zeros((8, 96), np.uint8), page_size=2, nbpt=32, read_bytes=32),
+        d = check_real_kv_sources([src(np.zeros((8, 96), np.uint8), page_size=2, nbpt=32, read_bytes=32),
                                      src(np.zeros((16, 8), np.float32), nbpt=32, read_bytes=16)],
-                                    C.RealKvHashMode.PARTIAL)
-        self.assertEqual(d, (S.SourceDescriptor(2, 32, 32, 16, 96, 8), S.SourceDescriptor(1, 32, 16, 16, 32, 16)))
-        d = S.check_real_kv_sources([src(np.zeros((8, 96), np.uint8), page_size=2, nbpt=32, read_bytes=32)], ALL)
+                                    constants.RealKvHashMode.PARTIAL)
+        self.assertEqual(d, (SourceDescriptor(2, 32, 32, 16, 96, 8), SourceDescriptor(1, 32, 16, 16, 32, 16)))
+        d = check_real_kv_sources([src(np.zeros((8, 96), np.uint8), page_size=2, nbpt=32, read_bytes=32)], ALL)
         self.assertEqual(d[0].effective_read_bytes, 32)
 
 
@@ -161,19 +160,19 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
     def test_more_than_four_sources_before_tracing(self):
         ctx = ctx_with(sources=[src(np.zeros((N, 16), np.uint8))] * 5)
         msg = r"^kv-canary: at most 4 RealKvSource entries supported by the CUDA ABI, got 5$"
-        self.assertRefused(ctx, ValueError, msg, lambda: cj.verify(ctx, vplan(), backend="reference"))
-        self.assertRefused(ctx, ValueError, msg, lambda: cj.write(ctx, wplan(), tok(), tok(), tok(),
+        self.assertRefused(ctx, ValueError, msg, lambda: canary_jax.verify(ctx, vplan(), backend="reference"))
+        self.assertRefused(ctx, ValueError, msg, lambda: canary_jax.write(ctx, wplan(), tok(), tok(), tok(),
                                                                    backend="reference"))
-        ctx_none = ctx_with(sources=[src(np.zeros((N, 16), np.uint8))] * 5, mode=C.RealKvHashMode.NONE)
-        self.assertRefused(ctx_none, ValueError, msg, lambda: cj.verify(ctx_none, vplan(), backend="reference"))
+        ctx_none = ctx_with(sources=[src(np.zeros((N, 16), np.uint8))] * 5, mode=constants.RealKvHashMode.NONE)
+        self.assertRefused(ctx_none, ValueError, msg, lambda: canary_jax.verify(ctx_none, vplan(), backend="reference"))
 
     def test_source_errors_at_launch(self):
         for s, msg in ((src(np.zeros((N, 2, 16), np.uint8)), r"\(viewed as uint8\) must be 2-D, got 3-D"),
                        (src(np.zeros((N, 16), np.uint8), page_size=2), r"row is too narrow"),
                        (src(np.zeros((N, 48), np.uint8)[:, :32]), r"must be contiguous")):
             ctx = ctx_with(sources=[s])
-            self.assertRefused(ctx, ValueError, msg, lambda: cj.verify(ctx, vplan(), backend="reference"))
-            self.assertRefused(ctx, ValueError, msg, lambda: cj.write(ctx, wplan(), tok(), tok(), tok(),
+            self.assertRefused(ctx, ValueError, msg, lambda: canary_jax.verify(ctx, vplan(), backend="reference"))
+            self.assertRefused(ctx, ValueError, msg, lambda: canary_jax.write(ctx, wplan(), tok(), tok(), tok(),
                                                                        backend="reference"))
 
     def test_canary_buffer_checks(self):
@@ -186,31 +185,31 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
                 (jnp.zeros((N * 32,), jnp.uint8), ValueError, r"canary_buf must be 2-D"),
         ):
             ctx = ctx_with(buf=buf)
-            self.assertRefused(ctx, exc, msg, lambda: cj.verify(ctx, vplan(), backend="reference"))
-            self.assertRefused(ctx, exc, msg, lambda: cj.write(ctx, wplan(), tok(), tok(), tok(),
+            self.assertRefused(ctx, exc, msg, lambda: canary_jax.verify(ctx, vplan(), backend="reference"))
+            self.assertRefused(ctx, exc, msg, lambda: canary_jax.write(ctx, wplan(), tok(), tok(), tok(),
                                                                 backend="reference"))
         with self.assertRaisesRegex(ValueError, r"at least 4 int64 fields, got 3"):
-            cj.allocate_canary_buffer(N, 24)
+            canary_jax.allocate_canary_buffer(N, 24)
         with self.assertRaisesRegex(ValueError, r"num_slots must be positive, got 0"):
-            cj.allocate_canary_buffer(0)
+            canary_jax.allocate_canary_buffer(0)
 
     def test_context_and_plan_kinds(self):
         ctx = ctx_with()
         self.assertRefused(ctx, TypeError, r"plan must be a VerifyPlan, got WritePlan",
-                           lambda: cj.verify(ctx, wplan(), backend="reference"))
+                           lambda: canary_jax.verify(ctx, wplan(), backend="reference"))
         self.assertRefused(ctx, TypeError, r"plan must be a WritePlan, got VerifyPlan",
-                           lambda: cj.write(ctx, vplan(), tok(), tok(), tok(), backend="reference"))
+                           lambda: canary_jax.write(ctx, vplan(), tok(), tok(), tok(), backend="reference"))
         with self.assertRaisesRegex(TypeError, r"context must be a VerifyOrWriteContext, got dict"):
-            cj.verify({}, vplan(), backend="reference")
+            canary_jax.verify({}, vplan(), backend="reference")
         bad_kind = ctx_with(kind=12)
         self.assertRefused(bad_kind, ValueError, r"kernel_kind must be a CanaryLaunchTag, got 12",
-                           lambda: cj.verify(bad_kind, vplan(), backend="reference"))
-        small_log = cj.ViolationLog.allocate(ring_capacity=4, num_tags=2)
+                           lambda: canary_jax.verify(bad_kind, vplan(), backend="reference"))
+        small_log = canary_jax.ViolationLog.allocate(ring_capacity=4, num_tags=2)
         ctx2 = ctx_with(log=small_log)
         self.assertRefused(ctx2, ValueError, r"kernel_kind=2 is outside the counter arrays of length 2",
-                           lambda: cj.verify(ctx2, vplan(), backend="reference"))
+                           lambda: canary_jax.verify(ctx2, vplan(), backend="reference"))
         self.assertRefused(ctx, ValueError, r"backend must be one of",
-                           lambda: cj.verify(ctx, vplan(), backend="cuda"))
+                           lambda: canary_jax.verify(ctx, vplan(), backend="cuda"))
 
     def test_verify_plan_field_checks(self):
         ctx = ctx_with()
@@ -232,7 +231,7 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
         ]
         for kw, exc, msg in cases:
             plan = dataclasses.replace(good, **kw)
-            self.assertRefused(ctx, exc, msg, lambda: cj.verify(ctx, plan, backend="reference"))
+            self.assertRefused(ctx, exc, msg, lambda: canary_jax.verify(ctx, plan, backend="reference"))
 
     def test_write_plan_field_checks(self):
         ctx = ctx_with()
@@ -252,10 +251,10 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
         ]
         for kw, exc, msg in cases:
             plan = dataclasses.replace(good, **kw)
-            self.assertRefused(ctx, exc, msg, lambda: cj.write(ctx, plan, tok(), tok(), tok(), backend="reference"))
+            self.assertRefused(ctx, exc, msg, lambda: canary_jax.write(ctx, plan, tok(), tok(), tok(), backend="reference"))
 
     def test_log_field_checks(self):
-        base = cj.ViolationLog.allocate(ring_capacity=4)
+        base = canary_jax.ViolationLog.allocate(ring_capacity=4)
         cases = [
             (dict(ring=jnp.zeros((4, 8), jnp.uint32)), ValueError, r"violation_ring must have shape"),
             (dict(ring=jnp.zeros((4, 8, 2), jnp.int32)), TypeError, r"violation_ring must have dtype uint32"),
@@ -267,35 +266,35 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
         ]
         for kw, exc, msg in cases:
             ctx = ctx_with(log=dataclasses.replace(base, **kw))
-            self.assertRefused(ctx, exc, msg, lambda: cj.verify(ctx, vplan(), backend="reference"))
+            self.assertRefused(ctx, exc, msg, lambda: canary_jax.verify(ctx, vplan(), backend="reference"))
         with self.assertRaisesRegex(TypeError, r"context\.log must be a ViolationLog"):
-            cj.verify(ctx_with(log=object()), vplan(), backend="reference")
+            canary_jax.verify(ctx_with(log=object()), vplan(), backend="reference")
 
     def test_write_token_array_checks(self):
         ctx = ctx_with()
         p = wplan()
         f = np.zeros(T, np.float32)
         cases = [
-            (lambda: cj.write(ctx, p, f, tok(), tok(), backend="reference"), TypeError,
+            (lambda: canary_jax.write(ctx, p, f, tok(), tok(), backend="reference"), TypeError,
              r"input_ids must be an int64-valued integer array, got shape \(4,\) dtype float32"),
-            (lambda: cj.write(ctx, p, tok(), tok((1, 2, 3)), tok(), backend="reference"), ValueError,
+            (lambda: canary_jax.write(ctx, p, tok(), tok((1, 2, 3)), tok(), backend="reference"), ValueError,
              r"positions must have shape \(4,\) \(int64\), got shape \(3,\)"),
-            (lambda: cj.write(ctx, p, tok(), tok(), np.zeros((4, 3), np.int64), backend="reference"), ValueError,
+            (lambda: canary_jax.write(ctx, p, tok(), tok(), np.zeros((4, 3), np.int64), backend="reference"), ValueError,
              r"out_cache_loc must have shape \(4,\) \(int64\), got shape \(4, 3\)"),
-            (lambda: cj.write(ctx, p, tok(), tok(), jnp.zeros(4, jnp.float32), backend="reference"), TypeError,
+            (lambda: canary_jax.write(ctx, p, tok(), tok(), jnp.zeros(4, jnp.float32), backend="reference"), TypeError,
              r"out_cache_loc must be an int64-valued integer array"),
-            (lambda: cj.write(ctx, p, tok(), tok(), tok(), enable_write_input_assert=True,
+            (lambda: canary_jax.write(ctx, p, tok(), tok(), tok(), enable_write_input_assert=True,
                               expected_input_tokens=tok(), expected_input_positions=tok((1, 2)),
                               backend="reference"), ValueError, r"expected_input_positions must have shape \(4,\)"),
-            (lambda: cj.write(ctx, p, tok(), tok(), tok(), enable_write_input_assert=True,
+            (lambda: canary_jax.write(ctx, p, tok(), tok(), tok(), enable_write_input_assert=True,
                               expected_input_tokens=f, expected_input_positions=tok(), backend="reference"),
              TypeError, r"expected_input_tokens must be an int64-valued"),
-            (lambda: cj.write(ctx, p, [2**63, 0, 0, 0], tok(), tok(), backend="reference"), ValueError,
+            (lambda: canary_jax.write(ctx, p, [2**63, 0, 0, 0], tok(), tok(), backend="reference"), ValueError,
              r"input_ids holds a value that does not fit int64"),
-            (lambda: cj.write(ctx, p, tok(), tok(), tok(), enable_write_input_assert=True,
+            (lambda: canary_jax.write(ctx, p, tok(), tok(), tok(), enable_write_input_assert=True,
                               expected_input_positions=tok(), backend="reference"), ValueError,
              r"^kv-canary: expected input tensors are required when enable_write_input_assert=True$"),
-            (lambda: cj.write(ctx, p, tok(), tok(), tok(), enable_write_input_assert=False,
+            (lambda: canary_jax.write(ctx, p, tok(), tok(), tok(), enable_write_input_assert=False,
                               expected_input_tokens=tok(), expected_input_positions=tok(), backend="reference"),
              ValueError, r"^kv-canary: expected input tensors must be None when enable_write_input_assert=False$"),
         ]
@@ -308,53 +307,53 @@ class PlanAllocationTest(absltest.TestCase):
     def test_allocate_capacity_errors(self):
         for c in (0, -3):
             with self.assertRaisesRegex(ValueError, rf"^kv-canary: VerifyPlan verify_capacity must be positive, got {c}$"):
-                cj.VerifyPlan.allocate(verify_capacity=c)
+                canary_jax.VerifyPlan.allocate(verify_capacity=c)
             with self.assertRaisesRegex(ValueError,
                                         rf"^kv-canary: WritePlan write_req_capacity must be positive, got {c}$"):
-                cj.WritePlan.allocate(write_req_capacity=c)
+                canary_jax.WritePlan.allocate(write_req_capacity=c)
 
     def test_allocate_shapes(self):
-        vp = cj.VerifyPlan.allocate(verify_capacity=5)
+        vp = canary_jax.VerifyPlan.allocate(verify_capacity=5)
         self.assertEqual(vp.verify_slot_indices.shape, (5, 2))
         self.assertEqual(vp.verify_capacity, 5)
         self.assertEqual(np.asarray(vp.enable).tolist(), [1])  # SGLang allocates enable as ones
         self.assertEqual((vp.verify_num_valid.dtype, vp.enable.dtype), (jnp.int32, jnp.int32))
         vp.check()
-        wp = cj.WritePlan.allocate(write_req_capacity=3)
+        wp = canary_jax.WritePlan.allocate(write_req_capacity=3)
         self.assertEqual((wp.write_offsets.shape, wp.write_seed_slot_indices.shape), ((4, 2), (3, 2)))
         self.assertEqual(wp.write_req_capacity, 3)
         wp.check()
 
     def test_host_builders(self):
-        vp = cj.VerifyPlan.from_entries(slots=[3, 2**40], positions=[0, -1], prev_slots=[-1, 3],
+        vp = canary_jax.VerifyPlan.from_entries(slots=[3, 2**40], positions=[0, -1], prev_slots=[-1, 3],
                                         expected_tokens=[7, 2**33], verify_capacity=4)
         self.assertEqual(ints.pairs_to_int64_np(vp.verify_slot_indices).tolist(), [3, 2**40, 0, 0])
         self.assertEqual(ints.pairs_to_int64_np(vp.verify_expected_tokens).tolist(), [7, 2**33, -1, -1])
         self.assertEqual(ints.pairs_to_int64_np(vp.verify_expected_positions).tolist(), [0, -1, 0, 0])
         self.assertEqual(np.asarray(vp.verify_num_valid).tolist(), [2])
         with self.assertRaisesRegex(ValueError, r"3 verify entries exceed verify_capacity=2"):
-            cj.VerifyPlan.from_entries(slots=[1, 2, 3], positions=[0, 1, 2], prev_slots=[-1, 1, 2], verify_capacity=2)
+            canary_jax.VerifyPlan.from_entries(slots=[1, 2, 3], positions=[0, 1, 2], prev_slots=[-1, 1, 2], verify_capacity=2)
         with self.assertRaisesRegex(ValueError, r"positions has length 1, slots has 2"):
-            cj.VerifyPlan.from_entries(slots=[1, 2], positions=[0], prev_slots=[-1, 1])
-        wp = cj.WritePlan.from_requests(counts=[2, 0, 3], seed_slots=[-1, -1, 9], write_req_capacity=4)
+            canary_jax.VerifyPlan.from_entries(slots=[1, 2], positions=[0], prev_slots=[-1, 1])
+        wp = canary_jax.WritePlan.from_requests(counts=[2, 0, 3], seed_slots=[-1, -1, 9], write_req_capacity=4)
         self.assertEqual(ints.pairs_to_int64_np(wp.write_offsets).tolist(), [0, 2, 2, 5, 0])
         self.assertEqual(ints.pairs_to_int64_np(wp.write_seed_slot_indices).tolist(), [-1, -1, 9, 0])
         self.assertEqual(np.asarray(wp.write_num_valid_reqs).tolist(), [3])
         with self.assertRaisesRegex(ValueError, r"bs=3 exceeds write_req_capacity=2"):
-            cj.WritePlan.from_requests(counts=[1, 1, 1], seed_slots=[-1] * 3, write_req_capacity=2)
+            canary_jax.WritePlan.from_requests(counts=[1, 1, 1], seed_slots=[-1] * 3, write_req_capacity=2)
         with self.assertRaisesRegex(ValueError, r"non-negative"):
-            cj.WritePlan.from_requests(counts=[-1], seed_slots=[-1])
+            canary_jax.WritePlan.from_requests(counts=[-1], seed_slots=[-1])
 
     def test_violation_log_allocate(self):
         with self.assertRaisesRegex(ValueError, r"^kv-canary: ViolationLog ring_capacity must be positive, got 0$"):
-            cj.ViolationLog.allocate(ring_capacity=0)
+            canary_jax.ViolationLog.allocate(ring_capacity=0)
         with self.assertRaisesRegex(ValueError, r"^kv-canary: CanaryDeviceState num_tags must be positive, got 0$"):
-            cj.ViolationLog.allocate(ring_capacity=4, num_tags=0)
-        log = cj.ViolationLog.allocate(ring_capacity=3)
+            canary_jax.ViolationLog.allocate(ring_capacity=4, num_tags=0)
+        log = canary_jax.ViolationLog.allocate(ring_capacity=3)
         self.assertEqual((log.ring.shape, log.slot_run_counters.shape), ((3, 8, 2), (12, 2)))
         self.assertEqual(np.asarray(log.enable_chain_position_assert).tolist(), [1])
         self.assertEqual(log.ring_capacity, 3)
-        off = cj.ViolationLog.allocate(ring_capacity=3, enable_chain_position_assert=False)
+        off = canary_jax.ViolationLog.allocate(ring_capacity=3, enable_chain_position_assert=False)
         self.assertEqual(np.asarray(off.enable_chain_position_assert).tolist(), [0])
 
 
@@ -362,11 +361,11 @@ class Int64InputTest(absltest.TestCase):
     """int64 data is kept exact with x64 off (pairs), and refused where it would be truncated."""
 
     def test_numpy_int64_values_above_int32_kept(self):
-        ctx = ctx_with(mode=C.RealKvHashMode.NONE)
+        ctx = ctx_with(mode=constants.RealKvHashMode.NONE)
         big_tok, big_pos = 2**40 + 5, -(2**35)
-        ctx = cj.write(ctx, wplan(), np.array([big_tok, 0, 0, 0], np.int64), np.array([big_pos, 0, 0, 0], np.int64),
+        ctx = canary_jax.write(ctx, wplan(), np.array([big_tok, 0, 0, 0], np.int64), np.array([big_pos, 0, 0, 0], np.int64),
                        np.array([3, 0, 0, 0], np.int64), backend="reference")
-        self.assertEqual(cj.read_slot(ctx.canary_buf, 3), (big_tok, big_pos, O.s64(O.ANCHOR_HASH), 0))
+        self.assertEqual(canary_jax.read_slot(ctx.canary_buf, 3), (big_tok, big_pos, oracle.s64(oracle.ANCHOR_HASH), 0))
 
     def test_accepted_forms_agree(self):
         values = [-1, 2**31, 0xFFFFFFFF, -(2**63)]
@@ -429,9 +428,9 @@ class Int64InputTest(absltest.TestCase):
         for dt in (np.int64, np.float64, np.uint8):
             data = raw.view(dt)
             ctx = ctx_with(sources=[src(data)])
-            ctx = cj.write(ctx, wplan(), tok(), tok((0, 0, 0, 0)), tok((5, 0, 0, 0)), backend="reference")
-            want = O.real_kv_hash([O.Source.of(raw, 1, 16, 16)], O.ALL, 5)
-            self.assertEqual(cj.read_slot(ctx.canary_buf, 5).real_kv_hash, O.s64(want), dt)
+            ctx = canary_jax.write(ctx, wplan(), tok(), tok((0, 0, 0, 0)), tok((5, 0, 0, 0)), backend="reference")
+            want = oracle.real_kv_hash([oracle.Source.of(raw, 1, 16, 16)], oracle.ALL, 5)
+            self.assertEqual(canary_jax.read_slot(ctx.canary_buf, 5).real_kv_hash, oracle.s64(want), dt)
 
     def test_bool_and_narrow_dtype_sources(self):
         mask = (np.arange(N * 16).reshape(N, 16) % 3) == 0
@@ -440,17 +439,17 @@ class Int64InputTest(absltest.TestCase):
                  (jnp.asarray(raw.view(np.int16)), raw), (jnp.asarray(raw.view(np.float32)), raw)]
         for tensor, want_bytes in cases:
             ctx = ctx_with(sources=[src(tensor)])
-            ctx = cj.write(ctx, wplan(), tok(), tok((0, 0, 0, 0)), tok((6, 0, 0, 0)), backend="reference")
-            want = O.real_kv_hash([O.Source.of(want_bytes, 1, 16, 16)], O.ALL, 6)
-            self.assertEqual(cj.read_slot(ctx.canary_buf, 6).real_kv_hash, O.s64(want), tensor.dtype)
+            ctx = canary_jax.write(ctx, wplan(), tok(), tok((0, 0, 0, 0)), tok((6, 0, 0, 0)), backend="reference")
+            want = oracle.real_kv_hash([oracle.Source.of(want_bytes, 1, 16, 16)], oracle.ALL, 6)
+            self.assertEqual(canary_jax.read_slot(ctx.canary_buf, 6).real_kv_hash, oracle.s64(want), tensor.dtype)
 
 
 class LaunchMechanicsTest(absltest.TestCase):
 
     def test_inside_user_jit_matches_eager(self):
         def run(ctx):
-            ctx = cj.write(ctx, wplan(), tok((7, 8, 9, 9)), tok((0, 1, 2, 2)), tok((4, 0, 0, 0)), backend="reference")
-            return cj.verify(ctx, cj.VerifyPlan.from_entries(slots=[4], positions=[1], prev_slots=[-1],
+            ctx = canary_jax.write(ctx, wplan(), tok((7, 8, 9, 9)), tok((0, 1, 2, 2)), tok((4, 0, 0, 0)), backend="reference")
+            return canary_jax.verify(ctx, canary_jax.VerifyPlan.from_entries(slots=[4], positions=[1], prev_slots=[-1],
                                                              verify_capacity=4), backend="reference")
         eager = run(ctx_with())
         jitted = jax.jit(run)(ctx_with())
@@ -460,19 +459,19 @@ class LaunchMechanicsTest(absltest.TestCase):
 
     def test_no_retrace_for_same_shapes(self):
         from canary_jax import launch
-        ctx = ctx_with(mode=C.RealKvHashMode.NONE)
-        ctx = cj.verify(ctx, vplan(), backend="reference")
+        ctx = ctx_with(mode=constants.RealKvHashMode.NONE)
+        ctx = canary_jax.verify(ctx, vplan(), backend="reference")
         n0 = launch._verify_jit._cache_size()
         for k in range(3):
-            ctx = cj.verify(ctx, vplan(n=k + 1), backend="reference")
+            ctx = canary_jax.verify(ctx, vplan(n=k + 1), backend="reference")
         self.assertEqual(launch._verify_jit._cache_size(), n0)
         self.assertEqual(ctx.log.kernel_run_counter(TAG), 4)
 
     def test_resolve_backend(self):
-        self.assertEqual(cj.resolve_backend("REFERENCE"), "reference")
-        self.assertEqual(cj.resolve_backend("pallas"), "pallas")
+        self.assertEqual(canary_jax.resolve_backend("REFERENCE"), "reference")
+        self.assertEqual(canary_jax.resolve_backend("pallas"), "pallas")
         with self.assertRaisesRegex(ValueError, r"backend must be one of \('reference', 'pallas'\), got 'triton'"):
-            cj.resolve_backend("triton")
+            canary_jax.resolve_backend("triton")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import tempfile
 import numpy as np
 from absl.testing import absltest
 
-import x64_scenarios as X
+from helpers import x64_scenarios as X
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -34,7 +34,7 @@ class X64ModesTest(absltest.TestCase):
             env = dict(os.environ, JAX_ENABLE_X64=x64, JAX_PLATFORMS="cpu",
                        PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
             out = os.path.join(cls.tmp.name, f"x64_{x64}.npz")
-            args = [sys.executable, os.path.join(HERE, "x64_scenarios.py"), out]
+            args = [sys.executable, os.path.join(HERE, "helpers", "x64_scenarios.py"), out]
             if x64 == "1":
                 args.append("--int64-inputs")
             procs[x64] = (subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out)

@@ -25,13 +25,13 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from canary_jax import constants as C
+from canary_jax import constants
 from canary_jax.decode import ViolationRecord, decode_violations
-from canary_jax.demo import canary_ops
-from canary_jax.demo import model as M
-from canary_jax.demo.radix import PageAllocator, RadixCache, TreeNode
-from canary_jax.report import HealthChecker
-from canary_jax.step import active_tags
+from canary_jax.cli.demo import canary_ops
+from canary_jax.cli.demo import model
+from canary_jax.cli.demo.radix import PageAllocator, RadixCache, TreeNode
+from canary_jax.runtime.report import HealthChecker
+from canary_jax.runtime.step import active_tags
 
 
 class ConfigError(ValueError):
@@ -64,7 +64,7 @@ class EngineConfig:
     max_tokens_per_step: int = 64
     chunk_size: int = 32
     max_context: int = 192
-    real_kv_hash_mode: C.RealKvHashMode = C.RealKvHashMode.ALL
+    real_kv_hash_mode: constants.RealKvHashMode = constants.RealKvHashMode.ALL
     sweep_interval: int = 4
     token_oracle: bool = True
     ring_capacity: int = 1024
@@ -304,7 +304,7 @@ class Scheduler:
         prefix = np.zeros((bcap,), np.int64)
         extend = np.zeros((bcap,), np.int64)
         valid = np.zeros((bcap,), np.int64)
-        ids = np.full((tcap,), M.PAD_TOKEN, np.int32)
+        ids = np.full((tcap,), model.PAD_TOKEN, np.int32)
         pos = np.zeros((tcap,), np.int32)
         loc = np.zeros((tcap,), np.int32)
         trow = np.zeros((tcap,), np.int32)
@@ -363,12 +363,12 @@ class StepResult:
 class Engine:
     """Model + pools + canary, stepped by :meth:`step`."""
 
-    def __init__(self, cfg: EngineConfig, model_cfg: M.ModelConfig, requests: Sequence[Request], *,
+    def __init__(self, cfg: EngineConfig, model_cfg: model.ModelConfig, requests: Sequence[Request], *,
                  params: dict | None = None, sample_seed: int = 0):
         self.cfg = cfg
         self.model_cfg = model_cfg
-        self.params = params if params is not None else M.init_params(model_cfg)
-        self.k_pool, self.v_pool = M.allocate_pools(model_cfg, num_pages=cfg.num_pages, page_size=cfg.page_size)
+        self.params = params if params is not None else model.init_params(model_cfg)
+        self.k_pool, self.v_pool = model.allocate_pools(model_cfg, num_pages=cfg.num_pages, page_size=cfg.page_size)
         self.scheduler = Scheduler(cfg, requests)
         self.canary = canary_ops.CanaryRuntime(
             num_slots=cfg.num_slots, page_size=cfg.page_size, kv_bytes_per_token=model_cfg.kv_bytes_per_token,
@@ -403,7 +403,7 @@ class Engine:
         self.canary.head(batch, sched.req_to_token, sched.expected_tokens)
         self.canary.block()
         t1 = time.perf_counter()
-        self.k_pool, self.v_pool, next_tokens = M.forward(
+        self.k_pool, self.v_pool, next_tokens = model.forward(
             self.params, self.k_pool, self.v_pool, batch.input_ids, batch.positions, batch.out_cache_loc,
             batch.token_rows, sched.req_to_token, batch.sample_index,
             jax.random.fold_in(self.key, self.step_index), cfg=self.model_cfg)

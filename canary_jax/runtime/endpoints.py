@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 
 import jax
 
-from canary_jax import constants as C
+from canary_jax import constants
 from canary_jax import ints
 from canary_jax import launch
 from canary_jax import layout
@@ -144,7 +144,7 @@ class CanaryBufferGroup:
         kind: PoolKind = PoolKind.FULL,
         num_slots: int,
         has_v_half: bool = True,
-        slot_stride_bytes: int = C.CANARY_SLOT_BYTES,
+        slot_stride_bytes: int = constants.CANARY_SLOT_BYTES,
         real_kv_sources_k: Sequence = (),
         real_kv_sources_v: Sequence = (),
         swa_index_lut: Any = None,
@@ -230,7 +230,7 @@ class CanaryEndpoint:
       buffer_name: which group buffer ``canary_buf`` is (``k_head`` / ``k_tail`` / ``v_head`` / ``v_tail``).
     """
 
-    kernel_kind: C.CanaryLaunchTag
+    kernel_kind: constants.CanaryLaunchTag
     canary_buf: Any
     full_to_swa_index_mapping: Any
     real_kv_sources: tuple
@@ -238,12 +238,12 @@ class CanaryEndpoint:
 
     @property
     def is_sweep(self) -> bool:
-        return C.CanaryLaunchTag(int(self.kernel_kind)).is_sweep
+        return constants.CanaryLaunchTag(int(self.kernel_kind)).is_sweep
 
     def _context(self, log: layout.ViolationLog, mode) -> VerifyOrWriteContext:
-        return VerifyOrWriteContext(canary_buf=self.canary_buf, kernel_kind=C.CanaryLaunchTag(int(self.kernel_kind)),
+        return VerifyOrWriteContext(canary_buf=self.canary_buf, kernel_kind=constants.CanaryLaunchTag(int(self.kernel_kind)),
                                     log=log, real_kv_sources=tuple(self.real_kv_sources),
-                                    real_kv_hash_mode=C.RealKvHashMode(int(mode)))
+                                    real_kv_hash_mode=constants.RealKvHashMode(int(mode)))
 
     def launch_per_forward(
         self,
@@ -257,7 +257,7 @@ class CanaryEndpoint:
         enable_write_input_assert: bool = False,
         enable_verify_token_assert: bool = False,
         expected_inputs: ExpectedInputs | None = None,
-        real_kv_hash_mode: C.RealKvHashMode = C.RealKvHashMode.NONE,
+        real_kv_hash_mode: constants.RealKvHashMode = constants.RealKvHashMode.NONE,
         backend: str | None = None,
     ) -> tuple["CanaryEndpoint", layout.ViolationLog]:
         """HEAD / TAIL launch: verify ``verify_plan``, then write the step's tokens (SPEC 8.2).
@@ -280,7 +280,7 @@ class CanaryEndpoint:
             endpoint SWEEP_K_FULL").
           ValueError: expected inputs missing while the write assert is on; any launch check.
         """
-        tag = C.CanaryLaunchTag(int(self.kernel_kind))
+        tag = constants.CanaryLaunchTag(int(self.kernel_kind))
         if tag.is_sweep:
             raise NotImplementedError(f"kv-canary: launch_per_forward not supported on sweep endpoint {tag.name}")
         if enable_write_input_assert and expected_inputs is None:
@@ -305,7 +305,7 @@ class CanaryEndpoint:
         *,
         verify_plan: VerifyPlan,
         violation_log: layout.ViolationLog,
-        real_kv_hash_mode: C.RealKvHashMode = C.RealKvHashMode.NONE,
+        real_kv_hash_mode: constants.RealKvHashMode = constants.RealKvHashMode.NONE,
         backend: str | None = None,
     ) -> layout.ViolationLog:
         """SWEEP launch: verify only, token check off; the buffer is read-only.
@@ -314,7 +314,7 @@ class CanaryEndpoint:
           NotImplementedError: on a HEAD / TAIL endpoint ("kv-canary: launch_sweep not supported on
             non-sweep endpoint HEAD_K_FULL").
         """
-        tag = C.CanaryLaunchTag(int(self.kernel_kind))
+        tag = constants.CanaryLaunchTag(int(self.kernel_kind))
         if not tag.is_sweep:
             raise NotImplementedError(f"kv-canary: launch_sweep not supported on non-sweep endpoint {tag.name}")
         ctx = launch.verify(self._context(violation_log, real_kv_hash_mode), verify_plan,
@@ -325,7 +325,7 @@ class CanaryEndpoint:
 jax.tree_util.register_pytree_node(
     CanaryEndpoint,
     lambda e: ((e.canary_buf, e.full_to_swa_index_mapping, tuple(e.real_kv_sources)),
-               (C.CanaryLaunchTag(int(e.kernel_kind)), e.buffer_name)),
+               (constants.CanaryLaunchTag(int(e.kernel_kind)), e.buffer_name)),
     lambda aux, ch: CanaryEndpoint(kernel_kind=aux[0], canary_buf=ch[0], full_to_swa_index_mapping=ch[1],
                                    real_kv_sources=tuple(ch[2]), buffer_name=aux[1]),
 )
@@ -333,7 +333,7 @@ jax.tree_util.register_pytree_node(
 # Per group, its tags in SGLang's endpoint order (HEAD-K, HEAD-V, TAIL-K, TAIL-V, SWEEP-K, SWEEP-V), which is
 # the tags' value order, as (tag, phase, half): e.g. (TAIL_V_SWA, "TAIL", "v").
 _LAYOUT = {
-    kind: tuple((t, t.name.split("_")[0], t.name.split("_")[1].lower()) for t in C.CanaryLaunchTag
+    kind: tuple((t, t.name.split("_")[0], t.name.split("_")[1].lower()) for t in constants.CanaryLaunchTag
                 if t.group == kind.name)
     for kind in PoolKind
 }
@@ -374,7 +374,7 @@ def select_endpoints(endpoints: Iterable[CanaryEndpoint], phase: str, *,
         raise ValueError(f"kv-canary: phase must be one of head/tail/sweep, got {phase!r}")
     out = []
     for e in endpoints:
-        tag = C.CanaryLaunchTag(int(e.kernel_kind))
+        tag = constants.CanaryLaunchTag(int(e.kernel_kind))
         if not tag.name.lower().startswith(phase + "_"):
             continue
         if tag.is_v_half and not enable_v_half:
@@ -395,7 +395,7 @@ def dispatch(
     enable_write_input_assert: bool = False,
     enable_verify_token_assert: bool = False,
     expected_inputs: ExpectedInputs | None = None,
-    real_kv_hash_mode: C.RealKvHashMode = C.RealKvHashMode.NONE,
+    real_kv_hash_mode: constants.RealKvHashMode = constants.RealKvHashMode.NONE,
     backend: str | None = None,
 ) -> tuple[CanaryEndpoint, layout.ViolationLog]:
     """Routes ``endpoint`` to the launch its tag allows, so callers never hit the NotImplementedError.
@@ -416,7 +416,7 @@ def dispatch(
     missing = [n for n, v in (("write_plan", write_plan), ("input_ids", input_ids), ("positions", positions),
                               ("out_cache_loc", out_cache_loc)) if v is None]
     if missing:
-        tag = C.CanaryLaunchTag(int(endpoint.kernel_kind))
+        tag = constants.CanaryLaunchTag(int(endpoint.kernel_kind))
         raise ValueError(f"kv-canary: per-forward endpoint {tag.name} needs {', '.join(missing)}")
     return endpoint.launch_per_forward(
         verify_plan=verify_plan, write_plan=write_plan, input_ids=input_ids, positions=positions,

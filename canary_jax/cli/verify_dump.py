@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from canary_jax import constants as C
-from canary_jax import hashing as H
+from canary_jax import constants
+from canary_jax import hashing
 from canary_jax.decode import decode_violations, format_violations, recorded_rows
 
 class DumpError(ValueError):
@@ -88,12 +88,12 @@ def _load(path: str) -> dict[str, np.ndarray]:
 
 
 def _is_ring(a: np.ndarray) -> bool:
-    return (a.ndim == 2 and a.shape[1] == C.VIOLATION_FIELDS and a.dtype.kind in "iu" and a.dtype.itemsize == 8) or (
-        a.ndim == 3 and a.shape[1:] == (C.VIOLATION_FIELDS, 2) and a.dtype.itemsize == 4 and a.dtype.kind in "iu")
+    return (a.ndim == 2 and a.shape[1] == constants.VIOLATION_FIELDS and a.dtype.kind in "iu" and a.dtype.itemsize == 8) or (
+        a.ndim == 3 and a.shape[1:] == (constants.VIOLATION_FIELDS, 2) and a.dtype.itemsize == 4 and a.dtype.kind in "iu")
 
 
 def _is_canary_buf(a: np.ndarray) -> bool:
-    return a.ndim == 2 and a.dtype == np.uint8 and a.shape[1] >= C.CANARY_SLOT_BYTES and a.shape[1] % 8 == 0
+    return a.ndim == 2 and a.dtype == np.uint8 and a.shape[1] >= constants.CANARY_SLOT_BYTES and a.shape[1] % 8 == 0
 
 
 def _ring_as_int64(a: np.ndarray) -> np.ndarray:
@@ -111,7 +111,7 @@ def _infer_write_index(ring: np.ndarray) -> int:
 
 
 def _records(buf: np.ndarray) -> np.ndarray:
-    arr = np.ascontiguousarray(buf[:, : C.CANARY_SLOT_BYTES])
+    arr = np.ascontiguousarray(buf[:, : constants.CANARY_SLOT_BYTES])
     return arr.view("<i8").reshape(buf.shape[0], 4)
 
 
@@ -119,8 +119,8 @@ def _mix3_np(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     def sm(x):
         x = x.astype(np.uint64)
         with np.errstate(over="ignore"):
-            x = (x ^ (x >> np.uint64(30))) * np.uint64(C.SPLITMIX64_MUL1)
-            x = (x ^ (x >> np.uint64(27))) * np.uint64(C.SPLITMIX64_MUL2)
+            x = (x ^ (x >> np.uint64(30))) * np.uint64(constants.SPLITMIX64_MUL1)
+            x = (x ^ (x >> np.uint64(27))) * np.uint64(constants.SPLITMIX64_MUL2)
         return x ^ (x >> np.uint64(31))
 
     h = sm(a.view(np.uint64))
@@ -137,7 +137,7 @@ def chain_census(buf: np.ndarray) -> dict[str, Any]:
     tok, pos, prev = rec[idx, 0], rec[idx, 1], rec[idx, 2]
     chain = _mix3_np(prev.copy(), tok.copy(), pos.copy())
     known = set(zip(pos.tolist(), chain.view(np.int64).tolist()))
-    anchor = H.splitmix64_python(C.CANARY_CHAIN_ANCHOR)
+    anchor = hashing.splitmix64_python(constants.CANARY_CHAIN_ANCHOR)
     anchor = anchor - (1 << 64) if anchor >= 1 << 63 else anchor
     broken = []
     for s, p, ph in zip(idx.tolist(), pos.tolist(), prev.tolist()):
@@ -147,7 +147,7 @@ def chain_census(buf: np.ndarray) -> dict[str, Any]:
     return dict(records=int(idx.size), broken_links=len(broken), broken=broken[:50])
 
 
-def _verify_buffer(buf: np.ndarray, tag: C.CanaryLaunchTag, meta: dict, k_buffer, page_size: int, mode: int):
+def _verify_buffer(buf: np.ndarray, tag: constants.CanaryLaunchTag, meta: dict, k_buffer, page_size: int, mode: int):
     import jax.numpy as jnp
 
     from canary_jax import launch
@@ -168,19 +168,19 @@ def _verify_buffer(buf: np.ndarray, tag: C.CanaryLaunchTag, meta: dict, k_buffer
                            req_to_token=r2t, verify_capacity=cap, write_req_capacity=max(1, rpi.size))
     buf = np.array(buf)
     sources = ()
-    mode = C.RealKvHashMode(mode)
-    if tag.is_tail and k_buffer is not None and mode != C.RealKvHashMode.NONE:
+    mode = constants.RealKvHashMode(mode)
+    if tag.is_tail and k_buffer is not None and mode != constants.RealKvHashMode.NONE:
         nbpt = k_buffer.shape[1] // page_size
-        read = C.PARTIAL_READ_BYTES if mode == C.RealKvHashMode.PARTIAL else nbpt
+        read = constants.PARTIAL_READ_BYTES if mode == constants.RealKvHashMode.PARTIAL else nbpt
         sources = (RealKvSource(tensor=jnp.asarray(k_buffer), page_size=page_size, num_bytes_per_token=nbpt,
                                 read_bytes=read),)
         checked_rkv = True
     else:
         # Without the K bytes the stored fingerprints cannot be recomputed: blank them (NONE compares with 0).
-        rec = np.ascontiguousarray(buf[:, : C.CANARY_SLOT_BYTES]).copy()
+        rec = np.ascontiguousarray(buf[:, : constants.CANARY_SLOT_BYTES]).copy()
         rec[:, 24:32] = 0
-        buf[:, : C.CANARY_SLOT_BYTES] = rec
-        mode = C.RealKvHashMode.NONE
+        buf[:, : constants.CANARY_SLOT_BYTES] = rec
+        mode = constants.RealKvHashMode.NONE
         checked_rkv = False
     ctx = VerifyOrWriteContext(canary_buf=jnp.asarray(buf), kernel_kind=tag, log=ViolationLog.allocate(
         ring_capacity=max(1, cap)), real_kv_sources=sources, real_kv_hash_mode=mode)
@@ -233,7 +233,7 @@ def load_and_report(path: str, *, write_index: int | None = None, start: int = 0
         bufs = [("canary_buf", data[""])]
     meta_ok = all(k in data for k in ("req_to_token", "req_pool_indices", "seq_lens"))
     page_size = int(np.asarray(data.get("page_size", 1)).reshape(-1)[0])
-    mode = int(np.asarray(data.get("real_kv_hash_mode", int(C.RealKvHashMode.ALL))).reshape(-1)[0])
+    mode = int(np.asarray(data.get("real_kv_hash_mode", int(constants.RealKvHashMode.ALL))).reshape(-1)[0])
     k_buffer = data.get("k_buffer")
     for name, buf in bufs:
         if not _is_canary_buf(buf):
@@ -241,7 +241,7 @@ def load_and_report(path: str, *, write_index: int | None = None, start: int = 0
                             "uint8[num_slots, stride >= 32] with stride a multiple of 8")
         entry: dict[str, Any] = dict(name=name, num_slots=int(buf.shape[0]), census=chain_census(buf))
         if meta_ok:
-            tag = C.CanaryLaunchTag.TAIL_K_FULL if "tail" in name else C.CanaryLaunchTag.HEAD_K_FULL
+            tag = constants.CanaryLaunchTag.TAIL_K_FULL if "tail" in name else constants.CanaryLaunchTag.HEAD_K_FULL
             log, checked, entries = _verify_buffer(buf, tag, data, k_buffer, page_size, mode)
             rep = _ring_report(f"verify of {name}", _ring_int64(log), log.num_violations(), 0)
             del rep["ring_capacity"]  # the scratch ring is sized to the entries; not a property of the dump

@@ -1,4 +1,4 @@
-"""Text tables and the PNG chart of a campaign summary (see :func:`canary_jax.demo.campaign.summarize`)."""
+"""Text tables and the PNG chart of a campaign summary (see :func:`canary_jax.cli.demo.campaign.summarize`)."""
 
 from __future__ import annotations
 

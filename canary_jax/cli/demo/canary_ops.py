@@ -1,17 +1,17 @@
-"""The demo engine's canary, on the runtime's per-forward step API (:mod:`canary_jax.step`).
+"""The demo engine's canary, on the runtime's per-forward step API (:mod:`canary_jax.runtime.step`).
 
-One FULL :class:`~canary_jax.endpoints.CanaryBufferGroup` (the demo pool has no SWA part) with HEAD and TAIL
+One FULL :class:`~canary_jax.runtime.endpoints.CanaryBufferGroup` (the demo pool has no SWA part) with HEAD and TAIL
 buffers for the K half and, with ``enable_v_half``, the V half (SGLang launches only K halves by default).
 TAIL and SWEEP launches fingerprint layer 0 of the K (and V) pool: the pool is
 ``bf16[layers, pages, page_size * kv_dim]``, so ``pool[0]`` is a :class:`~canary_jax.sources.RealKvSource`
 with ``page_size`` slots per row (SGLang's packed-page layout; page size 1 is its MHA layout).
 
-Per forward (SPEC 8.3): :func:`canary_jax.step.canary_head` plans the batch
+Per forward (SPEC 8.3): :func:`canary_jax.runtime.step.canary_head` plans the batch
 (:func:`canary_jax.plan_builder.build_plans`) and runs HEAD verify + write; the model writes its KV;
-:func:`canary_jax.step.canary_tail` runs TAIL verify + write with the same plans and the new KV. Every
-``sweep_interval`` steps :func:`canary_jax.step.canary_sweep` verifies every slot of the prefix cache against
-the TAIL buffer (:func:`canary_jax.sweep.build_sweep_plan_from_radix`, fixed capacity, SPEC 9 "Sweep"). All shapes are fixed, so each
-function compiles once; the backend is picked by :func:`canary_jax.launch.resolve_backend` (Pallas on GPU,
+:func:`canary_jax.runtime.step.canary_tail` runs TAIL verify + write with the same plans and the new KV. Every
+``sweep_interval`` steps :func:`canary_jax.runtime.step.canary_sweep` verifies every slot of the prefix cache against
+the TAIL buffer (:func:`canary_jax.runtime.sweep.build_sweep_plan_from_radix`, fixed capacity, SPEC 9 "Sweep"). All shapes are fixed, so each
+function compiles once; the backend is picked by :func:`canary_jax.backends.resolve_backend` (Pallas on GPU,
 the jnp reference elsewhere).
 """
 
@@ -22,19 +22,19 @@ import functools
 import jax
 import numpy as np
 
-from canary_jax import constants as C
-from canary_jax import launch
-from canary_jax.endpoints import CanaryBufferGroup, ExpectedInputs, PoolKind
+from canary_jax import constants
+from canary_jax import backends
+from canary_jax.runtime.endpoints import CanaryBufferGroup, ExpectedInputs, PoolKind
 from canary_jax.sources import RealKvSource
-from canary_jax.sweep import build_sweep_plan_from_radix
-from canary_jax.step import CanaryBatch, CanaryState, CanaryStepConfig, canary_head, canary_sweep, canary_tail
+from canary_jax.runtime.sweep import build_sweep_plan_from_radix
+from canary_jax.runtime.step import CanaryBatch, CanaryState, CanaryStepConfig, canary_head, canary_sweep, canary_tail
 
 
-def _pool_sources(pool, *, page_size: int, kv_bytes: int, mode: C.RealKvHashMode) -> tuple:
+def _pool_sources(pool, *, page_size: int, kv_bytes: int, mode: constants.RealKvHashMode) -> tuple:
     """Layer 0 of a pool as the one real-KV source (none in NONE mode, as SGLang's factories do)."""
-    if mode == C.RealKvHashMode.NONE:
+    if mode == constants.RealKvHashMode.NONE:
         return ()
-    read = C.PARTIAL_READ_BYTES if mode == C.RealKvHashMode.PARTIAL else kv_bytes
+    read = constants.PARTIAL_READ_BYTES if mode == constants.RealKvHashMode.PARTIAL else kv_bytes
     return (RealKvSource(tensor=pool[0], page_size=page_size, num_bytes_per_token=kv_bytes, read_bytes=read),)
 
 
@@ -69,15 +69,15 @@ class CanaryRuntime:
     """Canary state of the demo engine and its three phases (HEAD, TAIL, SWEEP)."""
 
     def __init__(self, *, num_slots: int, page_size: int, kv_bytes_per_token: int, verify_capacity: int,
-                 write_req_capacity: int, sweep_capacity: int, real_kv_hash_mode: C.RealKvHashMode,
+                 write_req_capacity: int, sweep_capacity: int, real_kv_hash_mode: constants.RealKvHashMode,
                  token_oracle: bool, ring_capacity: int, backend: str | None, enable_v_half: bool = False):
         self.page_size = page_size
         self.kv_bytes = kv_bytes_per_token
         self.sweep_capacity = sweep_capacity
-        self.backend = launch.resolve_backend(backend)
+        self.backend = backends.resolve_backend(backend)
         self.config = CanaryStepConfig(
             verify_capacity=verify_capacity, write_req_capacity=write_req_capacity,
-            real_kv_hash_mode=C.RealKvHashMode(int(real_kv_hash_mode)),
+            real_kv_hash_mode=constants.RealKvHashMode(int(real_kv_hash_mode)),
             enable_write_input_assert=bool(token_oracle), enable_verify_token_assert=bool(token_oracle),
             enable_v_half=bool(enable_v_half), backend=self.backend)
         group = CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=num_slots, has_v_half=bool(enable_v_half))
@@ -88,7 +88,7 @@ class CanaryRuntime:
         self.sweep_passes = 0
 
     @property
-    def mode(self) -> C.RealKvHashMode:
+    def mode(self) -> constants.RealKvHashMode:
         return self.config.real_kv_hash_mode
 
     @property

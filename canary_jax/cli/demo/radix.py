@@ -180,12 +180,12 @@ class RadixCache:
         return freed
 
     def sweep_entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """SGLang's sweep walk (:func:`canary_jax.sweep.walk_radix_tree`): ``(slots, positions, prev_slots)``.
+        """SGLang's sweep walk (:func:`canary_jax.runtime.sweep.walk_radix_tree`): ``(slots, positions, prev_slots)``.
 
         Node slot ``j`` has position ``depth + j`` and predecessor the previous slot of the node, or the
         parent's last slot, or -1 at the top level.
         """
-        from canary_jax.sweep import walk_radix_tree
+        from canary_jax.runtime.sweep import walk_radix_tree
 
         e = walk_radix_tree(self.root_node)
         return e.slots, e.positions, e.prev_slots

@@ -33,7 +33,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants as C
+from canary_jax import constants
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,10 +133,10 @@ class KvFlip(Fault):
         self.caught_by = "TAIL verify real_kv (PARTIAL and ALL)" if hi == 16 else "TAIL verify real_kv (ALL only)"
 
     def expected(self, cfg) -> Expectation:
-        mode = C.RealKvHashMode(int(cfg.real_kv_hash_mode))
-        if mode == C.RealKvHashMode.NONE:
+        mode = constants.RealKvHashMode(int(cfg.real_kv_hash_mode))
+        if mode == constants.RealKvHashMode.NONE:
             return Expectation(False, "real-KV hashing is off (NONE)")
-        if self._lo >= C.PARTIAL_READ_BYTES and mode == C.RealKvHashMode.PARTIAL:
+        if self._lo >= constants.PARTIAL_READ_BYTES and mode == constants.RealKvHashMode.PARTIAL:
             return Expectation(False, "PARTIAL hashes only the first 16 bytes of a slot")
         return Expectation(True)
 
@@ -305,8 +305,8 @@ class CanaryFieldCorruption(Fault):
     def ready(self, sched, batch) -> bool:
         return bool(_verified_prefix_candidates(batch, min_prefix=2))
 
-    FIELDS = ((C.CANARY_FIELD_TOKEN, "token"), (C.CANARY_FIELD_POSITION, "position"),
-              (C.CANARY_FIELD_PREV_HASH, "prev_hash"))
+    FIELDS = ((constants.CANARY_FIELD_TOKEN, "token"), (constants.CANARY_FIELD_POSITION, "position"),
+              (constants.CANARY_FIELD_PREV_HASH, "prev_hash"))
 
     def try_inject(self, engine, batch, rng, trial):
         rows = _verified_prefix_candidates(batch, min_prefix=2)
@@ -337,7 +337,7 @@ class OrphanPrefixFlip(Fault):
     def expected(self, cfg) -> Expectation:
         if cfg.sweep_interval <= 0:
             return Expectation(False, "sweep is off (sweep_interval 0)")
-        if C.RealKvHashMode(int(cfg.real_kv_hash_mode)) == C.RealKvHashMode.NONE:
+        if constants.RealKvHashMode(int(cfg.real_kv_hash_mode)) == constants.RealKvHashMode.NONE:
             return Expectation(False, "real-KV hashing is off (NONE)")
         return Expectation(True)
 
@@ -349,7 +349,7 @@ class OrphanPrefixFlip(Fault):
         node.pinned = True  # keep it cached until the episode ends (eviction would hide the fault)
         j = int(rng.integers(len(node.value)))
         slot = int(node.value[j])
-        byte, bit = int(rng.integers(0, C.PARTIAL_READ_BYTES)), int(rng.integers(8))
+        byte, bit = int(rng.integers(0, constants.PARTIAL_READ_BYTES)), int(rng.integers(8))
         _flip_k_bit(engine, slot, byte, bit)
         return dict(slot=slot, byte=byte, bit=bit, node_tokens=len(node.key))
 

@@ -119,24 +119,24 @@ def source_arrays(sc: dict) -> list[np.ndarray]:
 
 # --- oracle side ---------------------------------------------------------------------------------------------
 def run_oracle(sc: dict) -> dict:
-    import oracle as O
+    from helpers import oracle
 
-    st = O.State.fresh(NUM_SLOTS, STRIDE, RING)
-    osrcs = [O.Source.of(a, s["page"], s["nbpt"], s["read"]) for a, s in zip(source_arrays(sc), sc["sources"])]
+    st = oracle.State.fresh(NUM_SLOTS, STRIDE, RING)
+    osrcs = [oracle.Source.of(a, s["page"], s["nbpt"], s["read"]) for a, s in zip(source_arrays(sc), sc["sources"])]
     trace = []
     for op in sc["ops"]:
         if op["kind"] == "poke":
-            rec = list(O.read_record(st.buf, op["slot"]))
+            rec = list(oracle.read_record(st.buf, op["slot"]))
             rec[op["field"]] ^= 1 << op["bit"]
-            O.write_record(st.buf, op["slot"], rec)
+            oracle.write_record(st.buf, op["slot"], rec)
             continue
         if op["kind"] == "write":
-            O.write(st, tag=op["tag"], offsets=op["offsets"], seeds=op["seeds"], input_ids=op["ids"],
+            oracle.write(st, tag=op["tag"], offsets=op["offsets"], seeds=op["seeds"], input_ids=op["ids"],
                     positions=op["pos"], out_cache_loc=op["loc"], num_valid_reqs=op["nvr"],
                     input_assert=op["input_assert"], expected_tokens=op["etok"], expected_positions=op["epos"],
                     sources=osrcs, mode=sc["mode"])
         else:
-            O.verify(st, tag=op["tag"], slots=op["slots"], positions=op["positions"], prev_slots=op["prevs"],
+            oracle.verify(st, tag=op["tag"], slots=op["slots"], positions=op["positions"], prev_slots=op["prevs"],
                      expected_tokens=op["tokens"], num_valid=op["num_valid"], enable=op["enable"],
                      check_token=op["check"], sources=osrcs, mode=sc["mode"])
         trace.append(st.write_index)
@@ -149,7 +149,7 @@ def run_jax(sc: dict, *, int64_inputs: bool = False) -> dict:
     import jax
     import jax.numpy as jnp
 
-    import canary_jax as cj
+    import canary_jax
 
     def pairs(v):
         arr = np.array([x & (2**64 - 1) for x in v], np.uint64).astype("<u8")
@@ -162,10 +162,10 @@ def run_jax(sc: dict, *, int64_inputs: bool = False) -> dict:
     srcs = []
     for a, s in zip(source_arrays(sc), sc["sources"]):
         t = jnp.asarray(a.view(np.int64), jnp.int64) if int64_inputs else jnp.asarray(a)
-        srcs.append(cj.RealKvSource(tensor=t, page_size=s["page"], num_bytes_per_token=s["nbpt"],
+        srcs.append(canary_jax.RealKvSource(tensor=t, page_size=s["page"], num_bytes_per_token=s["nbpt"],
                                     read_bytes=s["read"]))
-    ctx = cj.VerifyOrWriteContext(canary_buf=cj.allocate_canary_buffer(NUM_SLOTS, STRIDE), kernel_kind=TAIL_K_FULL,
-                                  log=cj.ViolationLog.allocate(ring_capacity=RING), real_kv_sources=tuple(srcs),
+    ctx = canary_jax.VerifyOrWriteContext(canary_buf=canary_jax.allocate_canary_buffer(NUM_SLOTS, STRIDE), kernel_kind=TAIL_K_FULL,
+                                  log=canary_jax.ViolationLog.allocate(ring_capacity=RING), real_kv_sources=tuple(srcs),
                                   real_kv_hash_mode=sc["mode"])
     trace = []
     for op in sc["ops"]:
@@ -178,20 +178,20 @@ def run_jax(sc: dict, *, int64_inputs: bool = False) -> dict:
             continue
         ctx = ctx.replace(kernel_kind=op["tag"])
         if op["kind"] == "write":
-            plan = cj.WritePlan(write_offsets=pairs(op["offsets"]), write_seed_slot_indices=pairs(op["seeds"]),
+            plan = canary_jax.WritePlan(write_offsets=pairs(op["offsets"]), write_seed_slot_indices=pairs(op["seeds"]),
                                 write_num_valid_reqs=jnp.asarray(np.array([op["nvr"]], np.int32)))
             kw = {}
             if op["input_assert"]:
                 kw = dict(expected_input_tokens=arr64(op["etok"]), expected_input_positions=arr64(op["epos"]))
-            ctx = cj.write(ctx, plan, arr64(op["ids"]), arr64(op["pos"]), arr64(op["loc"]),
+            ctx = canary_jax.write(ctx, plan, arr64(op["ids"]), arr64(op["pos"]), arr64(op["loc"]),
                            enable_write_input_assert=op["input_assert"], backend="reference", **kw)
         else:
-            plan = cj.VerifyPlan(verify_slot_indices=pairs(op["slots"]), verify_expected_tokens=pairs(op["tokens"]),
+            plan = canary_jax.VerifyPlan(verify_slot_indices=pairs(op["slots"]), verify_expected_tokens=pairs(op["tokens"]),
                                  verify_expected_positions=pairs(op["positions"]),
                                  verify_prev_slot_indices=pairs(op["prevs"]),
                                  verify_num_valid=jnp.asarray(np.array([op["num_valid"]], np.int32)),
                                  enable=jnp.asarray(np.array([op["enable"]], np.int32)))
-            ctx = cj.verify(ctx, plan, check_verify_expected_token=op["check"], backend="reference")
+            ctx = canary_jax.verify(ctx, plan, check_verify_expected_token=op["check"], backend="reference")
         trace.append(int(np.asarray(ctx.log.write_index)[0]))
 
     def i64(x):

@@ -24,12 +24,12 @@ from typing import Callable
 import jax
 import numpy as np
 
-from canary_jax import constants as C
+from canary_jax import constants
 from canary_jax.decode import format_violation
-from canary_jax.demo import engine as E
-from canary_jax.demo import faults as F
-from canary_jax.demo import model as M
-from canary_jax.demo import workload as W
+from canary_jax.cli.demo.engine import ConfigError, Engine, EngineConfig, Request, Scheduler
+from canary_jax.cli.demo.faults import FAULT_KINDS, Fault, WorkloadTrace
+from canary_jax.cli.demo.model import ModelConfig, PAD_TOKEN, init_params
+from canary_jax.cli.demo import workload
 
 # jax.random.PRNGKey keeps 32 bits of a seed with x64 off (2**32 would silently equal seed 0).
 MAX_SEED = 2**32 - 1
@@ -38,8 +38,8 @@ INJECT_SPREAD = 8  # per-trial offsets of the injection step: inject_after + [0,
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CampaignConfig:
-    engine: E.EngineConfig
-    model: M.ModelConfig
+    engine: EngineConfig
+    model: ModelConfig
     num_requests: int = 24
     max_new_tokens: int = 16
     trials: int = 2
@@ -53,9 +53,9 @@ class CampaignConfig:
                          ("detect_window", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
-                raise E.ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
+                raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
         if not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
-            raise E.ConfigError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+            raise ConfigError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
 
 
 
@@ -104,21 +104,21 @@ class CampaignResult:
     not_applicable: dict = dataclasses.field(default_factory=dict)  # kind -> why it ran no episodes
 
 
-def dry_run(cfg: CampaignConfig, kinds: list[F.Fault], requests=None) -> F.WorkloadTrace:
+def dry_run(cfg: CampaignConfig, kinds: list[Fault], requests=None) -> WorkloadTrace:
     """Schedules the workload with no model and no canary and records, per step, which kinds could act.
 
     Sampled tokens are replaced by PAD (never part of a prompt), so the schedule (which depends on lengths and
     prompt prefixes only) is the one a fault-free episode runs.
     """
     if requests is None:
-        requests = W.build_requests(W.load_prompts(cfg.prompt_path), num_requests=cfg.num_requests,
+        requests = workload.build_requests(workload.load_prompts(cfg.prompt_path), num_requests=cfg.num_requests,
                                     max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
-    reqs = [E.Request(rid=r.rid, prompt=list(r.prompt), max_new_tokens=r.max_new_tokens) for r in requests]
-    sched = E.Scheduler(cfg.engine, reqs)
+    reqs = [Request(rid=r.rid, prompt=list(r.prompt), max_new_tokens=r.max_new_tokens) for r in requests]
+    sched = Scheduler(cfg.engine, reqs)
     ready = {f.kind: [] for f in kinds}
     allocs, sweeps = [], []
     step = 0
-    pad = np.full((cfg.engine.max_running,), M.PAD_TOKEN, np.int32)
+    pad = np.full((cfg.engine.max_running,), PAD_TOKEN, np.int32)
     while True:
         before = sched.stats["pages_allocated"]
         batch = sched.schedule()
@@ -133,7 +133,7 @@ def dry_run(cfg: CampaignConfig, kinds: list[F.Fault], requests=None) -> F.Workl
         if cfg.engine.sweep_interval > 0 and (step + 1) % cfg.engine.sweep_interval == 0:
             sweeps.append(step)
         step += 1
-    return F.WorkloadTrace(num_steps=step, ready={k: tuple(v) for k, v in ready.items()},
+    return WorkloadTrace(num_steps=step, ready={k: tuple(v) for k, v in ready.items()},
                            alloc_steps=tuple(allocs), sweep_steps=tuple(sweeps))
 
 
@@ -148,25 +148,25 @@ def _reason_keys(records) -> collections.Counter:
 class Campaign:
     """Runs the clean phase and the fault episodes; ``on_step(label, step)`` feeds a progress bar."""
 
-    def __init__(self, cfg: CampaignConfig, kinds: list[F.Fault], *,
+    def __init__(self, cfg: CampaignConfig, kinds: list[Fault], *,
                  on_step: Callable[[str, int], None] | None = None,
                  on_episode: Callable[[str], None] | None = None, dump_path: str | None = None):
         self.cfg = cfg
         self.kinds = kinds
         self.on_step = on_step or (lambda label, step: None)
         self.on_episode = on_episode or (lambda label: None)
-        self.prompts = W.load_prompts(cfg.prompt_path)
-        probe = W.build_requests(self.prompts, num_requests=cfg.num_requests, max_new_tokens=cfg.max_new_tokens,
+        self.prompts = workload.load_prompts(cfg.prompt_path)
+        probe = workload.build_requests(self.prompts, num_requests=cfg.num_requests, max_new_tokens=cfg.max_new_tokens,
                                  seed=cfg.seed)
         cfg.engine.check_workload([len(r.prompt) for r in probe], cfg.max_new_tokens)
         self.not_applicable = {f.kind: f.not_applicable(cfg.model) for f in kinds if f.not_applicable(cfg.model)}
         self.trace = dry_run(cfg, kinds, probe)
         self.latest_inject = self._latest_inject_steps()
-        self.params = M.init_params(cfg.model)
+        self.params = init_params(cfg.model)
         self.dump_path = dump_path
         self.dumped: str | None = None
         self.dump_error: str | None = None  # why --dump could not be written (the CLI reports it, exit 2)
-        self.last_engine: E.Engine | None = None
+        self.last_engine: Engine | None = None
 
     def _latest_inject_steps(self) -> dict[str, int]:
         """Per kind, the last step at which it can act and still be seen; refuses a too-short workload."""
@@ -181,20 +181,20 @@ class Campaign:
             else:
                 short.append(f)
         if short:
-            raise E.ConfigError(
+            raise ConfigError(
                 f"the workload is too short for {', '.join(f.kind for f in short)}: in its {self.trace.num_steps} "
                 "forward steps " + "; ".join(f"{f.kind} never finds {f.needs}" for f in short)
                 + "; raise --requests or --max-new-tokens, or leave these kinds out of --inject")
         return out
 
-    def inject_step(self, fault: F.Fault, rng: np.random.Generator) -> int:
+    def inject_step(self, fault: Fault, rng: np.random.Generator) -> int:
         """The first step a trial tries to inject at (draws the per-trial offset from ``rng``)."""
         return min(self.cfg.inject_after + int(rng.integers(0, INJECT_SPREAD)), self.latest_inject[fault.kind])
 
-    def _engine(self) -> E.Engine:
-        reqs = W.build_requests(self.prompts, num_requests=self.cfg.num_requests,
+    def _engine(self) -> Engine:
+        reqs = workload.build_requests(self.prompts, num_requests=self.cfg.num_requests,
                                 max_new_tokens=self.cfg.max_new_tokens, seed=self.cfg.seed)
-        eng = E.Engine(self.cfg.engine, self.cfg.model, reqs, params=self.params, sample_seed=self.cfg.seed)
+        eng = Engine(self.cfg.engine, self.cfg.model, reqs, params=self.params, sample_seed=self.cfg.seed)
         self.last_engine = eng
         return eng
 
@@ -226,11 +226,11 @@ class Campaign:
         self.clean_health_errors = list(eng.health_errors)
         return fps, dict(reasons), stats, dict(eng.scheduler.stats)
 
-    def run_trial(self, fault: F.Fault, trial: int) -> TrialResult:
+    def run_trial(self, fault: Fault, trial: int) -> TrialResult:
         label = f"{fault.kind}#{trial}"
         self.on_episode(label)
         cfg = self.cfg
-        rng = np.random.default_rng([cfg.seed, trial, F.FAULT_KINDS.index(fault.kind)])
+        rng = np.random.default_rng([cfg.seed, trial, FAULT_KINDS.index(fault.kind)])
         inject_at = self.inject_step(fault, rng)
         eng = self._engine()
         window = max(cfg.detect_window, cfg.engine.sweep_interval + 1)  # a sweep must get its chance
@@ -278,8 +278,8 @@ class Campaign:
             self._dump(eng, label)
         return out
 
-    def _dump(self, eng: E.Engine, label: str) -> None:
-        from canary_jax.demo.dump import save_dump
+    def _dump(self, eng: Engine, label: str) -> None:
+        from canary_jax.cli.verify_dump import save_dump
 
         running = eng.scheduler.running
         try:
@@ -393,7 +393,7 @@ def summarize(result: CampaignResult) -> dict:
     )
     health = list(result.clean_health_errors) + [e for t in result.trials for e in t.health_errors]
     ok = result.clean_false_positives == 0 and all(f["ok"] for f in faults) and not health
-    mode = C.RealKvHashMode(int(ecfg.real_kv_hash_mode)).name
+    mode = constants.RealKvHashMode(int(ecfg.real_kv_hash_mode)).name
     return dict(
         ok=ok,
         faults=faults,
@@ -404,8 +404,8 @@ def summarize(result: CampaignResult) -> dict:
         timing=timing,
         canary=dict(real_kv_hash_mode=mode, sweep_interval=ecfg.sweep_interval, token_oracle=ecfg.token_oracle,
                     mha_v=ecfg.enable_v_half,
-                    tags=[C.CanaryLaunchTag(t).name for t in sorted(
-                        t for t in C.CanaryLaunchTag if t.group == "FULL"
+                    tags=[constants.CanaryLaunchTag(t).name for t in sorted(
+                        t for t in constants.CanaryLaunchTag if t.group == "FULL"
                         and (ecfg.sweep_interval > 0 or not t.is_sweep) and (ecfg.enable_v_half or not t.is_v_half))]),
         workload=dict(num_requests=result.config.num_requests, max_new_tokens=result.config.max_new_tokens,
                       trials=result.config.trials, seed=result.config.seed, **result.scheduler_stats),

@@ -13,7 +13,7 @@ capacities and shapes, never syncs with the host and never raises on data: viola
 overflow clears ``summary.verify_enable``. Inside an outer ``jit`` they simply inline.
 
 ``CanaryState`` bundles the buffer groups (FULL, and SWA for SWA pools) and the one ViolationLog they share.
-Host-side reporting (ring decode, log/raise, stats, health) lives in :mod:`canary_jax.report`.
+Host-side reporting (ring decode, log/raise, stats, health) lives in :mod:`canary_jax.runtime.report`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from canary_jax import constants as C
+from canary_jax import constants
 from canary_jax import layout
-from canary_jax.endpoints import CanaryBufferGroup, ExpectedInputs, PoolKind, launch_group
+from canary_jax.runtime.endpoints import CanaryBufferGroup, ExpectedInputs, PoolKind, launch_group
 from canary_jax.plan_builder import build_plans
 from canary_jax.plans import VerifyPlan
 
@@ -59,7 +59,7 @@ class CanaryStepConfig:
       enable_verify_token_assert: verify checks tokens gathered from ``batch.req_to_verify_expected_tokens``.
       enable_v_half: also launch the V-half endpoints (SGLang's ``SGLANG_KV_CANARY_ENABLE_MHA_V``,
         default off there).
-      backend: ``reference`` / ``pallas`` / None (see :func:`canary_jax.launch.resolve_backend`).
+      backend: ``reference`` / ``pallas`` / None (see :func:`canary_jax.backends.resolve_backend`).
 
     Raises:
       ValueError: non-positive capacities.
@@ -67,7 +67,7 @@ class CanaryStepConfig:
 
     verify_capacity: int
     write_req_capacity: int
-    real_kv_hash_mode: C.RealKvHashMode = C.RealKvHashMode.NONE
+    real_kv_hash_mode: constants.RealKvHashMode = constants.RealKvHashMode.NONE
     enable_write_input_assert: bool = False
     enable_verify_token_assert: bool = False
     enable_v_half: bool = False
@@ -77,7 +77,7 @@ class CanaryStepConfig:
         for name in ("verify_capacity", "write_req_capacity"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"kv-canary: {name} must be positive, got {getattr(self, name)}")
-        object.__setattr__(self, "real_kv_hash_mode", C.RealKvHashMode(int(self.real_kv_hash_mode)))
+        object.__setattr__(self, "real_kv_hash_mode", constants.RealKvHashMode(int(self.real_kv_hash_mode)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,7 +91,7 @@ class CanaryBatch:
       input_ids, positions: int64-valued ``[T]``.
       out_cache_loc: int64-valued ``[T]`` full-pool slots written this step (SWA groups translate them).
       req_to_token: ``int32[max_reqs, max_seq_len]``, already holding this step's slots.
-      expected_inputs: :class:`~canary_jax.endpoints.ExpectedInputs` (``[T]`` each) when
+      expected_inputs: :class:`~canary_jax.runtime.endpoints.ExpectedInputs` (``[T]`` each) when
         ``enable_write_input_assert``; else None.
       req_to_verify_expected_tokens: ``int32[rows, max_context_len]`` token pool when
         ``enable_verify_token_assert`` (see :func:`canary_jax.plan_builder.scatter_req_token_ids`); else None.
@@ -124,7 +124,7 @@ class CanaryState:
     """Device state of one canary manager: its buffer groups and the shared violation log (a pytree).
 
     Fields:
-      groups: tuple of :class:`~canary_jax.endpoints.CanaryBufferGroup` (FULL first, then SWA if any).
+      groups: tuple of :class:`~canary_jax.runtime.endpoints.CanaryBufferGroup` (FULL first, then SWA if any).
       log: the shared :class:`~canary_jax.layout.ViolationLog` (ring, write index, per-tag counters, the
         chain-position assert flag).
     """
@@ -137,7 +137,7 @@ class CanaryState:
         cls,
         groups: Sequence[CanaryBufferGroup],
         *,
-        ring_capacity: int = C.DEFAULT_RING_CAPACITY,
+        ring_capacity: int = constants.DEFAULT_RING_CAPACITY,
         enable_chain_position_assert: bool = True,
     ) -> "CanaryState":
         """Bundles ``groups`` with a fresh ViolationLog.
@@ -205,12 +205,12 @@ jax.tree_util.register_dataclass(
     meta_fields=[])
 
 
-def active_tags(state: CanaryState, *, sweep: bool = False, enable_v_half: bool = False) -> tuple[C.CanaryLaunchTag, ...]:
+def active_tags(state: CanaryState, *, sweep: bool = False, enable_v_half: bool = False) -> tuple[constants.CanaryLaunchTag, ...]:
     """Tags the step launches for ``state`` (HEAD and TAIL, plus SWEEP if ``sweep``; V halves only if
     ``enable_v_half`` and the group has them): what the health checker expects to see growing."""
     out = []
     for g in state.groups:
-        for tag in C.CanaryLaunchTag:
+        for tag in constants.CanaryLaunchTag:
             if tag.group != g.kind.name:
                 continue
             if tag.is_sweep and not sweep:
@@ -417,7 +417,7 @@ def canary_sweep(state: CanaryState, sweep_plans: Sequence[VerifyPlan | None], *
 
     Args:
       sweep_plans: one VerifyPlan per group (None skips that group), e.g. from
-        :func:`canary_jax.sweep.build_sweep_plan_from_radix` with the group's LUT.
+        :func:`canary_jax.runtime.sweep.build_sweep_plan_from_radix` with the group's LUT.
 
     Returns:
       The state with the new log (sweeps never write canary buffers).

@@ -11,7 +11,7 @@ reuses it. SGLang walks the tree on the host (``radix_cache_walker.py``, ``sweep
   clamps to the last entry, the canary-jax rule of :func:`canary_jax.plan_builder.swa_translate`).
 * The plan has ``num_valid = n``, ``enable = 1`` and expected tokens -1 (sweeps never check tokens).
 
-Sweep plans are verified by the SWEEP endpoints (:func:`canary_jax.step.canary_sweep`), which read the TAIL
+Sweep plans are verified by the SWEEP endpoints (:func:`canary_jax.runtime.step.canary_sweep`), which read the TAIL
 buffers. With a fixed ``verify_capacity`` the plan keeps one shape, so the sweep compiles once; more entries
 than capacity raise SGLang's RuntimeError (sweeps run on the host, outside the jitted step).
 

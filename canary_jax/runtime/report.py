@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 import jax
 import numpy as np
 
-from canary_jax import constants as C
+from canary_jax import constants
 from canary_jax import decode
 from canary_jax import ints
 from canary_jax import layout
@@ -175,7 +175,7 @@ class CanaryStats:
     Fields:
       step: the outer step.
       protected_tokens: sum over tags of slot_run_counters (entries verified + slots written).
-      sweep_passes: completed sweep passes (host count, e.g. :attr:`canary_jax.sweep.SweepSchedule.sweep_passes`).
+      sweep_passes: completed sweep passes (host count, e.g. :attr:`canary_jax.runtime.sweep.SweepSchedule.sweep_passes`).
       violations: the ring's write index (all violations ever recorded).
       ring_overflow: violations beyond the ring capacity were dropped.
       launch_tags_active: tags the manager launches; ``num_tags`` = 12.
@@ -204,7 +204,7 @@ def canary_stats(log: layout.ViolationLog, *, step: int = 0, sweep_passes: int =
     wi = log.num_violations()
     return CanaryStats(step=int(step), protected_tokens=int(slot_runs.sum()), sweep_passes=int(sweep_passes),
                        violations=wi, ring_overflow=wi > log.ring_capacity,
-                       launch_tags_active=len(tuple(active_tags)), num_tags=C.NUM_LAUNCH_TAGS,
+                       launch_tags_active=len(tuple(active_tags)), num_tags=constants.NUM_LAUNCH_TAGS,
                        kernel_runs=kernel_runs, slot_runs=slot_runs)
 
 
@@ -243,7 +243,7 @@ class StatsLogger:
         nviol = int(np.asarray(wi).reshape(-1)[0])
         stats = CanaryStats(step=s, protected_tokens=int(slot_runs.sum()), sweep_passes=int(sweep_passes),
                             violations=nviol, ring_overflow=nviol > cap, launch_tags_active=len(self.active_tags),
-                            num_tags=C.NUM_LAUNCH_TAGS, kernel_runs=ints.pairs_to_int64_np(np.asarray(krc)),
+                            num_tags=constants.NUM_LAUNCH_TAGS, kernel_runs=ints.pairs_to_int64_np(np.asarray(krc)),
                             slot_runs=slot_runs)
         line = format_stats(stats)
         self._logger.info(line)
@@ -251,12 +251,12 @@ class StatsLogger:
 
 
 def expected_health_tags(active_tags: Iterable[int], *, sweep_interval: int = 0,
-                         enable_v_half: bool = False) -> tuple[C.CanaryLaunchTag, ...]:
+                         enable_v_half: bool = False) -> tuple[constants.CanaryLaunchTag, ...]:
     """Active tags minus SWEEP tags when ``sweep_interval <= 0`` and minus V-half tags unless
     ``enable_v_half`` (SGLang's ``_expected_active_tags_for_health_check``)."""
     out = []
     for t in active_tags:
-        tag = C.CanaryLaunchTag(int(t))
+        tag = constants.CanaryLaunchTag(int(t))
         if tag.is_sweep and sweep_interval <= 0:
             continue
         if tag.is_v_half and not enable_v_half:
@@ -270,7 +270,7 @@ class HealthChecker:
     ``KernelRunCounterHealthChecker``): a silently skipped canary path must not look like a clean run.
 
     Args:
-      active_tags: tags the manager launches (e.g. :func:`canary_jax.step.active_tags`).
+      active_tags: tags the manager launches (e.g. :func:`canary_jax.runtime.step.active_tags`).
       sweep_interval: 0 = no sweeps (SWEEP tags are not expected).
       enable_v_half: V-half tags are expected only when on.
       every_n_steps, warmup_steps: check at steps ``s >= warmup_steps`` with ``s % every_n_steps == 0``.
@@ -280,13 +280,13 @@ class HealthChecker:
     def __init__(self, active_tags: Iterable[int], *, sweep_interval: int = 0, enable_v_half: bool = False,
                  every_n_steps: int = HEALTH_CHECK_EVERY_N_STEPS, warmup_steps: int = HEALTH_CHECK_WARMUP_STEPS,
                  delayed: bool = False) -> None:
-        self.active_tags = tuple(C.CanaryLaunchTag(int(t)) for t in active_tags)
+        self.active_tags = tuple(constants.CanaryLaunchTag(int(t)) for t in active_tags)
         self.expected_tags = expected_health_tags(self.active_tags, sweep_interval=sweep_interval,
                                                   enable_v_half=enable_v_half)
         self.every_n_steps = int(every_n_steps)
         self.warmup_steps = int(warmup_steps)
         self.delayed = bool(delayed)
-        self._prev = np.zeros((C.NUM_LAUNCH_TAGS,), np.int64)
+        self._prev = np.zeros((constants.NUM_LAUNCH_TAGS,), np.int64)
         self._pending = None
 
     def due(self, step: int) -> bool:

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from canary_jax.demo import model as M
+from canary_jax.cli.demo import model
 
 
 class PromptFileError(ValueError):
@@ -59,12 +59,12 @@ def build_requests(prompts: PromptSet, *, num_requests: int, max_new_tokens: int
     Shared preambles and near-duplicate prompts give the radix cache real prefixes to share; request order
     is a seeded shuffle so shared prefixes are sometimes still running and sometimes already cached.
     """
-    from canary_jax.demo.engine import Request  # local: engine imports this module's users
+    from canary_jax.cli.demo.engine import Request  # local: engine imports this module's users
 
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(prompts.prompts))
     out = []
     for i in range(num_requests):
         text = prompts.preambles[i % len(prompts.preambles)] + prompts.prompts[order[i % len(order)]]
-        out.append(Request(rid=i, prompt=M.tokenize(text), max_new_tokens=max_new_tokens))
+        out.append(Request(rid=i, prompt=model.tokenize(text), max_new_tokens=max_new_tokens))
     return out

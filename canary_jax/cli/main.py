@@ -90,8 +90,8 @@ def _nonneg(name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from canary_jax.demo.campaign import MAX_SEED
-    from canary_jax.demo.faults import FAULT_KINDS
+    from canary_jax.cli.demo.campaign import MAX_SEED
+    from canary_jax.cli.demo.faults import FAULT_KINDS
 
     raw = argparse.RawDescriptionHelpFormatter
     p = _Parser(prog="canary-jax", formatter_class=raw,
@@ -229,16 +229,16 @@ def _write_json(obj) -> Callable[[str], None]:
 
 # --- demo ------------------------------------------------------------------------------------------------
 def _demo(args) -> int:
-    from canary_jax import constants as C
-    from canary_jax.demo import campaign as K
-    from canary_jax.demo import engine as E
-    from canary_jax.demo import faults as F
-    from canary_jax.demo import model as M
-    from canary_jax.demo import render
-    from canary_jax.demo.workload import PromptFileError
+    from canary_jax import constants
+    from canary_jax.cli.demo import campaign
+    from canary_jax.cli.demo import engine
+    from canary_jax.cli.demo import faults
+    from canary_jax.cli.demo import model
+    from canary_jax.cli import render
+    from canary_jax.cli.demo.workload import PromptFileError
 
     try:
-        kinds = F.parse_kinds(args.inject)
+        kinds = faults.parse_kinds(args.inject)
     except ValueError as e:
         raise UsageError(str(e)) from None
     _check_out_path("--json", args.json)
@@ -252,16 +252,16 @@ def _demo(args) -> int:
     if args.prompts is not None and not os.path.isfile(args.prompts):
         raise UsageError(f"--prompts {args.prompts!r}: file not found")
     try:
-        model_cfg = M.ModelConfig(num_layers=args.layers, d_model=args.d_model, num_q_heads=args.q_heads,
+        model_cfg = model.ModelConfig(num_layers=args.layers, d_model=args.d_model, num_q_heads=args.q_heads,
                                   num_kv_heads=args.kv_heads, head_dim=args.head_dim, d_ff=2 * args.d_model,
                                   seed=args.seed)
-        engine_cfg = E.EngineConfig(
+        engine_cfg = engine.EngineConfig(
             page_size=args.page_size, num_pages=args.pool_pages, max_running=args.max_running,
             max_tokens_per_step=args.max_tokens_per_step, chunk_size=args.chunk_size, max_context=args.max_context,
-            real_kv_hash_mode=C.RealKvHashMode.from_name(args.real_kv), sweep_interval=args.sweep_interval,
+            real_kv_hash_mode=constants.RealKvHashMode.from_name(args.real_kv), sweep_interval=args.sweep_interval,
             token_oracle=not args.no_token_oracle, backend=None if args.backend == "auto" else args.backend,
             enable_v_half=args.mha_v)
-        cfg = K.CampaignConfig(engine=engine_cfg, model=model_cfg, num_requests=args.requests,
+        cfg = campaign.CampaignConfig(engine=engine_cfg, model=model_cfg, num_requests=args.requests,
                                max_new_tokens=args.max_new_tokens, trials=args.trials,
                                detect_window=args.detect_window, seed=args.seed, prompt_path=args.prompts)
     except ValueError as e:
@@ -275,8 +275,8 @@ def _demo(args) -> int:
 
     t0 = time.perf_counter()
     try:
-        camp = K.Campaign(cfg, kinds, dump_path=args.dump)
-    except (E.ConfigError, PromptFileError) as e:
+        camp = campaign.Campaign(cfg, kinds, dump_path=args.dump)
+    except (engine.ConfigError, PromptFileError) as e:
         raise UsageError(flagify(str(e))) from None
 
     bar = None
@@ -305,7 +305,7 @@ def _demo(args) -> int:
         if bar is not None:
             bar.update(1)
             bar.close()
-    summary = K.summarize(result)
+    summary = campaign.summarize(result)
     summary["wall_s"] = round(time.perf_counter() - t0, 2)
     if args.dump:
         summary["dump"] = dict(path=args.dump, episode=camp.dumped)
@@ -331,13 +331,13 @@ def _demo(args) -> int:
 
 # --- verify-dump -----------------------------------------------------------------------------------------
 def _verify_dump(args) -> int:
-    from canary_jax.demo import dump as D
-    from canary_jax.demo import render
+    from canary_jax.cli import verify_dump
+    from canary_jax.cli import render
 
     _check_out_path("--json", args.json)
     try:
-        rep = D.load_and_report(args.path, write_index=args.write_index, start=args.start)
-    except D.DumpError as e:
+        rep = verify_dump.load_and_report(args.path, write_index=args.write_index, start=args.start)
+    except verify_dump.DumpError as e:
         raise UsageError(str(e)) from None
     for w in rep["warnings"]:
         print(textwrap.fill(f"canary-jax: warning: {w}", WIDTH, subsequent_indent="  "), file=sys.stderr)

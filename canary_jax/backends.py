@@ -1,0 +1,105 @@
+"""The one backend registry: which implementation runs an op, chosen in one place.
+
+Every entry point that runs a kernel asks this module: the JAX entry points (:func:`canary_jax.verify`,
+:func:`canary_jax.write` and the runtime built on them), the torch launchers of :mod:`interop` (which pass the
+torch device type as the platform) and the Pallas kernels (which ask whether to run in interpret mode).
+
+Backends:
+
+* ``reference``: the pure-jnp references (:mod:`canary_jax.reference`), any platform.
+* ``pallas``: the Pallas kernels (:mod:`pallas_kernels`), compiled on a GPU and interpreted elsewhere.
+
+The choice: the ``backend`` argument if given, else ``$CANARY_JAX_BACKEND`` if set, else ``pallas`` on a GPU
+platform and ``reference`` elsewhere. ``pallas_kernels`` builds on ``canary_jax``, so its implementations are
+imported lazily, on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import jax
+
+BACKENDS = ("reference", "pallas")
+"""Backend names, in the order the docs list them."""
+
+BACKEND_ENV = "CANARY_JAX_BACKEND"
+"""Environment variable naming the default backend (case-insensitive)."""
+
+OPS = ("verify", "write")
+"""Ops with one implementation per backend (the reference signature: see :mod:`canary_jax.reference`)."""
+
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+"""Platform names (JAX's ``default_backend()`` or a torch ``device.type``) that count as a GPU."""
+
+
+def is_gpu_platform(platform: str | None = None) -> bool:
+    """Whether ``platform`` (default: JAX's default backend) is a GPU platform (CUDA or ROCm)."""
+    platform = jax.default_backend() if platform is None else str(platform)
+    return platform in GPU_PLATFORMS
+
+
+def default_interpret(platform: str | None = None) -> bool:
+    """Whether the Pallas kernels run in interpret mode: everywhere but on a GPU platform."""
+    return not is_gpu_platform(platform)
+
+
+def check_backend_name(name: str) -> str:
+    """``name`` lower-cased if it names a backend.
+
+    Raises:
+      ValueError: an unknown backend name (the message lists the known ones).
+    """
+    lowered = str(name).lower()
+    if lowered not in BACKENDS:
+        raise ValueError(f"kv-canary: backend must be one of {BACKENDS}, got {name!r}")
+    return lowered
+
+
+def resolve_backend(backend: str | None = None, *, platform: str | None = None) -> str:
+    """The backend a launch runs on.
+
+    Args:
+      backend: a name from :data:`BACKENDS` (case-insensitive), or None for the default.
+      platform: where the launch's data lives: a JAX platform name (``"cpu"``, ``"gpu"``, ...) or a torch
+        ``device.type`` (``"cuda"``, ``"cpu"``). None means JAX's default backend.
+
+    Returns:
+      ``backend`` if given, else ``$CANARY_JAX_BACKEND`` if set and non-empty, else ``"pallas"`` on a GPU
+      platform and ``"reference"`` elsewhere.
+
+    Raises:
+      ValueError: an unknown backend name, from the argument or the environment.
+    """
+    name = backend if backend is not None else (os.environ.get(BACKEND_ENV) or None)
+    if name is None:
+        return "pallas" if is_gpu_platform(platform) else "reference"
+    return check_backend_name(name)
+
+
+def implementation(op: str, backend: str) -> Callable:
+    """The function that runs ``op`` (``"verify"`` or ``"write"``) on ``backend``.
+
+    Both backends share the reference signatures: ``verify(context, plan, *, check_verify_expected_token)``
+    and ``write(context, plan, input_ids, positions, out_cache_loc, *, enable_write_input_assert,
+    expected_input_tokens, expected_input_positions)``, each returning the updated context.
+
+    Raises:
+      ValueError: an unknown op or backend.
+    """
+    if op not in OPS:
+        raise ValueError(f"kv-canary: op must be one of {OPS}, got {op!r}")
+    backend = check_backend_name(backend)
+    if backend == "reference":
+        from canary_jax import reference
+
+        return reference.verify_reference if op == "verify" else reference.write_reference
+    # Lazy: pallas_kernels builds on canary_jax, never the reverse at import time.
+    if op == "verify":
+        from pallas_kernels.verify import verify_pallas
+
+        return verify_pallas
+    from pallas_kernels.write import write_pallas
+
+    return write_pallas
