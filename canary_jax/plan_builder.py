@@ -49,9 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants
-from canary_jax import ints
-from canary_jax import pairs
+from canary_jax import constants, ints, pairs
 from canary_jax.plans import VerifyPlan, WritePlan
 
 _INT32_MAX = 2**31 - 1
@@ -70,7 +68,7 @@ def _saturating_cumsum(x: jax.Array, bound: int) -> jax.Array:
 def _gather_2d(table: jax.Array, row: jax.Array, col: jax.Array, fill: int) -> tuple[jax.Array, jax.Array]:
     """``table[row, col]`` for int64-pair ``row`` / ``col``; ``fill`` where either is out of range."""
     n_rows, n_cols = table.shape
-    ok = pairs.in_range(row, n_rows) & pairs.in_range(col, n_cols)
+    ok = pairs.in_range(pairs.unpack(row), n_rows) & pairs.in_range(pairs.unpack(col), n_cols)
     r = jnp.where(ok, row[..., 0], 0).astype(jnp.int32)
     c = jnp.where(ok, col[..., 0], 0).astype(jnp.int32)
     if n_rows == 0 or n_cols == 0:
@@ -92,8 +90,9 @@ def swa_translate(slots: jax.Array, lut: jax.Array | None) -> jax.Array:
     if lut is None:
         return slots
     n = lut.shape[0]
-    neg = pairs.is_negative(slots)
-    idx = jnp.where(neg | ~pairs.in_range(slots, n), n - 1, slots[..., 0].astype(jnp.int32))
+    s = pairs.unpack(slots)
+    neg = pairs.is_negative(s)
+    idx = jnp.where(neg | ~pairs.in_range(s, n), n - 1, s.lo.astype(jnp.int32))
     idx = jnp.where(neg, 0, idx)
     return jnp.where(neg[..., None], slots, lut[idx])
 
@@ -119,13 +118,13 @@ def _build_plans_impl(
     max_seq_len = req_to_token.shape[1]
     w = swa_window_size
 
-    is_pad = pairs.is_zero(rpi)  # REQ_POOL_IDX_PADDING == 0
-    p_pos = pairs.is_positive(prefix)
+    is_pad = pairs.is_zero(pairs.unpack(rpi))  # REQ_POOL_IDX_PADDING == 0
+    p_pos = pairs.is_positive(pairs.unpack(prefix))
 
     # --- verify counts and overflow -------------------------------------------------------------------
     # Exact whenever the plan does not overflow: every per-request count is then <= C < C + 1.
     bound = cap + 1
-    count = pairs.clamp_to_int32(prefix, 0, bound)
+    count = pairs.clamp(pairs.unpack(prefix), bound)
     count = jnp.where(w > 0, jnp.minimum(count, w), count)
     count = jnp.where(is_pad | ~p_pos, 0, count).astype(jnp.int32)
     incl = _saturating_cumsum(count, bound)
@@ -141,25 +140,26 @@ def _build_plans_impl(
         r = jnp.clip(jnp.searchsorted(incl, i, side="right").astype(jnp.int32), 0, bs - 1)
         excl = (incl - count)[r]
         back = count[r] - (i - excl)  # P - p, in [1, count[r]] for live entries
-        pos = pairs.sub(prefix[r], pairs.from_int32(back))  # p as int64
+        pos = pairs.pack(pairs.sub(pairs.unpack(prefix[r]), pairs.from_int32(back)))  # p as int64
         row = rpi[r]
         slot_full, _ = _gather_2d(req_to_token, row, pos, constants.TOKEN_TO_KV_SLOT_PADDING)
-        prev_pos = pairs.sub(pos, pairs.const(1, (cap,)))
+        prev_pos = pairs.pack(pairs.sub(pairs.unpack(pos), pairs.const(1, (cap,))))
         prev_full, _ = _gather_2d(req_to_token, row, prev_pos, constants.TOKEN_TO_KV_SLOT_PADDING)
-        slot = swa_translate(pairs.from_int32(slot_full), lut)
-        prev = swa_translate(pairs.from_int32(prev_full), lut)
-        prev = jnp.where(pairs.is_zero(pos)[..., None], pairs.const(-1, (cap,)), prev)
+        slot = swa_translate(pairs.pack(pairs.from_int32(slot_full)), lut)
+        prev = swa_translate(pairs.pack(pairs.from_int32(prev_full)), lut)
+        prev = jnp.where(pairs.is_zero(pairs.unpack(pos))[..., None], pairs.pack(pairs.const(-1, (cap,))), prev)
         if pool is not None:
-            sot = pairs.add(pos, pairs.from_int32(jnp.broadcast_to(kv_token_id_vs_position_offset, (cap,))))
-            want = ~pairs.is_negative(sot) & pairs.lt(sot, valid_lens[r])
-            tok, tok_ok = _gather_2d(pool, row, sot, -1)
+            k = pairs.from_int32(jnp.broadcast_to(kv_token_id_vs_position_offset, (cap,)))
+            sot = pairs.add(pairs.unpack(pos), k)  # position + k: the expected token's column
+            want = ~pairs.is_negative(sot) & pairs.lt(sot, pairs.unpack(valid_lens[r]))
+            tok, tok_ok = _gather_2d(pool, row, pairs.pack(sot), -1)
             tok = jnp.where(want & tok_ok, tok, -1)
-            exp_tok = pairs.from_int32(tok)
+            exp_tok = pairs.pack(pairs.from_int32(tok))
         else:
-            exp_tok = pairs.const(-1, (cap,))
+            exp_tok = pairs.pack(pairs.const(-1, (cap,)))
     else:
-        pos = slot = prev = pairs.const(0, (cap,))
-        exp_tok = pairs.const(-1, (cap,))
+        pos = slot = prev = pairs.pack(pairs.const(0, (cap,)))
+        exp_tok = pairs.pack(pairs.const(-1, (cap,)))
 
     keep = lambda new, old: jnp.where(live[..., None], new, old)  # noqa: E731
     verify = VerifyPlan(
@@ -172,15 +172,16 @@ def _build_plans_impl(
     )
 
     # --- write metadata -------------------------------------------------------------------------------
-    e_pos = pairs.is_positive(extend)
+    e_pos = pairs.is_positive(pairs.unpack(extend))
     wlen = jnp.where((is_pad | ~e_pos)[..., None], jnp.uint32(0), extend)
     offsets = jnp.zeros((cw + 1, 2), jnp.uint32)
     if bs > 0:
-        offsets = offsets.at[1 : bs + 1].set(pairs.cumsum(wlen))
-        seed_col = pairs.clamp_to_int32(pairs.sub(prefix, pairs.const(1, (bs,))), 0, max(max_seq_len - 1, 0))
-        seed_full, _ = _gather_2d(req_to_token, rpi, pairs.from_int32(seed_col), constants.TOKEN_TO_KV_SLOT_PADDING)
-        seed = swa_translate(pairs.from_int32(seed_full), lut)
-        seed = jnp.where((is_pad | ~e_pos | ~p_pos)[..., None], pairs.const(-1, (bs,)), seed)
+        offsets = offsets.at[1 : bs + 1].set(pairs.pack(pairs.cumsum(pairs.unpack(wlen))))
+        seed_col = pairs.clamp(pairs.sub(pairs.unpack(prefix), pairs.const(1, (bs,))), max(max_seq_len - 1, 0))
+        seed_col = pairs.pack(pairs.from_int32(seed_col))
+        seed_full, _ = _gather_2d(req_to_token, rpi, seed_col, constants.TOKEN_TO_KV_SLOT_PADDING)
+        seed = swa_translate(pairs.pack(pairs.from_int32(seed_full)), lut)
+        seed = jnp.where((is_pad | ~e_pos | ~p_pos)[..., None], pairs.pack(pairs.const(-1, (bs,))), seed)
         seeds = write_out.write_seed_slot_indices.at[:bs].set(seed)
     else:
         seeds = write_out.write_seed_slot_indices
@@ -333,8 +334,17 @@ def build_plans(
     if not -(2**31) <= k <= _INT32_MAX:
         raise ValueError(f"kv-canary: kv_token_id_vs_position_offset must fit int32, got {k}")
     return _build_plans_impl(
-        verify_plan_out, write_plan_out, rpi, prefix, extend, r2t, lut, pool, valid,
-        np.int32(w), np.int32(k),
+        verify_plan_out,
+        write_plan_out,
+        rpi,
+        prefix,
+        extend,
+        r2t,
+        lut,
+        pool,
+        valid,
+        np.int32(w),
+        np.int32(k),
     )
 
 
@@ -348,13 +358,13 @@ def _scatter_impl(flat: jax.Array, offsets: jax.Array, rpi: jax.Array, pool: jax
     if bs == 0 or n_tok == 0 or cols == 0 or rows == 0:
         return pool
     start, end = offsets[:-1], offsets[1:]
-    seg = pairs.sub(end, start)  # int64 segment length
-    write_len = pairs.clamp_to_int32(seg, 0, cols)  # min(seg, width) where seg > 0; columns past n_tok never load
+    seg = pairs.sub(pairs.unpack(end), pairs.unpack(start))  # int64 segment length
+    write_len = pairs.clamp(seg, cols)  # min(seg, width) where seg > 0; columns past n_tok never load
     col = jnp.arange(cols, dtype=jnp.int32)
-    flat_idx = pairs.add(start[:, None, :], pairs.from_int32(col)[None, :, :])  # [bs, cols, 2]
-    row_ok = pairs.in_range(rpi, rows)
+    flat_idx = pairs.add(pairs.unpack(start[:, None, :]), pairs.from_int32(col[None, :]))  # [bs, cols]
+    row_ok = pairs.in_range(pairs.unpack(rpi), rows)
     mask = (col[None, :] < write_len[:, None]) & pairs.in_range(flat_idx, n_tok) & row_ok[:, None]
-    vals = flat[jnp.where(mask, flat_idx[..., 0], 0).astype(jnp.int32), 0]
+    vals = flat[jnp.where(mask, flat_idx.lo, 0).astype(jnp.int32), 0]
     vals = jax.lax.bitcast_convert_type(vals, jnp.int32)  # int64 -> int32 keeps the low word (torch .to)
     row = jnp.where(row_ok, rpi[:, 0], 0).astype(jnp.int32)
     # Deterministic "later request wins" for duplicate rows: the highest request index per cell.

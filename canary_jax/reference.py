@@ -28,15 +28,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from canary_jax import constants
-from canary_jax import hashing
-from canary_jax import layout
-from canary_jax import pairs
-from canary_jax import sources
+from canary_jax import constants, hashing, layout, pairs, sources
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
-
-_ALL_ONES = 0xFFFFFFFF
-_pair, _stack = pairs.as_u64, pairs.from_u64
 
 
 def load_records(canary_buf: jax.Array, slot: jax.Array, ok: jax.Array) -> jax.Array:
@@ -60,19 +53,19 @@ def store_records(canary_buf: jax.Array, slot: jax.Array, store: jax.Array, fiel
     return canary_buf.at[dest, : constants.CANARY_SLOT_BYTES].set(rows, mode="drop")
 
 
-def chain_hash_of(records: jax.Array) -> hashing.U64:
+def chain_hash_of(records: jax.Array) -> pairs.U64:
     """``mix3(prev_hash, token, position)`` of records ``uint32[..., 4, 2]`` (SPEC 2.3)."""
     return hashing.splitmix64_mix3(
-        _pair(records[..., constants.CANARY_FIELD_PREV_HASH, :]),
-        _pair(records[..., constants.CANARY_FIELD_TOKEN, :]),
-        _pair(records[..., constants.CANARY_FIELD_POSITION, :]),
+        pairs.unpack(records[..., constants.CANARY_FIELD_PREV_HASH, :]),
+        pairs.unpack(records[..., constants.CANARY_FIELD_TOKEN, :]),
+        pairs.unpack(records[..., constants.CANARY_FIELD_POSITION, :]),
     )
 
 
 def _rows(tag: int, cols: list[jax.Array]) -> jax.Array:
     """Assembles ``uint32[K, 8, 2]`` violation rows from 7 pair columns after the tag."""
     k = cols[0].shape[0]
-    tag_col = pairs.const(int(tag), (k,))
+    tag_col = pairs.pack(pairs.const(int(tag), (k,)))
     return jnp.stack([tag_col] + cols, axis=1)
 
 
@@ -105,7 +98,7 @@ def verify_reference(
     Returns:
       ``context`` with a new ``log`` (the canary buffer is unchanged).
     """
-    descs = sources.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
+    descs = sources.source_descriptors(context.real_kv_sources, context.real_kv_hash_mode)
     tag = int(context.kernel_kind)
     buf = context.canary_buf
     n_slots = buf.shape[0]
@@ -116,37 +109,37 @@ def verify_reference(
     live = (jnp.arange(cap, dtype=jnp.int32) < active) & enabled
 
     slot_p = plan.verify_slot_indices
-    considered = live & ~pairs.is_zero(slot_p)
-    slot, slot_ok = pairs.index(slot_p, n_slots)
+    considered = live & ~pairs.is_zero(pairs.unpack(slot_p))
+    slot, slot_ok = pairs.index(pairs.unpack(slot_p), n_slots)
     rec = load_records(buf, slot, slot_ok & considered)
     tok, pos, prev, rkv = (rec[..., f, :] for f in range(4))
 
     prev_p = plan.verify_prev_slot_indices
-    prev_slot, prev_ok = pairs.index(prev_p, n_slots)
+    prev_slot, prev_ok = pairs.index(pairs.unpack(prev_p), n_slots)
     prev_rec = load_records(buf, prev_slot, prev_ok & considered)
-    computed = _stack(chain_hash_of(prev_rec))
-    anchor = pairs.const(hashing.ANCHOR_HASH, (cap,))
-    reachable = ~pairs.is_zero(prev_p)
-    exp_chain = jnp.where(pairs.is_negative(prev_p)[..., None], anchor, computed)
+    computed = pairs.pack(chain_hash_of(prev_rec))
+    anchor = pairs.pack(pairs.const(hashing.ANCHOR_HASH, (cap,)))
+    reachable = ~pairs.is_zero(pairs.unpack(prev_p))
+    exp_chain = jnp.where(pairs.is_negative(pairs.unpack(prev_p))[..., None], anchor, computed)
     exp_chain = jnp.where(reachable[..., None], exp_chain, prev)
 
     if check_verify_expected_token:
         exp_tok = plan.verify_expected_tokens
-        all_ones = jnp.uint32(_ALL_ONES)  # a bare Python int would overflow JAX's weak int32
-        tok_fail = (_pair(exp_tok).lo != all_ones) | (_pair(exp_tok).hi != all_ones)
-        tok_fail = tok_fail & hashing.u64_ne(_pair(tok), _pair(exp_tok))
+        tok_fail = ~pairs.is_minus_one(pairs.unpack(exp_tok)) & pairs.ne(pairs.unpack(tok), pairs.unpack(exp_tok))
     else:
-        exp_tok = pairs.const(-1, (cap,))
+        exp_tok = pairs.pack(pairs.const(-1, (cap,)))
         tok_fail = jnp.zeros((cap,), bool)
 
     tensors = [s.tensor for s in context.real_kv_sources]
-    exp_rkv = _stack(sources.real_kv_hash_reference(tensors, descs, jnp.where(slot_ok, slot, -1)))
+    exp_rkv = pairs.pack(sources.real_kv_hash_reference(tensors, descs, jnp.where(slot_ok, slot, -1)))
 
+    chain_fail = reachable & pairs.ne(pairs.unpack(prev), pairs.unpack(exp_chain))
+    pos_fail = pairs.ne(pairs.unpack(pos), pairs.unpack(plan.verify_expected_positions))
+    rkv_fail = pairs.ne(pairs.unpack(rkv), pairs.unpack(exp_rkv))
     bits = (
-        jnp.where(reachable & hashing.u64_ne(_pair(prev), _pair(exp_chain)), constants.FailReason.VERIFY_CHAIN_HASH_MISMATCH, 0)
-        | jnp.where(hashing.u64_ne(_pair(pos), _pair(plan.verify_expected_positions)),
-                    constants.FailReason.VERIFY_POSITION_MISMATCH, 0)
-        | jnp.where(hashing.u64_ne(_pair(rkv), _pair(exp_rkv)), constants.FailReason.VERIFY_REAL_KV_HASH_MISMATCH, 0)
+        jnp.where(chain_fail, constants.FailReason.VERIFY_CHAIN_HASH_MISMATCH, 0)
+        | jnp.where(pos_fail, constants.FailReason.VERIFY_POSITION_MISMATCH, 0)
+        | jnp.where(rkv_fail, constants.FailReason.VERIFY_REAL_KV_HASH_MISMATCH, 0)
         | jnp.where(tok_fail, constants.FailReason.VERIFY_TOKEN_MISMATCH, 0)
     ).astype(jnp.uint32)
     record = considered & (bits != 0)
@@ -196,7 +189,7 @@ def write_reference(
     Returns:
       ``context`` with the new canary buffer and log.
     """
-    descs = sources.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
+    descs = sources.source_descriptors(context.real_kv_sources, context.real_kv_hash_mode)
     tag = int(context.kernel_kind)
     buf = context.canary_buf
     n_slots = buf.shape[0]
@@ -206,23 +199,24 @@ def write_reference(
         return context.replace(log=layout.bump_counters(context.log, tag, jnp.uint32(0)))
 
     active_reqs = jnp.clip(plan.write_num_valid_reqs[0], 0, cw)
-    off = pairs.clamp_to_int32(plan.write_offsets, 0, num_tokens)
+    off = pairs.clamp(pairs.unpack(plan.write_offsets), num_tokens)
     start, end = off[:-1], off[1:]
     req_live = jnp.arange(cw, dtype=jnp.int32) < active_reqs
     count = jnp.where(req_live, jnp.maximum(end - start, 0), 0)
 
     # Seeds, read before anything is written.
     seed_p = plan.write_seed_slot_indices
-    seed_neg = pairs.is_negative(seed_p)
-    seed_slot, seed_ok = pairs.index(seed_p, n_slots)
+    seed_neg = pairs.is_negative(pairs.unpack(seed_p))
+    seed_slot, seed_ok = pairs.index(pairs.unpack(seed_p), n_slots)
     seed_rec = load_records(buf, seed_slot, seed_ok & ~seed_neg)
-    running0 = jnp.where(seed_neg[..., None], pairs.const(hashing.ANCHOR_HASH, (cw,)), _stack(chain_hash_of(seed_rec)))
+    anchor = pairs.pack(pairs.const(hashing.ANCHOR_HASH, (cw,)))
+    running0 = jnp.where(seed_neg[..., None], anchor, pairs.pack(chain_hash_of(seed_rec)))
     gate = (~seed_neg) & (context.log.enable_chain_position_assert[0] != 0)
     run_pos0 = jnp.where(gate[..., None], seed_rec[:, constants.CANARY_FIELD_POSITION, :], jnp.uint32(0))
 
     # Serial chain: step j handles entry start[r] + j of every request r in parallel.
     slot_all_p = out_cache_loc
-    entry_ok = (~pairs.is_negative(slot_all_p)) & pairs.in_range(slot_all_p, n_slots)
+    entry_ok = (~pairs.is_negative(pairs.unpack(slot_all_p))) & pairs.in_range(pairs.unpack(slot_all_p), n_slots)
     max_count = jnp.max(count, initial=0)
 
     def body(state):
@@ -232,14 +226,14 @@ def write_reference(
         ok = step_live & entry_ok[i]
         tok = input_ids[i]
         pos = positions[i]
-        want = pairs.add(run_pos, pairs.const(1, run_pos.shape[:-1]))
-        cfail = ok & gate & hashing.u64_ne(_pair(pos), _pair(want))
+        want = pairs.pack(pairs.add(pairs.unpack(run_pos), 1))
+        cfail = ok & gate & pairs.ne(pairs.unpack(pos), pairs.unpack(want))
         dest = jnp.where(ok, i, num_tokens)  # num_tokens is out of bounds -> dropped
         prev_at = prev_at.at[dest].set(running, mode="drop")
         chain_fail = chain_fail.at[dest].set(cfail, mode="drop")
         chain_exp = chain_exp.at[dest].set(want, mode="drop")
         written = written.at[dest].set(True, mode="drop")
-        nxt = _stack(hashing.splitmix64_mix3(_pair(running), _pair(tok), _pair(pos)))
+        nxt = pairs.pack(hashing.splitmix64_mix3(pairs.unpack(running), pairs.unpack(tok), pairs.unpack(pos)))
         running = jnp.where(ok[..., None], nxt, running)
         run_pos = jnp.where((ok & gate)[..., None], pos, run_pos)
         return j + 1, running, run_pos, prev_at, chain_fail, chain_exp, written
@@ -253,28 +247,38 @@ def write_reference(
         jnp.zeros((num_tokens, 2), jnp.uint32),
         jnp.zeros((num_tokens,), bool),
     )
-    _, _, _, prev_at, chain_fail, chain_exp, written = jax.lax.while_loop(
-        lambda s: s[0] < max_count, body, init
-    )
+    _, _, _, prev_at, chain_fail, chain_exp, written = jax.lax.while_loop(lambda s: s[0] < max_count, body, init)
 
     # Real-KV fingerprints of every written slot: parallel, off the serial path.
-    slot_idx, _ = pairs.index(slot_all_p, n_slots)
+    slot_idx, _ = pairs.index(pairs.unpack(slot_all_p), n_slots)
     tensors = [s.tensor for s in context.real_kv_sources]
-    rkv = _stack(sources.real_kv_hash_reference(tensors, descs, jnp.where(written, slot_idx, -1)))
+    rkv = pairs.pack(sources.real_kv_hash_reference(tensors, descs, jnp.where(written, slot_idx, -1)))
 
     # Violation rows: per entry [input-assert row, chain-position row].
     if enable_write_input_assert:
-        tfail = hashing.u64_ne(_pair(input_ids), _pair(expected_input_tokens))
-        pfail = hashing.u64_ne(_pair(positions), _pair(expected_input_positions))
-        in_bits = (jnp.where(tfail, constants.FailReason.WRITE_TOKEN_MISMATCH, 0)
-                   | jnp.where(pfail, constants.FailReason.WRITE_POSITION_MISMATCH, 0)).astype(jnp.uint32)
+        tfail = pairs.ne(pairs.unpack(input_ids), pairs.unpack(expected_input_tokens))
+        pfail = pairs.ne(pairs.unpack(positions), pairs.unpack(expected_input_positions))
+        in_bits = (
+            jnp.where(tfail, constants.FailReason.WRITE_TOKEN_MISMATCH, 0)
+            | jnp.where(pfail, constants.FailReason.WRITE_POSITION_MISMATCH, 0)
+        ).astype(jnp.uint32)
         in_rec = written & (in_bits != 0)
-        in_rows = _rows(tag, [slot_all_p, positions, input_ids, expected_input_tokens, prev_at,
-                              expected_input_positions, jnp.stack([in_bits, jnp.zeros_like(in_bits)], -1)])
+        in_rows = _rows(
+            tag,
+            [
+                slot_all_p,
+                positions,
+                input_ids,
+                expected_input_tokens,
+                prev_at,
+                expected_input_positions,
+                jnp.stack([in_bits, jnp.zeros_like(in_bits)], -1),
+            ],
+        )
     else:
         in_rec = jnp.zeros((num_tokens,), bool)
         in_rows = jnp.zeros((num_tokens, constants.VIOLATION_FIELDS, 2), jnp.uint32)
-    ch_bits = pairs.const(int(constants.FailReason.WRITE_POSITION_MISMATCH), (num_tokens,))
+    ch_bits = pairs.pack(pairs.const(int(constants.FailReason.WRITE_POSITION_MISMATCH), (num_tokens,)))
     ch_rows = _rows(tag, [slot_all_p, positions, input_ids, input_ids, prev_at, chain_exp, ch_bits])
     rows = jnp.stack([in_rows, ch_rows], axis=1).reshape(2 * num_tokens, constants.VIOLATION_FIELDS, 2)
     record = jnp.stack([in_rec, chain_fail & written], axis=1).reshape(2 * num_tokens)
@@ -283,7 +287,8 @@ def write_reference(
 
     # Stores: the last entry writing a slot wins.
     winner = last_writer_mask(slot_idx, written, n_slots)
-    fields = jnp.stack([input_ids, positions, prev_at, rkv], axis=1).reshape(num_tokens, 2 * constants.CANARY_FIELDS_PER_SLOT)
+    fields = jnp.stack([input_ids, positions, prev_at, rkv], axis=1)
+    fields = fields.reshape(num_tokens, 2 * constants.CANARY_FIELDS_PER_SLOT)
     return context.replace(canary_buf=store_records(buf, slot_idx, winner, fields), log=log)
 
 

@@ -1,9 +1,10 @@
 """Tuning knobs of the Pallas kernels in one frozen, validated object, and the backend choice.
 
-``PallasConfig()`` holds the defaults measured on the H200 (see ``pallas_kernels/README.md`` and
-``benchmarks/results/``). Knobs change block shapes and instruction selection only, never results:
-every combination is bit-identical to the references, for plans within the contract (write offsets
-non-decreasing over the live requests, as the plan builders make them).
+``PallasConfig()`` holds the defaults chosen from H200 measurements (the figures, commands and versions are
+in ``benchmarks/results/2026-11-30_h200_pallas.md``; ``pallas_kernels/README.md`` explains the choices). Knobs
+change block shapes and instruction selection only, never results: every combination is bit-identical to the
+references, for plans within the contract (write offsets non-decreasing over the live requests, as the plan
+builders make them).
 """
 
 from __future__ import annotations
@@ -46,17 +47,19 @@ class PallasConfig:
       write_block: entries per block of the parallel write passes (power of 2).
       write_max_programs: grid cap of the write passes.
       gather: canary records and plan fields: ``quad`` (16-byte), ``pair`` (8-byte) vector gathers or ``word``.
-      source_gather: how real-KV bytes are loaded: ``tile`` (default: 2-D ``[block, source_tile_words]`` tiles
-        of each entry's row, 3.5x faster than ``pair`` on the H200 for 4 x 256-byte sources),
+      source_gather: how real-KV bytes are loaded (:mod:`pallas_kernels.real_kv`): ``tile`` (default: 2-D
+        ``[block, source_tile_words]`` tiles of each entry's row, loaded 4 bytes per thread and row),
         ``tile_contiguous`` (the same with column indices Triton can prove contiguous: 16-byte loads and a
-        shared-memory hand-over; 6 to 19 % slower than ``tile`` on the H200), or per-lane pieces of the entry's own row: ``pair``
-        (8 B), ``quad`` (16 B; its in-register split costs a layout conversion on Triton) or ``word`` (4 B).
+        shared-memory hand-over), or per-lane pieces of the entry's own row: ``pair`` (8 B), ``quad`` (16 B; its
+        in-register split costs a layout conversion on Triton) or ``word`` (4 B). The default was the fastest
+        on the H200 (``benchmarks/results/2026-11-30_h200_pallas.md``).
       source_tile_words: with the ``tile`` modes: uint32 words of a row per 2-D tile load in verify (power of
-        2, at least 2; 32 measured 1.12x faster than 16 for 4 x 256-byte sources on the H200).
-      write_source_tile_words: the same for the write kernel's real-KV hashing (16: 17.8 us against 19.5 us
-        with 32 for the 4096 x 1-token write with 4 sources on the H200).
-      source_unroll: 16-byte chunks (tiles with ``tile``) per source per iteration of the real-KV loop (loads run one iteration
-        ahead); 0 = no loop, fully unrolled straight-line code.
+        2, at least 2); wider tiles keep more loads in flight per entry and use more registers.
+      write_source_tile_words: the same for the write kernel's real-KV hashing (its default is narrower than
+        verify's; both were picked by timing on the H200, see the results file above).
+      source_unroll: 16-byte chunks (tiles with ``tile``) per source per iteration of the real-KV loop (loads
+        run one iteration ahead); 0 = no loop, fully unrolled straight-line code (compile time grows steeply
+        with the bytes hashed).
       multiplier: ``auto`` (``asm`` compiled, ``portable`` in interpret mode), ``portable`` or ``asm``.
     """
 
@@ -80,15 +83,27 @@ class PallasConfig:
     multiplier: str = "auto"
 
     def __post_init__(self):
-        for name in ("verify_block", "verify_source_block", "write_lanes", "write_block", "write_entry_block",
-                     "source_tile_words", "verify_num_warps", "write_num_warps", "write_prefetch", "write_long_chunk",
-                     "write_source_tile_words"):
+        for name in (
+            "verify_block",
+            "verify_source_block",
+            "write_lanes",
+            "write_block",
+            "write_entry_block",
+            "source_tile_words",
+            "verify_num_warps",
+            "write_num_warps",
+            "write_prefetch",
+            "write_long_chunk",
+            "write_source_tile_words",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not _pow2(v):
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a power of 2, got {v!r}")
         if self.write_long_chunk > 256:
-            raise ValueError(f"kv-canary: PallasConfig.write_long_chunk must be at most 256 (unrolled per chunk), "
-                             f"got {self.write_long_chunk!r}")
+            raise ValueError(
+                f"kv-canary: PallasConfig.write_long_chunk must be at most 256 (unrolled per chunk), "
+                f"got {self.write_long_chunk!r}"
+            )
         for name in ("source_tile_words", "write_source_tile_words"):
             if getattr(self, name) < 2:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be at least 2, got {getattr(self, name)!r}")
@@ -97,17 +112,22 @@ class PallasConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a positive int, got {v!r}")
         if not isinstance(self.source_unroll, int) or isinstance(self.source_unroll, bool) or self.source_unroll < 0:
-            raise ValueError(f"kv-canary: PallasConfig.source_unroll must be a non-negative int, got {self.source_unroll!r}")
+            raise ValueError(
+                f"kv-canary: PallasConfig.source_unroll must be a non-negative int, got {self.source_unroll!r}"
+            )
         if self.gather not in GATHER_MODES:
             raise ValueError(f"kv-canary: PallasConfig.gather must be one of {GATHER_MODES}, got {self.gather!r}")
         if self.source_gather not in SOURCE_GATHER_MODES:
             raise ValueError(
-                f"kv-canary: PallasConfig.source_gather must be one of {SOURCE_GATHER_MODES}, got {self.source_gather!r}"
+                f"kv-canary: PallasConfig.source_gather must be one of {SOURCE_GATHER_MODES}, "
+                f"got {self.source_gather!r}"
             )
         if self.multiplier not in MULTIPLIERS:
-            raise ValueError(f"kv-canary: PallasConfig.multiplier must be one of {MULTIPLIERS}, got {self.multiplier!r}")
+            raise ValueError(
+                f"kv-canary: PallasConfig.multiplier must be one of {MULTIPLIERS}, got {self.multiplier!r}"
+            )
 
-    def for_interpret(self, interpret: bool) -> "PallasConfig":
+    def for_interpret(self, interpret: bool) -> PallasConfig:
         """The config actually used: in interpret mode the default chain prefetch (a GPU latency device)
         becomes 1, which keeps the CPU compile small; results do not depend on it. A prefetch set on purpose
         is kept, so tests can run the prefetch path interpreted."""
@@ -116,6 +136,11 @@ class PallasConfig:
         return self
 
     def resolved_multiplier(self, interpret: bool) -> str:
+        """The multiplier a launch uses: ``auto`` is ``portable`` in interpret mode and ``asm`` compiled.
+
+        Raises:
+          NotImplementedError: ``asm`` with ``interpret=True`` (the inline PTX needs the compiled GPU backend).
+        """
         if self.multiplier == "auto":
             return "portable" if interpret else "asm"
         if self.multiplier == "asm" and interpret:

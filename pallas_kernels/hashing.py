@@ -1,10 +1,9 @@
-"""In-kernel splitmix64 on uint32 pairs, shared by the verify and write Pallas kernels.
+"""The kernels' choice of 64-bit multiplier for splitmix64 (:class:`PairHash`).
 
-A 64-bit value is a :class:`canary_jax.hashing.U64` ``(lo, hi)`` of ``uint32`` arrays, so one kernel body
-serves ``jax_enable_x64`` off and on (Pallas cannot hold int64 with x64 off, and Triton cannot lower uint64
-constants above 2**63 - 1, see PITFALLS). Two interchangeable multipliers:
+The hashes themselves are :mod:`canary_jax.hashing` on :mod:`canary_jax.pairs` words, so one kernel body serves
+``jax_enable_x64`` off and on. Only the ``a * const`` multiply differs, with two interchangeable choices:
 
-* ``portable``: :func:`canary_jax.hashing.mulhi_u32` from 16-bit limbs; runs everywhere, including
+* ``portable``: :func:`canary_jax.pairs.mul_const`, the high word from 16-bit limbs; runs everywhere, including
   ``interpret=True`` on CPU (what CI runs).
 * ``asm``: the high word of the 32x32 product as one PTX ``mul.hi.u32`` through
   ``pltriton.elementwise_inline_asm``; ptxas then folds ``lo * c_lo``, ``mulhi`` and the two cross products
@@ -20,26 +19,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from canary_jax import constants
-from canary_jax import hashing
-from canary_jax.hashing import U64
+from canary_jax import constants, hashing, pairs
+from canary_jax.pairs import U64
 
 MULTIPLIERS = ("portable", "asm")
-
-
-def u32(value: int) -> jax.Array:
-    """A ``uint32`` scalar constant (value taken mod 2**32)."""
-    return jnp.asarray(np.uint32(int(value) & 0xFFFFFFFF))
-
-
-def shr(x: jax.Array, k: int) -> jax.Array:
-    return jax.lax.shift_right_logical(x, jnp.asarray(k, x.dtype))
-
-
-def shl(x: jax.Array, k: int) -> jax.Array:
-    return jax.lax.shift_left(x, jnp.asarray(k, x.dtype))
 
 
 def _mulhi_asm(a: jax.Array, const: int) -> jax.Array:
@@ -58,7 +42,11 @@ def _mulhi_asm(a: jax.Array, const: int) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class PairHash:
-    """splitmix64 family on U64 pairs with a chosen ``multiplier`` (``portable`` | ``asm``)."""
+    """splitmix64 family on :class:`~canary_jax.pairs.U64` words with a chosen ``multiplier``.
+
+    Raises:
+      ValueError: ``multiplier`` not in ``portable`` | ``asm``.
+    """
 
     multiplier: str = "portable"
 
@@ -69,30 +57,21 @@ class PairHash:
     def mul_const(self, a: U64, value: int) -> U64:
         """``a * value mod 2**64`` for a static Python-int multiplier."""
         if self.multiplier == "portable":
-            return hashing.u64_mul_const(a, value)
-        c_lo, c_hi = value & 0xFFFFFFFF, (value >> 32) & 0xFFFFFFFF
-        lo = a.lo * u32(c_lo)
-        hi = _mulhi_asm(a.lo, c_lo) + a.lo * u32(c_hi) + a.hi * u32(c_lo)
+            return pairs.mul_const(a, value)
+        value &= constants.U64_MASK
+        c_lo, c_hi = value & 0xFFFFFFFF, value >> 32
+        lo = a.lo * pairs.u32(c_lo)
+        hi = _mulhi_asm(a.lo, c_lo) + a.lo * pairs.u32(c_hi) + a.hi * pairs.u32(c_lo)
         return U64(lo, hi)
 
     def splitmix64(self, x: U64) -> U64:
-        x = self.mul_const(hashing.u64_xor(x, hashing.u64_shr(x, 30)), constants.SPLITMIX64_MUL1)
-        x = self.mul_const(hashing.u64_xor(x, hashing.u64_shr(x, 27)), constants.SPLITMIX64_MUL2)
-        return hashing.u64_xor(x, hashing.u64_shr(x, 31))
+        """:func:`canary_jax.hashing.splitmix64` with this multiplier."""
+        return hashing.splitmix64(x, mul=self.mul_const)
 
-    def mix3(self, a: U64, b: U64, c: U64) -> U64:
-        """``splitmix64(splitmix64(splitmix64(a) ^ b) ^ c)`` (SPEC 2.2)."""
-        h = self.splitmix64(a)
-        h = self.splitmix64(hashing.u64_xor(h, b))
-        return self.splitmix64(hashing.u64_xor(h, c))
+    def splitmix64_mix3(self, a: U64, b: U64, c: U64) -> U64:
+        """:func:`canary_jax.hashing.splitmix64_mix3` with this multiplier (the chain hash, SPEC 2.3)."""
+        return hashing.splitmix64_mix3(a, b, c, mul=self.mul_const)
 
     def fold_step(self, acc: U64, word: U64) -> U64:
-        """One real-KV fold step: ``splitmix64(acc ^ word)`` (SPEC 2.5)."""
-        return self.splitmix64(hashing.u64_xor(acc, word))
-
-
-def const_pair(value: int, like: jax.Array) -> U64:
-    """A Python int (mod 2**64) broadcast to the shape of ``like`` as a U64."""
-    value &= constants.U64_MASK
-    shape = jnp.shape(like)
-    return U64(jnp.full(shape, u32(value), jnp.uint32), jnp.full(shape, u32(value >> 32), jnp.uint32))
+        """:func:`canary_jax.hashing.fold_step` with this multiplier: ``splitmix64(acc ^ word)`` (SPEC 2.5)."""
+        return hashing.fold_step(acc, word, mul=self.mul_const)

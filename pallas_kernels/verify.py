@@ -1,25 +1,24 @@
-"""Pallas verify kernel: SGLang's ``canary_verify`` with the reference's deterministic ring order.
+"""Pallas verify: SGLang's ``canary_verify`` with the reference's deterministic ring order.
 
 Semantics: exactly :func:`canary_jax.reference.verify_reference` (SPEC 5), bit for bit, with
 ``jax_enable_x64`` off and on (every int64 is a uint32 pair).
 
 Two ``pallas_call`` s, no atomics:
 
-1. ``canary_verify`` (``_verify_kernel``): a persistent grid walks blocks of ``verify_block`` entries
+1. ``canary_verify`` (:func:`_verify_kernel`): a persistent grid walks blocks of ``verify_block`` entries
    (``verify_source_block`` with real-KV sources) up to ``min(num_valid, C)`` (so the cost follows the live
    entries, never the capacity or the pool). Per entry it gathers the slot's record and the predecessor's
-   record, recomputes the chain hash and the real-KV fingerprint, and writes one fail-bit byte; per block it
-   writes the number of failing entries.
-2. ``canary_verify_rows`` (``_verify_rows_kernel``): blocks with failures compute their ring base from the
+   record, recomputes the chain hash and the real-KV fingerprint, and writes one fail-bit byte
+   (:class:`~canary_jax.constants.FailReason` bits); per block it writes the number of failing entries.
+2. ``canary_verify_rows`` (:func:`_verify_rows_kernel`): blocks with failures compute their ring base from the
    block counts (exclusive prefix), rank their failing entries with an in-block ``cumsum`` and scatter the
    8-field rows at ``write_index + rank`` (fill-once: ranks past the capacity are dropped). Program 0 adds
-   the total to ``write_index`` and bumps the counters. The ring, write index and counters alias their
-   outputs (``input_output_aliases``); callers that donate them (``canary_jax.verify`` does) update them in
-   place. Clean blocks cost one scalar load here.
+   the total to ``write_index`` and bumps the counters. Clean blocks cost one scalar load here.
 
-Real-KV sources arrive as a static descriptor tuple (page_size / num_bytes_per_token / read_bytes / row
-width, ``canary_jax.sources.SourceDescriptor``) plus up to 4 buffers viewed as ``uint32[rows, row_words]``;
-the more-than-4 check runs before tracing (``check_real_kv_sources``).
+:func:`_verify_pallas` makes both calls; the ring, write index and counters alias their outputs
+(``input_output_aliases``), so callers that donate them (``canary_jax.verify`` does) update them in place.
+Real-KV sources arrive as a static descriptor tuple (``canary_jax.sources.SourceDescriptor``) plus up to 4
+buffers viewed as ``uint32[rows, row_words]``; the more-than-4 check runs before tracing.
 """
 
 from __future__ import annotations
@@ -31,38 +30,45 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from canary_jax import constants
-from canary_jax import hashing
-from canary_jax import layout
-from canary_jax import sources
+from canary_jax import hashing, layout, pairs, sources, validation
+from canary_jax.constants import FailReason
+from canary_jax.pairs import U64
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan
-from pallas_kernels import _util
+from pallas_kernels import real_kv, refs
 from pallas_kernels.config import DEFAULT_CONFIG, PallasConfig, default_interpret
 from pallas_kernels.hashing import PairHash
 
-_COUNT_CHUNK = 1024
-
 
 def _entry_state(idx, live, slot_ref, prev_ref, words_ref, *, n_slots, hasher, gather, with_rkv_field):
-    """Loads one block of entries and recomputes the expected chain hash (shared by both kernels)."""
-    slot = _util.load_pair(slot_ref, idx, 0, live, gather)
-    considered = live & ~_util.is_zero(slot)
-    s, s_ok = _util.index_of(slot, n_slots)
+    """Loads one block of entries ``idx[B]`` and recomputes the expected chain hash (shared by both kernels)."""
+    slot = refs.load_pair(slot_ref, idx, 0, live, gather)
+    considered = live & ~pairs.is_zero(slot)
+    s, s_ok = pairs.index(slot, n_slots)
     m = considered & s_ok
     n_words = 8 if with_rkv_field else 6
-    w = _util.load_words(words_ref, s, 0, n_words, m, gather)
-    tok, pos, prev_h = hashing.U64(w[0], w[1]), hashing.U64(w[2], w[3]), hashing.U64(w[4], w[5])
-    rkv = hashing.U64(w[6], w[7]) if with_rkv_field else None
+    w = refs.load_words(words_ref, s, 0, n_words, m, gather)
+    tok, pos, prev_h = U64(w[0], w[1]), U64(w[2], w[3]), U64(w[4], w[5])
+    rkv = U64(w[6], w[7]) if with_rkv_field else None
 
-    prev = _util.load_pair(prev_ref, idx, 0, considered, gather)
-    reachable = ~_util.is_zero(prev)
-    p, p_ok = _util.index_of(prev, n_slots)
-    pw = _util.load_words(words_ref, p, 0, 6, considered & p_ok & reachable, gather)
-    computed = hasher.mix3(hashing.U64(pw[4], pw[5]), hashing.U64(pw[0], pw[1]), hashing.U64(pw[2], pw[3]))
-    exp_chain = _util.sel(_util.is_negative(prev), _util.full_u64(hashing.ANCHOR_HASH, idx.shape), computed)
-    exp_chain = _util.sel(reachable, exp_chain, prev_h)
-    return dict(slot=slot, considered=considered, s=s, m=m, tok=tok, pos=pos, prev_h=prev_h, rkv=rkv,
-                reachable=reachable, exp_chain=exp_chain)
+    prev = refs.load_pair(prev_ref, idx, 0, considered, gather)
+    reachable = ~pairs.is_zero(prev)
+    p, p_ok = pairs.index(prev, n_slots)
+    pw = refs.load_words(words_ref, p, 0, 6, considered & p_ok & reachable, gather)
+    computed = hasher.splitmix64_mix3(U64(pw[4], pw[5]), U64(pw[0], pw[1]), U64(pw[2], pw[3]))
+    exp_chain = pairs.where(pairs.is_negative(prev), pairs.const(hashing.ANCHOR_HASH, idx.shape), computed)
+    exp_chain = pairs.where(reachable, exp_chain, prev_h)
+    return dict(
+        slot=slot,
+        considered=considered,
+        s=s,
+        m=m,
+        tok=tok,
+        pos=pos,
+        prev_h=prev_h,
+        rkv=rkv,
+        reachable=reachable,
+        exp_chain=exp_chain,
+    )
 
 
 def _active(num_valid_ref, enable_ref, cap):
@@ -78,40 +84,53 @@ def _verify_kernel(
     exp_pos_ref,  # u32[C, 2]
     prev_ref,  # u32[C, 2]
     words_ref,  # u32[N, S/4]
-    *refs,  # u32[rows_s, row_words_s] per source, then bits_ref u8[C], counts_ref i32[NB], base_ref i32[1]
-    descs, check, n_slots, cap, block, hasher, gather, source_gather, source_unroll, source_tile_words,
+    *more_refs,  # u32[rows_s, row_words_s] per source; outputs bits_ref u8[C], counts_ref i32[NB], base_ref i32[1]
+    descs,
+    check,
+    n_slots,
+    cap,
+    block,
+    hasher,
+    gather,
+    source_gather,
+    source_unroll,
+    source_tile_words,
 ):
-    src_refs = refs[: len(descs)]
-    bits_ref, counts_ref, base_ref = refs[len(descs):]
+    src_refs = more_refs[: len(descs)]
+    bits_ref, counts_ref, base_ref = more_refs[len(descs) :]
     active = _active(num_valid_ref, enable_ref, cap)
 
-    @pl.when(_util.program_id() == 0)
+    @pl.when(refs.program_id() == 0)
     def _():
         base_ref[0] = write_index_ref[0]
 
     def block_body(b):
-        idx = b * block + _util.iota(block)
+        idx = b * block + refs.iota(block)
         live = idx < active
-        e = _entry_state(idx, live, slot_ref, prev_ref, words_ref, n_slots=n_slots, hasher=hasher,
-                         gather=gather, with_rkv_field=True)
+        e = _entry_state(
+            idx, live, slot_ref, prev_ref, words_ref, n_slots=n_slots, hasher=hasher, gather=gather, with_rkv_field=True
+        )
         considered = e["considered"]
-        exp_pos = _util.load_pair(exp_pos_ref, idx, 0, considered, gather)
-        exp_rkv = _util.real_kv_hash(src_refs, descs, e["s"], e["m"], hasher, source_gather, source_unroll,
-                                 source_tile_words)
+        exp_pos = refs.load_pair(exp_pos_ref, idx, 0, considered, gather)
+        exp_rkv = real_kv.real_kv_hash(
+            src_refs, descs, e["s"], e["m"], hasher, source_gather, source_unroll, source_tile_words
+        )
         bits = (
-            jnp.where(e["reachable"] & _util.ne(e["prev_h"], e["exp_chain"]), 1, 0)
-            | jnp.where(_util.ne(e["pos"], exp_pos), 2, 0)
-            | jnp.where(_util.ne(e["rkv"], exp_rkv), 4, 0)
+            jnp.where(
+                e["reachable"] & pairs.ne(e["prev_h"], e["exp_chain"]), int(FailReason.VERIFY_CHAIN_HASH_MISMATCH), 0
+            )
+            | jnp.where(pairs.ne(e["pos"], exp_pos), int(FailReason.VERIFY_POSITION_MISMATCH), 0)
+            | jnp.where(pairs.ne(e["rkv"], exp_rkv), int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH), 0)
         ).astype(jnp.int32)
         if check:
-            exp_tok = _util.load_pair(exp_tok_ref, idx, 0, considered, gather)
-            tok_fail = ~_util.is_minus_one(exp_tok) & _util.ne(e["tok"], exp_tok)
-            bits = bits | jnp.where(tok_fail, 32, 0).astype(jnp.int32)
+            exp_tok = refs.load_pair(exp_tok_ref, idx, 0, considered, gather)
+            tok_fail = ~pairs.is_minus_one(exp_tok) & pairs.ne(e["tok"], exp_tok)
+            bits = bits | jnp.where(tok_fail, int(FailReason.VERIFY_TOKEN_MISMATCH), 0).astype(jnp.int32)
         bits = jnp.where(considered, bits, 0)
-        _util.store_vec(bits_ref, idx, bits.astype(jnp.uint8), idx < cap)
+        refs.store_vec(bits_ref, idx, bits.astype(jnp.uint8), idx < cap)
         counts_ref[b] = jnp.sum((bits != 0).astype(jnp.int32), dtype=jnp.int32)
 
-    _util.for_each_block(_util.cdiv(active, block), block_body)
+    refs.for_each_block(refs.cdiv(active, block), block_body)
 
 
 def _verify_rows_kernel(
@@ -124,61 +143,91 @@ def _verify_rows_kernel(
     bits_ref,  # u8[C]
     counts_ref,  # i32[NB]
     base_ref,  # i32[1]: write_index before this launch
-    ring_in_ref, wi_in_ref, src_in_ref, krc_in_ref,  # aliased to the outputs below; unused
+    ring_in_ref,
+    wi_in_ref,
+    src_in_ref,
+    krc_in_ref,  # aliased to the outputs below; unused
     ring_ref,  # u32[R, 16]
     wi_ref,  # i32[1]
     slot_counters_ref,  # u32[2 * tags]
     kernel_counters_ref,  # u32[2 * tags]
-    *, tag, check, n_slots, cap, block, ring_capacity, hasher, gather,
+    *,
+    tag,
+    check,
+    n_slots,
+    cap,
+    block,
+    ring_capacity,
+    hasher,
+    gather,
 ):
     del ring_in_ref, wi_in_ref, src_in_ref, krc_in_ref
     active = _active(num_valid_ref, enable_ref, cap)
-    num_blocks = _util.cdiv(active, block)
+    num_blocks = refs.cdiv(active, block)
     base = base_ref[0]
 
-    @pl.when(_util.program_id() == 0)
+    @pl.when(refs.program_id() == 0)
     def _():
-        total = _util.sum_counts(counts_ref, 0, num_blocks, chunk=_COUNT_CHUNK)
+        total = refs.sum_counts(counts_ref, 0, num_blocks)
         wi_ref[0] = base + total
-        _util.bump_pair_scalar(slot_counters_ref, 2 * tag, active)
-        _util.bump_pair_scalar(kernel_counters_ref, 2 * tag, jnp.int32(1))
+        refs.bump_pair_scalar(slot_counters_ref, 2 * tag, active)
+        refs.bump_pair_scalar(kernel_counters_ref, 2 * tag, jnp.int32(1))
 
     def block_body(b):
         @pl.when(counts_ref[b] > 0)
         def _():
-            start = base + _util.sum_counts(counts_ref, 0, b, chunk=_COUNT_CHUNK)
-            idx = b * block + _util.iota(block)
+            start = base + refs.sum_counts(counts_ref, 0, b)
+            idx = b * block + refs.iota(block)
             live = idx < active
-            bits = _util.load_vec(bits_ref, idx, live, 0).astype(jnp.int32)
+            bits = refs.load_vec(bits_ref, idx, live, 0).astype(jnp.int32)
             flag = (bits != 0).astype(jnp.int32)
             dest = start + jnp.cumsum(flag, axis=0) - flag
             keep = (flag != 0) & (dest >= 0) & (dest < ring_capacity)
-            e = _entry_state(idx, keep, slot_ref, prev_ref, words_ref, n_slots=n_slots, hasher=hasher,
-                             gather=gather, with_rkv_field=False)
+            e = _entry_state(
+                idx,
+                keep,
+                slot_ref,
+                prev_ref,
+                words_ref,
+                n_slots=n_slots,
+                hasher=hasher,
+                gather=gather,
+                with_rkv_field=False,
+            )
             if check:
-                exp_tok = _util.load_pair(exp_tok_ref, idx, 0, keep, gather)
+                exp_tok = refs.load_pair(exp_tok_ref, idx, 0, keep, gather)
             else:
-                exp_tok = _util.full_u64(-1, idx.shape)
+                exp_tok = pairs.const(-1, idx.shape)
             zero = jnp.zeros(idx.shape, jnp.uint32)
-            cols = [
-                jnp.full(idx.shape, tag, jnp.uint32), zero,
-                e["slot"].lo, e["slot"].hi,
-                e["pos"].lo, e["pos"].hi,
-                e["tok"].lo, e["tok"].hi,
-                exp_tok.lo, exp_tok.hi,
-                e["prev_h"].lo, e["prev_h"].hi,
-                e["exp_chain"].lo, e["exp_chain"].hi,
-                bits.astype(jnp.uint32), zero,
+            cols = [  # the 8 int64 fields of a violation row (constants.VIOLATION_FIELD_*), as lo, hi words
+                jnp.full(idx.shape, tag, jnp.uint32),
+                zero,
+                e["slot"].lo,
+                e["slot"].hi,
+                e["pos"].lo,
+                e["pos"].hi,
+                e["tok"].lo,
+                e["tok"].hi,
+                exp_tok.lo,
+                exp_tok.hi,
+                e["prev_h"].lo,
+                e["prev_h"].hi,
+                e["exp_chain"].lo,
+                e["exp_chain"].hi,
+                bits.astype(jnp.uint32),
+                zero,
             ]
             for k, v in enumerate(cols):
-                _util.store_word(ring_ref, dest, k, v, keep)
+                refs.store_word(ring_ref, dest, k, v, keep)
 
-    _util.for_each_block(num_blocks, block_body)
+    refs.for_each_block(num_blocks, block_body)
 
 
-def _verify_pallas(context: VerifyOrWriteContext, plan: VerifyPlan, *, check: bool, interpret: bool,
-                   config: PallasConfig):
-    descs = sources.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
+def _verify_pallas(
+    context: VerifyOrWriteContext, plan: VerifyPlan, *, check: bool, interpret: bool, config: PallasConfig
+):
+    """Both ``pallas_call`` s of a verify launch (traced under ``jax.jit``, statics bound)."""
+    descs = sources.source_descriptors(context.real_kv_sources, context.real_kv_hash_mode)
     tag = int(context.kernel_kind)
     log = context.log
     words = layout.canary_words(context.canary_buf)
@@ -191,50 +240,84 @@ def _verify_pallas(context: VerifyOrWriteContext, plan: VerifyPlan, *, check: bo
     tensors = [s.tensor for s in context.real_kv_sources][: len(descs)]
     srcs = [sources.source_words(t) for t in tensors]
     params = pltriton.CompilerParams(num_warps=config.verify_num_warps, num_stages=1)
+    sds = jax.ShapeDtypeStruct
 
+    args = dict(
+        num_valid=plan.verify_num_valid,
+        enable=plan.enable,
+        write_index=log.write_index,
+        slot=plan.verify_slot_indices,
+        exp_tok=plan.verify_expected_tokens,
+        exp_pos=plan.verify_expected_positions,
+        prev=plan.verify_prev_slot_indices,
+        words=words,
+        **{f"source{k}": s for k, s in enumerate(srcs)},
+    )
     bits, counts, base = pl.pallas_call(
         functools.partial(
-            _verify_kernel, descs=descs, check=check, n_slots=n_slots, cap=cap, block=block, hasher=hasher,
-            gather=config.gather, source_gather=config.source_gather, source_unroll=config.source_unroll,
-            source_tile_words=config.source_tile_words),
-        out_shape=(
-            jax.ShapeDtypeStruct((cap,), jnp.uint8),
-            jax.ShapeDtypeStruct((num_blocks,), jnp.int32),
-            jax.ShapeDtypeStruct((1,), jnp.int32),
+            _verify_kernel,
+            descs=descs,
+            check=check,
+            n_slots=n_slots,
+            cap=cap,
+            block=block,
+            hasher=hasher,
+            gather=config.gather,
+            source_gather=config.source_gather,
+            source_unroll=config.source_unroll,
+            source_tile_words=config.source_tile_words,
         ),
+        out_shape=(sds((cap,), jnp.uint8), sds((num_blocks,), jnp.int32), sds((1,), jnp.int32)),
         grid=grid,
         compiler_params=params,
         interpret=interpret,
         name="canary_verify",
-    )(plan.verify_num_valid, plan.enable, log.write_index, plan.verify_slot_indices,
-      plan.verify_expected_tokens, plan.verify_expected_positions, plan.verify_prev_slot_indices, words, *srcs)
+    )(*args.values())
 
-    r = log.ring.shape[0]
-    ring = log.ring.reshape(r, 2 * constants.VIOLATION_FIELDS)
-    slot_counters = log.slot_run_counters.reshape(-1)
-    kernel_counters = log.kernel_run_counters.reshape(-1)
+    ring, slot_counters, kernel_counters = refs.log_operands(log)
+    args = dict(
+        num_valid=plan.verify_num_valid,
+        enable=plan.enable,
+        slot=plan.verify_slot_indices,
+        exp_tok=plan.verify_expected_tokens,
+        prev=plan.verify_prev_slot_indices,
+        words=words,
+        bits=bits,
+        counts=counts,
+        base=base,
+        ring=ring,
+        write_index=log.write_index,
+        slot_counters=slot_counters,
+        kernel_counters=kernel_counters,
+    )
+    outs = ("ring", "write_index", "slot_counters", "kernel_counters")
     ring, wi, slot_counters, kernel_counters = pl.pallas_call(
         functools.partial(
-            _verify_rows_kernel, tag=tag, check=check, n_slots=n_slots, cap=cap, block=block,
-            ring_capacity=r, hasher=hasher, gather=config.gather),
-        out_shape=(
-            jax.ShapeDtypeStruct(ring.shape, ring.dtype),
-            jax.ShapeDtypeStruct(log.write_index.shape, log.write_index.dtype),
-            jax.ShapeDtypeStruct(slot_counters.shape, slot_counters.dtype),
-            jax.ShapeDtypeStruct(kernel_counters.shape, kernel_counters.dtype),
+            _verify_rows_kernel,
+            tag=tag,
+            check=check,
+            n_slots=n_slots,
+            cap=cap,
+            block=block,
+            ring_capacity=ring.shape[0],
+            hasher=hasher,
+            gather=config.gather,
         ),
+        out_shape=tuple(sds(args[name].shape, args[name].dtype) for name in outs),
         grid=grid,
-        input_output_aliases={9: 0, 10: 1, 11: 2, 12: 3},
+        input_output_aliases=refs.aliases(args, outs),
         compiler_params=params,
         interpret=interpret,
         name="canary_verify_rows",
-    )(plan.verify_num_valid, plan.enable, plan.verify_slot_indices, plan.verify_expected_tokens,
-      plan.verify_prev_slot_indices, words, bits, counts, base, ring, log.write_index, slot_counters,
-      kernel_counters)
+    )(*args.values())
 
-    new_log = _util.updated_log(log, ring=ring, write_index=wi, slot_counters=slot_counters,
-                            kernel_counters=kernel_counters)
+    new_log = refs.updated_log(
+        log, ring=ring, write_index=wi, slot_counters=slot_counters, kernel_counters=kernel_counters
+    )
     return context.replace(log=new_log)
+
+
+_verify_jit = jax.jit(_verify_pallas, static_argnames=("check", "interpret", "config"))
 
 
 def verify_pallas(
@@ -263,11 +346,21 @@ def verify_pallas(
 
     Returns:
       ``context`` with the new log.
+
+    The launch's static checks are the caller's (:func:`canary_jax.verify` runs them once, before tracing);
+    this entry point re-checks only the source count, for direct callers.
+
+    Raises:
+      ValueError: more than 4 real-KV sources.
+      NotImplementedError: ``config.multiplier == "asm"`` with ``interpret=True``.
     """
-    sources.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)  # > 4 sources: before tracing
+    # The kernel's own static precondition, for direct callers (canary_jax.verify checked the whole context).
+    validation.check_source_count(len(context.real_kv_sources))
     interpret = default_interpret() if interpret is None else bool(interpret)
-    return _verify_jit(context, plan, check=bool(check_verify_expected_token), interpret=interpret,
-                       config=(config or DEFAULT_CONFIG).for_interpret(interpret))
-
-
-_verify_jit = jax.jit(_verify_pallas, static_argnames=("check", "interpret", "config"))
+    return _verify_jit(
+        context,
+        plan,
+        check=bool(check_verify_expected_token),
+        interpret=interpret,
+        config=(config or DEFAULT_CONFIG).for_interpret(interpret),
+    )

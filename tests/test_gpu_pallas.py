@@ -9,6 +9,7 @@ the asm and portable multipliers, and x64 off vs on. Every comparison is whole-b
 
 from __future__ import annotations
 
+import os
 import unittest
 
 import jax
@@ -17,19 +18,17 @@ import numpy as np
 from absl.testing import absltest
 
 import canary_jax
-from canary_jax import constants
-from canary_jax import ints
-from canary_jax import reference
+from canary_jax import backends, constants, ints, reference
 
-import os
-
-ON_GPU = jax.default_backend() == "gpu"
+ON_GPU = backends.is_gpu_platform()
 # Developers can dry-run this module on CPU (interpret mode, tiny sizes): CANARY_GPU_TESTS_ON_CPU=1.
 DRY_RUN = not ON_GPU and os.environ.get("CANARY_GPU_TESTS_ON_CPU") == "1"
 
 
 def _sz(gpu: int, cpu: int) -> int:
     return gpu if ON_GPU else cpu
+
+
 TAG = constants.CanaryLaunchTag.TAIL_K_FULL
 
 
@@ -86,7 +85,6 @@ def _write_fixture(rng, num_slots, num_reqs, length, *, seed_frac=0.5, dup_frac=
 
 @unittest.skipUnless(ON_GPU or DRY_RUN, "needs a GPU (compiled Pallas kernels)")
 class GpuPallasTest(absltest.TestCase):
-
     def test_verify_million_entries_thousands_of_violations(self):
         rng = np.random.default_rng(0)
         n, c = _sz(1 << 21, 512), _sz(1 << 20, 700)
@@ -105,14 +103,23 @@ class GpuPallasTest(absltest.TestCase):
     def test_verify_clean_chains_with_sources(self):
         rng = np.random.default_rng(1)
         n = _sz(1 << 16, 1024)
-        for page, nbpt, read, width_pad, mode in ((1, 64, 64, 0, constants.RealKvHashMode.ALL), (16, 32, 32, 48, constants.RealKvHashMode.ALL),
-                                                 (64, 16, 16, 16, constants.RealKvHashMode.PARTIAL)):
+        for page, nbpt, read, width_pad, mode in (
+            (1, 64, 64, 0, constants.RealKvHashMode.ALL),
+            (16, 32, 32, 48, constants.RealKvHashMode.ALL),
+            (64, 16, 16, 16, constants.RealKvHashMode.PARTIAL),
+        ):
             rows = -(-n // page)
             data = rng.integers(0, 256, (rows, page * nbpt + width_pad), dtype=np.uint8)
-            src = canary_jax.RealKvSource(tensor=jnp.asarray(data), page_size=page, num_bytes_per_token=nbpt,
-                                  read_bytes=read)
-            ctx = canary_jax.VerifyOrWriteContext(canary_buf=jnp.zeros((n, 32), jnp.uint8), kernel_kind=TAG,
-                                          log=_log(64), real_kv_sources=(src, src), real_kv_hash_mode=mode)
+            src = canary_jax.RealKvSource(
+                tensor=jnp.asarray(data), page_size=page, num_bytes_per_token=nbpt, read_bytes=read
+            )
+            ctx = canary_jax.VerifyOrWriteContext(
+                canary_buf=jnp.zeros((n, 32), jnp.uint8),
+                kernel_kind=TAG,
+                log=_log(64),
+                real_kv_sources=(src, src),
+                real_kv_hash_mode=mode,
+            )
             nr, ln = _sz(64, 4), _sz(128, 8)
             plan, ids, pos, loc, _ = _write_fixture(rng, n, nr, ln, seed_frac=0.0)
             wa = reference.write_reference(ctx, plan, ids, pos, loc)
@@ -120,8 +127,11 @@ class GpuPallasTest(absltest.TestCase):
             _same_state(self, wa, wb)
             slots = np.asarray(ints.pairs_to_int64_np(np.asarray(loc))).reshape(nr, ln)
             prev = np.concatenate([np.full((nr, 1), -1), slots[:, :-1]], axis=1)
-            vplan = canary_jax.VerifyPlan.from_entries(slots=slots.reshape(-1), prev_slots=prev.reshape(-1),
-                                               positions=np.asarray(ints.pairs_to_int64_np(np.asarray(pos))))
+            vplan = canary_jax.VerifyPlan.from_entries(
+                slots=slots.reshape(-1),
+                prev_slots=prev.reshape(-1),
+                positions=np.asarray(ints.pairs_to_int64_np(np.asarray(pos))),
+            )
             va = reference.verify_reference(wb, vplan)
             vb = canary_jax.verify(_fresh(wb), vplan, backend="pallas")
             _same_state(self, va, vb, buffers=False)
@@ -129,17 +139,22 @@ class GpuPallasTest(absltest.TestCase):
     def test_write_many_requests_violations_duplicates(self):
         rng = np.random.default_rng(2)
         n = _sz(1 << 18, 2048)
-        ctx = canary_jax.VerifyOrWriteContext(canary_buf=_random_state(rng, n), kernel_kind=TAG, log=_log(_sz(2048, 32)))
+        ctx = canary_jax.VerifyOrWriteContext(
+            canary_buf=_random_state(rng, n), kernel_kind=TAG, log=_log(_sz(2048, 32))
+        )
         for nreq, length in ((_sz(4096, 40), 1), (_sz(64, 5), 37), (1, _sz(5000, 200))):
             # One request: give it a seed, or a launch without the input assert has no violation to compare.
-            plan, ids, pos, loc, ids_np = _write_fixture(rng, n, nreq, length, dup_frac=0.05,
-                                                         seed_frac=1.0 if nreq == 1 else 0.5)
+            plan, ids, pos, loc, ids_np = _write_fixture(
+                rng, n, nreq, length, dup_frac=0.05, seed_frac=1.0 if nreq == 1 else 0.5
+            )
             etok = _pairs(np.where(rng.random(ids_np.size) < 0.9, ids_np, ids_np + 1))
             epos = pos
             for assert_inputs in (False, True):
-                kw = dict(enable_write_input_assert=assert_inputs,
-                          expected_input_tokens=etok if assert_inputs else None,
-                          expected_input_positions=epos if assert_inputs else None)
+                kw = dict(
+                    enable_write_input_assert=assert_inputs,
+                    expected_input_tokens=etok if assert_inputs else None,
+                    expected_input_positions=epos if assert_inputs else None,
+                )
                 a = reference.write_reference(ctx, plan, ids, pos, loc, **kw)
                 b = canary_jax.write(_fresh(ctx), plan, ids, pos, loc, backend="pallas", **kw)
                 self.assertGreater(int(a.log.write_index[0]), 0)
@@ -152,8 +167,13 @@ class GpuPallasTest(absltest.TestCase):
         rows = n // 4 + 16  # 4.3 GB > 2**32 bytes
         src_data = jnp.zeros((rows, 256), jnp.uint8).at[-128:].set(7)
         src = canary_jax.RealKvSource(tensor=src_data, page_size=4, num_bytes_per_token=64, read_bytes=64)
-        ctx = canary_jax.VerifyOrWriteContext(canary_buf=jnp.zeros((n, 32), jnp.uint8), kernel_kind=TAG, log=_log(64),
-                                      real_kv_sources=(src,), real_kv_hash_mode=constants.RealKvHashMode.ALL)
+        ctx = canary_jax.VerifyOrWriteContext(
+            canary_buf=jnp.zeros((n, 32), jnp.uint8),
+            kernel_kind=TAG,
+            log=_log(64),
+            real_kv_sources=(src,),
+            real_kv_hash_mode=constants.RealKvHashMode.ALL,
+        )
         last = np.arange(n - 200, n, dtype=np.int64)
         plan = canary_jax.WritePlan.from_requests(counts=[200], seed_slots=[-1])
         ids, pos, loc = _pairs(last * 3), _pairs(np.arange(200)), _pairs(last)
@@ -163,8 +183,9 @@ class GpuPallasTest(absltest.TestCase):
         rec = canary_jax.read_slot(b.canary_buf, n - 1)
         self.assertEqual(rec.token, 3 * (n - 1))
         self.assertNotEqual(rec.real_kv_hash, 0)
-        vplan = canary_jax.VerifyPlan.from_entries(slots=last, positions=np.arange(200) + 1,
-                                           prev_slots=np.concatenate([[-1], last[:-1]]))
+        vplan = canary_jax.VerifyPlan.from_entries(
+            slots=last, positions=np.arange(200) + 1, prev_slots=np.concatenate([[-1], last[:-1]])
+        )
         va = reference.verify_reference(b, vplan)
         vb = canary_jax.verify(_fresh(b), vplan, backend="pallas")
         self.assertEqual(int(vb.log.write_index[0]), 200)  # every position is off by one
@@ -181,16 +202,24 @@ class GpuPallasTest(absltest.TestCase):
         n = 1 << 14
         data = rng.integers(0, 256, (n, 64), dtype=np.uint8)
         src = canary_jax.RealKvSource(tensor=jnp.asarray(data), page_size=1, num_bytes_per_token=64, read_bytes=64)
-        ctx = canary_jax.VerifyOrWriteContext(canary_buf=_random_state(rng, n), kernel_kind=TAG, log=_log(256),
-                                      real_kv_sources=(src,), real_kv_hash_mode=constants.RealKvHashMode.ALL)
+        ctx = canary_jax.VerifyOrWriteContext(
+            canary_buf=_random_state(rng, n),
+            kernel_kind=TAG,
+            log=_log(256),
+            real_kv_sources=(src,),
+            real_kv_hash_mode=constants.RealKvHashMode.ALL,
+        )
         plan, ids, pos, loc, _ = _write_fixture(rng, n, 32, 50)
         outs = [write_pallas(ctx, plan, ids, pos, loc, config=PallasConfig(multiplier=m)) for m in ("asm", "portable")]
         _same_state(self, outs[0], outs[1])
         _same_state(self, outs[0], reference.write_reference(ctx, plan, ids, pos, loc))
-        vplan = canary_jax.VerifyPlan.from_entries(slots=rng.integers(1, n, 3000), positions=rng.integers(0, 3, 3000),
-                                           prev_slots=rng.integers(-1, n, 3000))
-        vouts = [verify_pallas(outs[0], vplan, config=PallasConfig(multiplier=m, gather=g, source_gather=sg))
-                 for m, g, sg in (("asm", "pair", "quad"), ("portable", "word", "word"), ("asm", "quad", "pair"))]
+        vplan = canary_jax.VerifyPlan.from_entries(
+            slots=rng.integers(1, n, 3000), positions=rng.integers(0, 3, 3000), prev_slots=rng.integers(-1, n, 3000)
+        )
+        vouts = [
+            verify_pallas(outs[0], vplan, config=PallasConfig(multiplier=m, gather=g, source_gather=sg))
+            for m, g, sg in (("asm", "pair", "quad"), ("portable", "word", "word"), ("asm", "quad", "pair"))
+        ]
         for v in vouts[1:]:
             _same_state(self, vouts[0], v, buffers=False)
         _same_state(self, vouts[0], reference.verify_reference(outs[0], vplan), buffers=False)
@@ -207,8 +236,14 @@ class GpuPallasTest(absltest.TestCase):
             try:
                 ctx = canary_jax.VerifyOrWriteContext(canary_buf=jnp.asarray(buf), kernel_kind=TAG, log=_log(64))
                 plan, ids, pos, loc, _ = plan_args
-                w = canary_jax.write(ctx, plan, jnp.asarray(np.asarray(ids)), jnp.asarray(np.asarray(pos)),
-                             jnp.asarray(np.asarray(loc)), backend="pallas")
+                w = canary_jax.write(
+                    ctx,
+                    plan,
+                    jnp.asarray(np.asarray(ids)),
+                    jnp.asarray(np.asarray(pos)),
+                    jnp.asarray(np.asarray(loc)),
+                    backend="pallas",
+                )
                 vplan = canary_jax.VerifyPlan.from_entries(slots=vs[0], positions=vs[1], prev_slots=vs[2])
                 v = canary_jax.verify(w, vplan, backend="pallas")
                 results.append((np.asarray(v.canary_buf), np.asarray(v.log.ring), np.asarray(v.log.write_index)))

@@ -12,7 +12,6 @@ from absl.testing import absltest
 from canary_jax import ints
 from canary_jax.plan_builder import build_plans, scatter_req_token_ids, swa_translate
 from canary_jax.plans import VerifyPlan, WritePlan
-
 from helpers import plan_oracle
 
 I64 = ints.pairs_to_int64_np
@@ -25,10 +24,14 @@ LUT_LEN = 40
 
 def plan_arrays(vp: VerifyPlan, wp: WritePlan) -> dict:
     return dict(
-        slots=I64(vp.verify_slot_indices), tokens=I64(vp.verify_expected_tokens),
-        positions=I64(vp.verify_expected_positions), prevs=I64(vp.verify_prev_slot_indices),
-        num_valid=int(np.asarray(vp.verify_num_valid)[0]), enable=int(np.asarray(vp.enable)[0]),
-        offsets=I64(wp.write_offsets), seeds=I64(wp.write_seed_slot_indices),
+        slots=I64(vp.verify_slot_indices),
+        tokens=I64(vp.verify_expected_tokens),
+        positions=I64(vp.verify_expected_positions),
+        prevs=I64(vp.verify_prev_slot_indices),
+        num_valid=int(np.asarray(vp.verify_num_valid)[0]),
+        enable=int(np.asarray(vp.enable)[0]),
+        offsets=I64(wp.write_offsets),
+        seeds=I64(wp.write_seed_slot_indices),
         num_valid_reqs=int(np.asarray(wp.write_num_valid_reqs)[0]),
     )
 
@@ -64,22 +67,35 @@ class PlanTestBase(absltest.TestCase):
         if kw.get("lut") is not None and len(kw["lut"]) < LUT_LEN and not kw.pop("exact_lut", False):
             kw["lut"] = list(kw["lut"]) + [999] * (LUT_LEN - len(kw["lut"]))
         jkw = dict(
-            req_pool_indices=np.asarray(kw["rpi"], np.int64), prefix_lens=np.asarray(kw["prefix"], np.int64),
-            extend_seq_lens=np.asarray(kw["extend"], np.int64), req_to_token=jnp.asarray(kw["r2t"], jnp.int32),
-            verify_capacity=kw.get("cap", CAP), write_req_capacity=kw.get("cw", CW),
+            req_pool_indices=np.asarray(kw["rpi"], np.int64),
+            prefix_lens=np.asarray(kw["prefix"], np.int64),
+            extend_seq_lens=np.asarray(kw["extend"], np.int64),
+            req_to_token=jnp.asarray(kw["r2t"], jnp.int32),
+            verify_capacity=kw.get("cap", CAP),
+            write_req_capacity=kw.get("cw", CW),
             swa_window_size=kw.get("w", 0),
             full_to_swa_index_mapping=None if kw.get("lut") is None else np.asarray(kw["lut"], np.int64),
             req_to_verify_expected_tokens=None if kw.get("pool") is None else jnp.asarray(kw["pool"], jnp.int32),
             req_to_verify_expected_tokens_valid_lens=(
-                None if kw.get("valid") is None else np.asarray(kw["valid"], np.int64)),
+                None if kw.get("valid") is None else np.asarray(kw["valid"], np.int64)
+            ),
             kv_token_id_vs_position_offset=kw.get("k", 0),
         )
         got = plan_arrays(*build_plans(**jkw))
         want = plan_oracle.plan_oracle(
-            req_pool_indices=kw["rpi"], prefix_lens=kw["prefix"], extend_seq_lens=kw["extend"],
-            req_to_token=np.asarray(kw["r2t"]), verify_capacity=kw.get("cap", CAP),
-            write_req_capacity=kw.get("cw", CW), swa_window_size=kw.get("w", 0), lut=kw.get("lut"),
-            pool=kw.get("pool"), valid_lens=kw.get("valid"), k=kw.get("k", 0), strict=strict)
+            req_pool_indices=kw["rpi"],
+            prefix_lens=kw["prefix"],
+            extend_seq_lens=kw["extend"],
+            req_to_token=np.asarray(kw["r2t"]),
+            verify_capacity=kw.get("cap", CAP),
+            write_req_capacity=kw.get("cw", CW),
+            swa_window_size=kw.get("w", 0),
+            lut=kw.get("lut"),
+            pool=kw.get("pool"),
+            valid_lens=kw.get("valid"),
+            k=kw.get("k", 0),
+            strict=strict,
+        )
         self.assert_matches_oracle(got, want, len(kw["rpi"]))
         return got
 
@@ -174,13 +190,24 @@ class PlanHandTest(PlanTestBase):
         r2t = table({1: [1, 9, 2]})
         lut = [0, 11, 12, 13]  # slot 9 is past the end -> LUT[3] = 13
         with self.assertRaisesRegex(ValueError, "SWA slot 9 is outside full_to_swa_index_mapping length 4"):
-            plan_oracle.plan_oracle(req_pool_indices=[1], prefix_lens=[3], extend_seq_lens=[1], req_to_token=r2t,
-                           verify_capacity=CAP, write_req_capacity=CW, swa_window_size=8, lut=lut, strict=True)
+            plan_oracle.plan_oracle(
+                req_pool_indices=[1],
+                prefix_lens=[3],
+                extend_seq_lens=[1],
+                req_to_token=r2t,
+                verify_capacity=CAP,
+                write_req_capacity=CW,
+                swa_window_size=8,
+                lut=lut,
+                strict=True,
+            )
         got = self.run_both(rpi=[1], prefix=[3], extend=[1], r2t=r2t, w=8, lut=lut, exact_lut=True, strict=False)
         np.testing.assert_array_equal(got["slots"][:3], [11, 13, 12])
         np.testing.assert_array_equal(got["prevs"][:3], [-1, 11, 13])
-        translated = swa_translate(ints.as_int64_pairs(np.array([-5, 0, 3, 4, 2**40]), name="x"),
-                                   ints.as_int64_pairs(np.array(lut), name="lut"))
+        translated = swa_translate(
+            ints.as_int64_pairs(np.array([-5, 0, 3, 4, 2**40]), name="x"),
+            ints.as_int64_pairs(np.array(lut), name="lut"),
+        )
         np.testing.assert_array_equal(I64(translated), [-5, 0, 13, 13, 13])
 
     def test_expected_token_gather_bounds(self):
@@ -205,8 +232,9 @@ class PlanHandTest(PlanTestBase):
         np.testing.assert_array_equal(got["tokens"][:6], [7, 7, 7, 7, -1, -1])
         # Pool with fewer rows than req_to_token: row 5 is outside -> -1.
         r2t = table({5: [1, 2]})
-        got = self.run_both(rpi=[5], prefix=[2], extend=[1], r2t=r2t, pool=np.ones((3, 4), np.int32),
-                            valid=[2], strict=False)
+        got = self.run_both(
+            rpi=[5], prefix=[2], extend=[1], r2t=r2t, pool=np.ones((3, 4), np.int32), valid=[2], strict=False
+        )
         np.testing.assert_array_equal(got["tokens"][:2], [-1, -1])
 
     def test_negative_tokens_in_pool_sign_extend(self):
@@ -220,9 +248,14 @@ class PlanHandTest(PlanTestBase):
         # SGLang's plan_ref_overflow test: cap 4, prefix [5, 5] -> enable 0, num_valid 4.
         r2t = table({1: [1, 2, 3, 4, 5, 6], 2: [7, 8, 9, 10, 11, 12]})
         out = VerifyPlan.from_entries(slots=[9, 9, 9, 9], positions=[1, 2, 3, 4], prev_slots=[3, 3, 3, 3])
-        vp, wp = build_plans(req_pool_indices=np.array([1, 2]), prefix_lens=np.array([5, 5]),
-                             extend_seq_lens=np.array([1, 1]), req_to_token=jnp.asarray(r2t),
-                             verify_plan_out=out, write_req_capacity=CW)
+        vp, wp = build_plans(
+            req_pool_indices=np.array([1, 2]),
+            prefix_lens=np.array([5, 5]),
+            extend_seq_lens=np.array([1, 1]),
+            req_to_token=jnp.asarray(r2t),
+            verify_plan_out=out,
+            write_req_capacity=CW,
+        )
         self.assertEqual(int(vp.enable[0]), 0)
         self.assertEqual(int(vp.verify_num_valid[0]), 4)
         # Entries are not written on overflow: the out plan's contents survive.
@@ -249,9 +282,14 @@ class PlanHandTest(PlanTestBase):
         r2t = table({1: [4, 5]})
         out_v = VerifyPlan.from_entries(slots=[1, 2, 3], positions=[7, 7, 7], prev_slots=[8, 8, 8])
         out_w = WritePlan.from_requests(counts=[1, 1, 1], seed_slots=[33, 34, 35])
-        vp, wp = build_plans(req_pool_indices=np.array([1]), prefix_lens=np.array([2]),
-                             extend_seq_lens=np.array([1]), req_to_token=jnp.asarray(r2t),
-                             verify_plan_out=out_v, write_plan_out=out_w)
+        vp, wp = build_plans(
+            req_pool_indices=np.array([1]),
+            prefix_lens=np.array([2]),
+            extend_seq_lens=np.array([1]),
+            req_to_token=jnp.asarray(r2t),
+            verify_plan_out=out_v,
+            write_plan_out=out_w,
+        )
         np.testing.assert_array_equal(I64(vp.verify_slot_indices), [4, 5, 3])
         np.testing.assert_array_equal(I64(vp.verify_expected_positions), [0, 1, 7])
         np.testing.assert_array_equal(I64(wp.write_seed_slot_indices), [5, 34, 35])
@@ -295,30 +333,48 @@ class PlanErrorTest(absltest.TestCase):
     R2T = jnp.zeros((4, 8), jnp.int32)
 
     def kw(self, **over):
-        kw = dict(req_pool_indices=np.array([1]), prefix_lens=np.array([1]), extend_seq_lens=np.array([1]),
-                  req_to_token=self.R2T, verify_capacity=8, write_req_capacity=4)
+        kw = dict(
+            req_pool_indices=np.array([1]),
+            prefix_lens=np.array([1]),
+            extend_seq_lens=np.array([1]),
+            req_to_token=self.R2T,
+            verify_capacity=8,
+            write_req_capacity=4,
+        )
         kw.update(over)
         return kw
 
     def test_swa_requires_lut(self):
-        with self.assertRaisesRegex(ValueError, "kv-canary: launch_canary_plan_kernels requires "
-                                                "full_to_swa_index_mapping when swa_window_size > 0"):
+        with self.assertRaisesRegex(
+            ValueError,
+            "kv-canary: launch_canary_plan_kernels requires full_to_swa_index_mapping when swa_window_size > 0",
+        ):
             build_plans(**self.kw(swa_window_size=4))
 
     def test_capacity_mismatch(self):
-        with self.assertRaisesRegex(ValueError, r"verify_capacity=5 does not match "
-                                                r"verify_plan_out.verify_slot_indices.shape\[0\]=8"):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"verify_capacity=5 does not match "
+            r"verify_plan_out.verify_slot_indices.shape\[0\]=8",
+        ):
             build_plans(**self.kw(verify_capacity=5, verify_plan_out=VerifyPlan.allocate(verify_capacity=8)))
 
     def test_pool_requires_valid_lens(self):
-        with self.assertRaisesRegex(ValueError, "requires req_to_verify_expected_tokens_valid_lens when "
-                                                "req_to_verify_expected_tokens is set"):
+        with self.assertRaisesRegex(
+            ValueError, "requires req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set"
+        ):
             build_plans(**self.kw(req_to_verify_expected_tokens=jnp.zeros((4, 8), jnp.int32)))
 
     def test_bs_exceeds_write_capacity(self):
         with self.assertRaisesRegex(ValueError, r"kv-canary: bs=3 exceeds write_req_capacity=2"):
-            build_plans(**self.kw(req_pool_indices=np.array([1, 2, 3]), prefix_lens=np.array([1, 1, 1]),
-                                  extend_seq_lens=np.array([1, 1, 1]), write_req_capacity=2))
+            build_plans(
+                **self.kw(
+                    req_pool_indices=np.array([1, 2, 3]),
+                    prefix_lens=np.array([1, 1, 1]),
+                    extend_seq_lens=np.array([1, 1, 1]),
+                    write_req_capacity=2,
+                )
+            )
 
     def test_capacities_must_be_positive(self):
         with self.assertRaisesRegex(ValueError, "VerifyPlan verify_capacity must be positive, got 0"):
@@ -345,12 +401,18 @@ class PlanJitAndX64Test(PlanTestBase):
     def inputs(self):
         r2t = table({1: [3, 4, 5, 6, 7], 2: [8, 9, 10]})
         pool = np.arange(MAX_REQS * 8, dtype=np.int32).reshape(MAX_REQS, 8)
-        return dict(req_pool_indices=jnp.array([1, 2, 0], jnp.int32), prefix_lens=jnp.array([4, 2, 0], jnp.int32),
-                    extend_seq_lens=jnp.array([1, 1, 0], jnp.int32), req_to_token=jnp.asarray(r2t),
-                    verify_capacity=16, write_req_capacity=4, swa_window_size=3,
-                    full_to_swa_index_mapping=jnp.arange(40, dtype=jnp.int32) * 2,
-                    req_to_verify_expected_tokens=jnp.asarray(pool),
-                    req_to_verify_expected_tokens_valid_lens=jnp.array([3, 8, 0], jnp.int32))
+        return dict(
+            req_pool_indices=jnp.array([1, 2, 0], jnp.int32),
+            prefix_lens=jnp.array([4, 2, 0], jnp.int32),
+            extend_seq_lens=jnp.array([1, 1, 0], jnp.int32),
+            req_to_token=jnp.asarray(r2t),
+            verify_capacity=16,
+            write_req_capacity=4,
+            swa_window_size=3,
+            full_to_swa_index_mapping=jnp.arange(40, dtype=jnp.int32) * 2,
+            req_to_verify_expected_tokens=jnp.asarray(pool),
+            req_to_verify_expected_tokens_valid_lens=jnp.array([3, 8, 0], jnp.int32),
+        )
 
     def test_inside_user_jit_no_retrace(self):
         traces = []
@@ -377,8 +439,12 @@ class PlanJitAndX64Test(PlanTestBase):
         off = jax.tree_util.tree_map(np.asarray, build_plans(**kw))
         with jax.enable_x64(True):
             kw64 = dict(kw)
-            for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens",
-                         "req_to_verify_expected_tokens_valid_lens"):
+            for name in (
+                "req_pool_indices",
+                "prefix_lens",
+                "extend_seq_lens",
+                "req_to_verify_expected_tokens_valid_lens",
+            ):
                 kw64[name] = jnp.asarray(np.asarray(kw[name]), jnp.int64)
             kw64["full_to_swa_index_mapping"] = jnp.asarray(np.asarray(kw["full_to_swa_index_mapping"]), jnp.int64)
             self.assertEqual(kw64["prefix_lens"].dtype, jnp.int64)
@@ -405,7 +471,7 @@ class PlanFuzzTest(PlanTestBase):
     def fuzz(self, *, seed, n, w, use_lut, use_pool, cap, strict):
         rng = random.Random(seed)
         lut_len = 40
-        for it in range(n):
+        for _ in range(n):
             r2t = np.zeros((MAX_REQS, MAX_SEQ), np.int32)
             for r in range(1, MAX_REQS):
                 r2t[r] = [rng.randrange(1, lut_len - 1 if strict else lut_len + 8) for _ in range(MAX_SEQ)]
@@ -419,11 +485,23 @@ class PlanFuzzTest(PlanTestBase):
             lut = [rng.choice([0, rng.randrange(1, 500), -1]) for _ in range(lut_len)] if use_lut else None
             pool = valid = None
             if use_pool:
-                pool = np.array([[rng.randrange(-(2**31), 2**31) for _ in range(MAX_SEQ)] for _ in range(MAX_REQS)],
-                                np.int32)
+                pool = np.array(
+                    [[rng.randrange(-(2**31), 2**31) for _ in range(MAX_SEQ)] for _ in range(MAX_REQS)], np.int32
+                )
                 valid = [rng.randrange(0, MAX_SEQ + (1 if strict else 6)) for _ in range(BS)]
-            self.run_both(rpi=rpi, prefix=prefix, extend=extend, r2t=r2t, cap=cap, w=w,
-                          lut=lut, pool=pool, valid=valid, k=rng.choice([0, 1]) if use_pool else 0, strict=strict)
+            self.run_both(
+                rpi=rpi,
+                prefix=prefix,
+                extend=extend,
+                r2t=r2t,
+                cap=cap,
+                w=w,
+                lut=lut,
+                pool=pool,
+                valid=valid,
+                k=rng.choice([0, 1]) if use_pool else 0,
+                strict=strict,
+            )
 
     def test_fuzz_full(self):
         self.fuzz(seed=1, n=40, w=0, use_lut=False, use_pool=False, cap=CAP, strict=True)
@@ -442,8 +520,12 @@ class ScatterTest(absltest.TestCase):
     POOL = np.full((5, 6), -9, np.int32)
 
     def check(self, flat, offsets, rpi):
-        got = scatter_req_token_ids(flat_in=np.asarray(flat, np.int64), offsets=np.asarray(offsets, np.int64),
-                                    req_pool_indices=np.asarray(rpi, np.int64), pool_out=jnp.asarray(self.POOL))
+        got = scatter_req_token_ids(
+            flat_in=np.asarray(flat, np.int64),
+            offsets=np.asarray(offsets, np.int64),
+            req_pool_indices=np.asarray(rpi, np.int64),
+            pool_out=jnp.asarray(self.POOL),
+        )
         want = plan_oracle.scatter_oracle(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=self.POOL)
         np.testing.assert_array_equal(np.asarray(got), want)
         return np.asarray(got)
@@ -483,20 +565,37 @@ class ScatterTest(absltest.TestCase):
     def test_errors(self):
         pool = jnp.zeros((2, 3), jnp.int32)
         with self.assertRaisesRegex(ValueError, r"scatter_req_token_ids flat_in must be 1-D, got shape \(2, 3\)"):
-            scatter_req_token_ids(flat_in=np.zeros((2, 3), np.int64), offsets=np.array([0, 1]),
-                                  req_pool_indices=np.array([0]), pool_out=pool)
+            scatter_req_token_ids(
+                flat_in=np.zeros((2, 3), np.int64),
+                offsets=np.array([0, 1]),
+                req_pool_indices=np.array([0]),
+                pool_out=pool,
+            )
         with self.assertRaisesRegex(ValueError, r"offsets length 3 != bs\+1 \(2\)"):
-            scatter_req_token_ids(flat_in=np.zeros(3, np.int64), offsets=np.array([0, 1, 2]),
-                                  req_pool_indices=np.array([0]), pool_out=pool)
+            scatter_req_token_ids(
+                flat_in=np.zeros(3, np.int64),
+                offsets=np.array([0, 1, 2]),
+                req_pool_indices=np.array([0]),
+                pool_out=pool,
+            )
         with self.assertRaisesRegex(ValueError, "pool_out must be 2-D"):
-            scatter_req_token_ids(flat_in=np.zeros(3, np.int64), offsets=np.array([0, 1]),
-                                  req_pool_indices=np.array([0]), pool_out=jnp.zeros((3,), jnp.int32))
+            scatter_req_token_ids(
+                flat_in=np.zeros(3, np.int64),
+                offsets=np.array([0, 1]),
+                req_pool_indices=np.array([0]),
+                pool_out=jnp.zeros((3,), jnp.int32),
+            )
         with self.assertRaisesRegex(TypeError, "pool_out must be int32, got int64"):
-            scatter_req_token_ids(flat_in=np.zeros(3, np.int64), offsets=np.array([0, 1]),
-                                  req_pool_indices=np.array([0]), pool_out=np.zeros((2, 3), np.int64))
+            scatter_req_token_ids(
+                flat_in=np.zeros(3, np.int64),
+                offsets=np.array([0, 1]),
+                req_pool_indices=np.array([0]),
+                pool_out=np.zeros((2, 3), np.int64),
+            )
         with self.assertRaisesRegex(TypeError, "flat_in must be int64/int32, got float32"):
-            scatter_req_token_ids(flat_in=np.zeros(3, np.float32), offsets=np.array([0, 1]),
-                                  req_pool_indices=np.array([0]), pool_out=pool)
+            scatter_req_token_ids(
+                flat_in=np.zeros(3, np.float32), offsets=np.array([0, 1]), req_pool_indices=np.array([0]), pool_out=pool
+            )
 
 
 if __name__ == "__main__":
