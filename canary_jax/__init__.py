@@ -6,6 +6,7 @@ points, and violation decoding. Importing this package never imports torch or th
 """
 
 from canary_jax import constants
+from canary_jax.backends import resolve_backend
 from canary_jax.constants import (
     CANARY_CHAIN_ANCHOR,
     CANARY_SLOT_BYTES,
@@ -16,7 +17,6 @@ from canary_jax.constants import (
 )
 from canary_jax.decode import ViolationRecord, decode_violations, format_violation, format_violations
 from canary_jax.ints import as_int64_pairs, int64_to_pairs_np, pairs_to_int64_np
-from canary_jax.backends import resolve_backend
 from canary_jax.launch import verify, write
 from canary_jax.layout import (
     SlotRecord,

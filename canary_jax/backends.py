@@ -17,7 +17,7 @@ imported lazily, on first use.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

@@ -6,12 +6,12 @@ Host-side only: these read device arrays back (a device-to-host copy) and must s
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from canary_jax import constants
-from canary_jax import ints
+from canary_jax import constants, ints
 
 _WRITE_BITS = int(constants.FailReason.WRITE_TOKEN_MISMATCH | constants.FailReason.WRITE_POSITION_MISMATCH)
 _TOKEN_BITS = int(constants.FailReason.WRITE_TOKEN_MISMATCH | constants.FailReason.VERIFY_TOKEN_MISMATCH)
@@ -89,7 +89,7 @@ class ViolationRecord:
         return bool(self.fail_reason_bits & _WRITE_BITS)
 
     @classmethod
-    def from_row(cls, index: int, row: Sequence[int]) -> "ViolationRecord":
+    def from_row(cls, index: int, row: Sequence[int]) -> ViolationRecord:
         return cls(index, *(int(v) for v in row))
 
     def as_dict(self) -> dict[str, Any]:
@@ -102,9 +102,7 @@ class ViolationRecord:
 def _ring_and_index(log_or_ring: Any, write_index: Any | None) -> tuple[np.ndarray, int]:
     if write_index is None:
         if not (hasattr(log_or_ring, "ring") and hasattr(log_or_ring, "write_index")):
-            raise TypeError(
-                "kv-canary: pass write_index together with a bare violation ring (or pass a ViolationLog)"
-            )
+            raise TypeError("kv-canary: pass write_index together with a bare violation ring (or pass a ViolationLog)")
         ring, wi = log_or_ring.ring, log_or_ring.write_index
     else:
         ring, wi = log_or_ring, write_index
@@ -113,7 +111,8 @@ def _ring_and_index(log_or_ring: Any, write_index: Any | None) -> tuple[np.ndarr
         ring = ints.pairs_to_int64_np(ring)
     elif ring.ndim != 2 or ring.shape[1] != constants.VIOLATION_FIELDS or ring.dtype != np.int64:
         raise ValueError(
-            f"kv-canary: violation ring must be int64[R, 8] or uint32[R, 8, 2], got shape {ring.shape} dtype {ring.dtype}"
+            "kv-canary: violation ring must be int64[R, 8] or uint32[R, 8, 2], "
+            f"got shape {ring.shape} dtype {ring.dtype}"
         )
     wi_arr = np.asarray(wi).reshape(-1)
     if wi_arr.size != 1:
@@ -183,8 +182,9 @@ def format_violation(record: ViolationRecord, *, total: int, ring_overflow: bool
     return "\n".join([structured, header, kind_line, reasons_line, *body, footer])
 
 
-def format_violations(log_or_ring: Any, write_index: Any | None = None, *, start: int = 0,
-                      step_when_pumped: int = 0) -> list[str]:
+def format_violations(
+    log_or_ring: Any, write_index: Any | None = None, *, start: int = 0, step_when_pumped: int = 0
+) -> list[str]:
     """One formatted message per recorded row from ``start`` (what SGLang's reporter logs or raises)."""
     ring, wi = _ring_and_index(log_or_ring, write_index)
     overflow = wi > ring.shape[0] or wi < 0

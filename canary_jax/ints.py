@@ -19,11 +19,14 @@ Anything else raises ``TypeError`` naming the argument.
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from canary_jax import validation
 
 _NARROW_INTS = (np.int8, np.int16, np.int32, np.uint8, np.uint16, np.bool_)
 
@@ -140,8 +143,10 @@ def as_int64_pairs(x: Any, *, name: str, shape: Sequence[int | None] | None = No
         logical_ndim = None if shape is None else len(shape)
         if dt in (np.dtype(np.int64), np.dtype(np.uint64)):
             out = jax.lax.bitcast_convert_type(x, jnp.uint32)
-        elif dt.itemsize == 4 and dt.kind in "iu" and (
-            (logical_ndim is not None and x.ndim == logical_ndim + 1 and x.shape[-1] == 2)
+        elif (
+            dt.itemsize == 4
+            and dt.kind in "iu"
+            and (logical_ndim is not None and x.ndim == logical_ndim + 1 and x.shape[-1] == 2)
         ):
             out = jax.lax.bitcast_convert_type(x, jnp.uint32) if dt != np.uint32 else x
         elif dt.kind in "iub" and dt.itemsize <= 4:
@@ -172,11 +177,9 @@ def as_int64_pairs(x: Any, *, name: str, shape: Sequence[int | None] | None = No
                 ) from None
             except ValueError:
                 raise ValueError(f"kv-canary: {name} holds a value that does not fit int64") from None
-    if shape is not None:
-        logical = tuple(out.shape[:-1])
-        if len(logical) != len(shape) or any(w is not None and w != g for w, g in zip(shape, logical)):
-            want = tuple("*" if w is None else w for w in shape)
-            raise ValueError(f"kv-canary: {name} must have shape {want} (int64), got shape {logical}")
+    if shape is not None and not validation.shape_matches(out.shape[:-1], shape):
+        want, got = validation.shape_pattern(shape), tuple(out.shape[:-1])
+        raise ValueError(f"kv-canary: {name} must have shape {want} (int64), got shape {got}")
     return out
 
 
@@ -204,8 +207,5 @@ def as_int32(x: Any, *, name: str, shape: Sequence[int | None] | None = None) ->
             )
         out = jnp.asarray(arr.astype(np.int32))
     if shape is not None:
-        got = tuple(out.shape)
-        if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got)):
-            want = tuple("*" if w is None else w for w in shape)
-            raise ValueError(f"kv-canary: {name} must have shape {want}, got {got}")
+        validation.check_shape(name, out.shape, shape)
     return out

@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from canary_jax import backends, ints
+from canary_jax import backends, ints, validation
 from canary_jax.backends import resolve_backend
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan, check_context
 from canary_jax.sources import device_sources
@@ -81,8 +81,9 @@ def verify(
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
 def _verify_jit(fn, canary_buf, log, rest, check):
     sources, plan, kind, mode = rest[0], rest[1], rest[2], rest[3]
-    ctx = VerifyOrWriteContext(canary_buf=canary_buf, kernel_kind=kind, log=log, real_kv_sources=sources,
-                               real_kv_hash_mode=mode)
+    ctx = VerifyOrWriteContext(
+        canary_buf=canary_buf, kernel_kind=kind, log=log, real_kv_sources=sources, real_kv_hash_mode=mode
+    )
     return fn(ctx, plan, check_verify_expected_token=check).log
 
 
@@ -107,15 +108,11 @@ def normalize_write_inputs(
       ValueError: expected tensors present/absent against the flag (SGLang's messages), or lengths differ.
       TypeError: non-integer data.
     """
-    if enable_write_input_assert:
-        if expected_input_tokens is None or expected_input_positions is None:
-            raise ValueError(
-                "kv-canary: expected input tensors are required when enable_write_input_assert=True"
-            )
-    elif expected_input_tokens is not None or expected_input_positions is not None:
-        raise ValueError(
-            "kv-canary: expected input tensors must be None when enable_write_input_assert=False"
-        )
+    validation.check_expected_inputs(
+        enable_write_input_assert,
+        has_tokens=expected_input_tokens is not None,
+        has_positions=expected_input_positions is not None,
+    )
     ids = ints.as_int64_pairs(input_ids, name="input_ids", shape=(None,))
     t = ids.shape[0]
     pos = ints.as_int64_pairs(positions, name="positions", shape=(t,))
@@ -175,13 +172,26 @@ def write(
         raise TypeError(f"kv-canary: plan must be a WritePlan, got {type(plan).__name__}")
     plan.check()
     ids, pos, loc, et, ep = normalize_write_inputs(
-        input_ids, positions, out_cache_loc, enable_write_input_assert=enable_write_input_assert,
-        expected_input_tokens=expected_input_tokens, expected_input_positions=expected_input_positions)
+        input_ids,
+        positions,
+        out_cache_loc,
+        enable_write_input_assert=enable_write_input_assert,
+        expected_input_tokens=expected_input_tokens,
+        expected_input_positions=expected_input_positions,
+    )
     fn = backends.implementation("write", resolve_backend(backend))
     flag = bool(enable_write_input_assert)
     if _is_tracing(context, plan, ids, pos, loc, et, ep):
-        return fn(context, plan, ids, pos, loc, enable_write_input_assert=flag,
-                  expected_input_tokens=et, expected_input_positions=ep)
+        return fn(
+            context,
+            plan,
+            ids,
+            pos,
+            loc,
+            enable_write_input_assert=flag,
+            expected_input_tokens=et,
+            expected_input_positions=ep,
+        )
     rest = _Rest(context.real_kv_sources, plan, context.kernel_kind, context.real_kv_hash_mode)
     buf, log = _write_jit(fn, context.canary_buf, context.log, rest, (ids, pos, loc, et, ep), flag)
     return context.replace(canary_buf=buf, log=log)
@@ -191,10 +201,12 @@ def write(
 def _write_jit(fn, canary_buf, log, rest, arrays, flag):
     sources, plan, kind, mode = rest[0], rest[1], rest[2], rest[3]
     ids, pos, loc, et, ep = arrays
-    ctx = VerifyOrWriteContext(canary_buf=canary_buf, kernel_kind=kind, log=log, real_kv_sources=sources,
-                               real_kv_hash_mode=mode)
-    out = fn(ctx, plan, ids, pos, loc, enable_write_input_assert=flag, expected_input_tokens=et,
-             expected_input_positions=ep)
+    ctx = VerifyOrWriteContext(
+        canary_buf=canary_buf, kernel_kind=kind, log=log, real_kv_sources=sources, real_kv_hash_mode=mode
+    )
+    out = fn(
+        ctx, plan, ids, pos, loc, enable_write_input_assert=flag, expected_input_tokens=et, expected_input_positions=ep
+    )
     return out.canary_buf, out.log
 
 

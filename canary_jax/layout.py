@@ -19,34 +19,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants
-from canary_jax import ints
+from canary_jax import constants, ints, pairs, validation
 
 
 # --- canary buffer -----------------------------------------------------------------------------------------
 def check_canary_buffer(canary_buf, *, name: str = "canary_buf") -> None:
-    """Static checks of a canary buffer (works on tracers).
-
-    Raises:
-      TypeError: dtype is not uint8.
-      ValueError: not 2-D, stride below 32 bytes (SGLang's message) or not a multiple of 8 bytes.
-    """
-    if np.dtype(canary_buf.dtype) != np.dtype(np.uint8):
-        raise TypeError(f"kv-canary: {name} must have dtype uint8, got {canary_buf.dtype}")
-    if canary_buf.ndim != 2:
-        raise ValueError(f"kv-canary: {name} must be 2-D [num_slots, slot_stride_bytes], got shape {tuple(canary_buf.shape)}")
-    stride = int(canary_buf.shape[1])
-    if stride % 8 != 0:
-        raise ValueError(f"kv-canary: {name} slot stride must be a multiple of 8 bytes, got {stride}")
-    if stride < constants.CANARY_SLOT_BYTES:
-        raise ValueError(
-            f"kv-canary: canary_buf slot stride must hold at least 4 int64 fields, got {stride // 8}"
-        )
-    if int(canary_buf.shape[0]) >= 2**31:
-        raise ValueError(f"kv-canary: {name} has {canary_buf.shape[0]} slots; at most 2**31 - 1 supported")
+    """:func:`canary_jax.validation.check_canary_buffer` on a JAX / numpy array (works on tracers)."""
+    validation.check_canary_buffer(validation.array_facts(canary_buf), name=name)
 
 
-def allocate_canary_buffer(num_slots: int, slot_stride_bytes: int = constants.CANARY_SLOT_BYTES, *, device=None) -> jax.Array:
+def allocate_canary_buffer(
+    num_slots: int, slot_stride_bytes: int = constants.CANARY_SLOT_BYTES, *, device=None
+) -> jax.Array:
     """Zero-initialised ``uint8[num_slots, slot_stride_bytes]`` canary buffer.
 
     Raises:
@@ -96,13 +80,6 @@ def read_all_slots(canary_buf) -> np.ndarray:
 
 
 # --- 64-bit counters as pairs ------------------------------------------------------------------------------
-def add_u64_pairs(pairs: jax.Array, delta_lo: jax.Array) -> jax.Array:
-    """``pairs + delta`` mod 2**64 for ``uint32[..., 2]`` pairs and a non-negative uint32 ``delta``."""
-    lo = pairs[..., 0] + delta_lo.astype(jnp.uint32)
-    carry = (lo < pairs[..., 0]).astype(jnp.uint32)
-    return jnp.stack([lo, pairs[..., 1] + carry], axis=-1)
-
-
 # --- violation log -----------------------------------------------------------------------------------------
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,7 +112,7 @@ class ViolationLog:
         ring_capacity: int = constants.DEFAULT_RING_CAPACITY,
         num_tags: int = constants.NUM_LAUNCH_TAGS,
         enable_chain_position_assert: bool = True,
-    ) -> "ViolationLog":
+    ) -> ViolationLog:
         """Zeroed ring, index and counters; the assert flag starts at 1 as in SGLang.
 
         Raises:
@@ -165,13 +142,13 @@ class ViolationLog:
         Raises:
           TypeError / ValueError naming the field.
         """
-        _check_arr(self.ring, "violation_ring", np.uint32, (None, constants.VIOLATION_FIELDS, 2))
-        _check_arr(self.write_index, "violation_write_index", np.int32, (1,))
-        _check_arr(self.slot_run_counters, "slot_run_counters", np.uint32, (None, 2))
-        _check_arr(self.kernel_run_counters, "kernel_run_counters", np.uint32, (None, 2))
-        _check_arr(self.enable_chain_position_assert, "enable_chain_position_assert", np.int32, (1,))
-        if self.ring.shape[0] < 1:
-            raise ValueError("kv-canary: violation_ring must have at least one row")
+        names = validation.JAX_DTYPES
+        fact = validation.array_facts
+        validation.check_ring(fact(self.ring), names)
+        validation.check_array(fact(self.write_index), "violation_write_index", "int32", (1,))
+        validation.check_array(fact(self.slot_run_counters), "slot_run_counters", "uint32", (None, 2))
+        validation.check_array(fact(self.kernel_run_counters), "kernel_run_counters", "uint32", (None, 2))
+        validation.check_array(fact(self.enable_chain_position_assert), "enable_chain_position_assert", "int32", (1,))
         if self.slot_run_counters.shape != self.kernel_run_counters.shape:
             raise ValueError(
                 f"kv-canary: slot_run_counters shape {self.slot_run_counters.shape} != kernel_run_counters shape "
@@ -202,15 +179,6 @@ class ViolationLog:
         )
 
 
-def _check_arr(x, name: str, dtype, shape) -> None:
-    if np.dtype(x.dtype) != np.dtype(dtype):
-        raise TypeError(f"kv-canary: {name} must have dtype {np.dtype(dtype).name}, got {x.dtype}")
-    got = tuple(x.shape)
-    if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got)):
-        want = tuple("*" if w is None else w for w in shape)
-        raise ValueError(f"kv-canary: {name} must have shape {want}, got {got}")
-
-
 def append_violation_rows(log: ViolationLog, rows: jax.Array, record: jax.Array) -> ViolationLog:
     """Appends the flagged rows to the fill-once ring, in row order (SGLang's torch-reference order).
 
@@ -237,6 +205,12 @@ def append_violation_rows(log: ViolationLog, rows: jax.Array, record: jax.Array)
 
 def bump_counters(log: ViolationLog, tag: int, slots: jax.Array) -> ViolationLog:
     """``kernel_run_counters[tag] += 1`` and ``slot_run_counters[tag] += slots`` (uint32 scalar)."""
-    krc = log.kernel_run_counters.at[tag].set(add_u64_pairs(log.kernel_run_counters[tag], jnp.uint32(1)))
-    src = log.slot_run_counters.at[tag].set(add_u64_pairs(log.slot_run_counters[tag], slots))
+    krc = log.kernel_run_counters.at[tag].set(_add_count(log.kernel_run_counters[tag], jnp.uint32(1)))
+    src = log.slot_run_counters.at[tag].set(_add_count(log.slot_run_counters[tag], slots))
     return dataclasses.replace(log, kernel_run_counters=krc, slot_run_counters=src)
+
+
+def _add_count(counter: jax.Array, delta: jax.Array) -> jax.Array:
+    """An int64 counter ``uint32[2]`` plus a non-negative uint32 ``delta``, mod 2**64."""
+    delta = jnp.asarray(delta).astype(jnp.uint32)
+    return pairs.pack(pairs.add(pairs.unpack(counter), pairs.U64(delta, jnp.zeros_like(delta))))

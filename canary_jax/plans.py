@@ -9,16 +9,14 @@ entries past it are unspecified and never read.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants
-from canary_jax import ints
-from canary_jax import layout
-from canary_jax import sources
+from canary_jax import constants, ints, layout, sources, validation
 
 
 @jax.tree_util.register_dataclass
@@ -49,7 +47,7 @@ class VerifyPlan:
         return 4 * int(verify_capacity) * 8 + 2 * 4
 
     @classmethod
-    def allocate(cls, *, verify_capacity: int) -> "VerifyPlan":
+    def allocate(cls, *, verify_capacity: int) -> VerifyPlan:
         """Zeroed entries, ``num_valid = 0``, ``enable = 1`` (SGLang allocates enable as ones).
 
         Raises:
@@ -79,7 +77,7 @@ class VerifyPlan:
         verify_capacity: int | None = None,
         enable: int = 1,
         num_valid: int | None = None,
-    ) -> "VerifyPlan":
+    ) -> VerifyPlan:
         """Builds a plan on the host from int64 entry lists (tests, sweeps, tools).
 
         Args:
@@ -120,10 +118,19 @@ class VerifyPlan:
             verify_expected_tokens=pad(tokens, -1),
             verify_expected_positions=pad(positions),
             verify_prev_slot_indices=pad(prev_slots),
-            verify_num_valid=jnp.asarray(np.array([n if num_valid is None else ints.check_int(
-                num_valid, name="num_valid", minimum=-2**31, maximum=2**31 - 1)], np.int32)),
-            enable=jnp.asarray(np.array([ints.check_int(enable, name="enable", minimum=-2**31, maximum=2**31 - 1)],
-                                        np.int32)),
+            verify_num_valid=jnp.asarray(
+                np.array(
+                    [
+                        n
+                        if num_valid is None
+                        else ints.check_int(num_valid, name="num_valid", minimum=-(2**31), maximum=2**31 - 1)
+                    ],
+                    np.int32,
+                )
+            ),
+            enable=jnp.asarray(
+                np.array([ints.check_int(enable, name="enable", minimum=-(2**31), maximum=2**31 - 1)], np.int32)
+            ),
         )
 
     @property
@@ -136,12 +143,7 @@ class VerifyPlan:
         Raises:
           TypeError / ValueError naming the field.
         """
-        cap = self.verify_slot_indices.shape[0] if self.verify_slot_indices.ndim >= 1 else None
-        for name in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
-                     "verify_prev_slot_indices"):
-            layout._check_arr(getattr(self, name), f"plan.{name}", np.uint32, (cap, 2))
-        layout._check_arr(self.verify_num_valid, "plan.verify_num_valid", np.int32, (1,))
-        layout._check_arr(self.enable, "plan.enable", np.int32, (1,))
+        validation.check_verify_plan(_facts(self, validation.VERIFY_PLAN_FIELDS), validation.JAX_DTYPES)
 
 
 @jax.tree_util.register_dataclass
@@ -166,7 +168,7 @@ class WritePlan:
         return (2 * int(write_req_capacity) + 1) * 8 + 4
 
     @classmethod
-    def allocate(cls, *, write_req_capacity: int) -> "WritePlan":
+    def allocate(cls, *, write_req_capacity: int) -> WritePlan:
         """Zeroed plan.
 
         Raises:
@@ -189,7 +191,7 @@ class WritePlan:
         seed_slots: Sequence[int],
         write_req_capacity: int | None = None,
         num_valid_reqs: int | None = None,
-    ) -> "WritePlan":
+    ) -> WritePlan:
         """Builds a plan on the host from per-request entry counts and seed slots.
 
         Raises:
@@ -202,7 +204,9 @@ class WritePlan:
         if (counts < 0).any():
             raise ValueError("kv-canary: request entry counts must be non-negative")
         bs = counts.shape[0]
-        cap = max(1, bs) if write_req_capacity is None else ints.check_int(write_req_capacity, name="write_req_capacity")
+        cap = (
+            max(1, bs) if write_req_capacity is None else ints.check_int(write_req_capacity, name="write_req_capacity")
+        )
         if cap <= 0:
             raise ValueError(f"kv-canary: WritePlan write_req_capacity must be positive, got {cap}")
         if bs > cap:
@@ -214,8 +218,16 @@ class WritePlan:
         return cls(
             write_offsets=jnp.asarray(ints.int64_to_pairs_np(off)),
             write_seed_slot_indices=jnp.asarray(ints.int64_to_pairs_np(seed_arr)),
-            write_num_valid_reqs=jnp.asarray(np.array([bs if num_valid_reqs is None else ints.check_int(
-                num_valid_reqs, name="num_valid_reqs", minimum=-2**31, maximum=2**31 - 1)], np.int32)),
+            write_num_valid_reqs=jnp.asarray(
+                np.array(
+                    [
+                        bs
+                        if num_valid_reqs is None
+                        else ints.check_int(num_valid_reqs, name="num_valid_reqs", minimum=-(2**31), maximum=2**31 - 1)
+                    ],
+                    np.int32,
+                )
+            ),
         )
 
     @property
@@ -228,15 +240,11 @@ class WritePlan:
         Raises:
           TypeError / ValueError naming the field; SGLang's CUDA message for a wrong offsets length.
         """
-        layout._check_arr(self.write_seed_slot_indices, "plan.write_seed_slot_indices", np.uint32, (None, 2))
-        cw = int(self.write_seed_slot_indices.shape[0])
-        if self.write_offsets.ndim != 2 or self.write_offsets.shape[0] != cw + 1:
-            raise ValueError(
-                f"canary_write: write_offsets.size(0) must equal write_req_capacity + 1 ({cw + 1}), "
-                f"got {self.write_offsets.shape[0] if self.write_offsets.ndim else 0}"
-            )
-        layout._check_arr(self.write_offsets, "plan.write_offsets", np.uint32, (cw + 1, 2))
-        layout._check_arr(self.write_num_valid_reqs, "plan.write_num_valid_reqs", np.int32, (1,))
+        validation.check_write_plan(_facts(self, validation.WRITE_PLAN_FIELDS), validation.JAX_DTYPES)
+
+
+def _facts(plan: Any, fields: Sequence[str]) -> dict[str, validation.ArrayFacts]:
+    return {f: validation.array_facts(getattr(plan, f)) for f in fields}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -260,13 +268,15 @@ class VerifyOrWriteContext:
     real_kv_sources: tuple = ()
     real_kv_hash_mode: constants.RealKvHashMode = constants.RealKvHashMode.NONE
 
-    def replace(self, **kw) -> "VerifyOrWriteContext":
+    def replace(self, **kw) -> VerifyOrWriteContext:
         return dataclasses.replace(self, **kw)
 
 
 def _ctx_flatten(c: VerifyOrWriteContext):
-    return (c.canary_buf, c.log, tuple(c.real_kv_sources)), (constants.CanaryLaunchTag(int(c.kernel_kind)),
-                                                              constants.RealKvHashMode(int(c.real_kv_hash_mode)))
+    return (c.canary_buf, c.log, tuple(c.real_kv_sources)), (
+        constants.CanaryLaunchTag(int(c.kernel_kind)),
+        constants.RealKvHashMode(int(c.real_kv_hash_mode)),
+    )
 
 
 def _ctx_unflatten(aux, children) -> VerifyOrWriteContext:
@@ -290,10 +300,7 @@ def check_context(context: VerifyOrWriteContext) -> tuple[sources.SourceDescript
     """
     if not isinstance(context, VerifyOrWriteContext):
         raise TypeError(f"kv-canary: context must be a VerifyOrWriteContext, got {type(context).__name__}")
-    try:
-        constants.CanaryLaunchTag(int(context.kernel_kind))
-    except ValueError:
-        raise ValueError(f"kv-canary: kernel_kind must be a CanaryLaunchTag, got {context.kernel_kind!r}") from None
+    validation.check_kernel_kind(context.kernel_kind)
     layout.check_canary_buffer(context.canary_buf)
     if not isinstance(context.log, layout.ViolationLog):
         raise TypeError(f"kv-canary: context.log must be a ViolationLog, got {type(context.log).__name__}")

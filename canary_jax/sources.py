@@ -14,21 +14,14 @@ most 4 :class:`SourceDescriptor` (hashable; baked into the traced program) plus 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants
-from canary_jax import hashing
-
-
-def _row_stride_bytes(tensor: Any) -> int:
-    if isinstance(tensor, np.ndarray):
-        return int(tensor.strides[0])
-    shape = tuple(tensor.shape)
-    return int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(tensor.dtype).itemsize
+from canary_jax import constants, hashing, pairs, validation
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,58 +53,33 @@ class RealKvSource:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"kv-canary: RealKvSource.{field} must be an int, got {value!r}")
-        if self.page_size < 1:
-            raise ValueError(f"kv-canary: RealKvSource.page_size must be >= 1, got {self.page_size}")
-        if self.num_bytes_per_token <= 0 or self.num_bytes_per_token % 16 != 0:
-            raise ValueError(
-                "kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of 16, "
-                f"got {self.num_bytes_per_token}"
-            )
-        if self.read_bytes <= 0 or self.read_bytes > self.num_bytes_per_token or self.read_bytes % 16 != 0:
-            raise ValueError(
-                "kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in "
-                f"(0, num_bytes_per_token={self.num_bytes_per_token}], got {self.read_bytes}"
-            )
-        ndim = len(tuple(self.tensor.shape))
-        if ndim < 2:
-            raise ValueError(
-                f"kv-canary: RealKvSource.tensor must be at least 2-D, got shape {tuple(self.tensor.shape)}"
-            )
-        stride = _row_stride_bytes(self.tensor)
-        if stride % 16 != 0:
-            strides = (
-                tuple(s // self.tensor.itemsize for s in self.tensor.strides)
-                if isinstance(self.tensor, np.ndarray)
-                else _dense_strides(tuple(self.tensor.shape))
-            )
-            raise ValueError(
-                "kv-canary: RealKvSource.tensor row stride must be a multiple of 16 bytes, "
-                f"got {stride} bytes (shape={tuple(self.tensor.shape)}, strides={strides}, dtype={self.tensor.dtype})"
-            )
-
-
-def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= d
-    return tuple(reversed(out))
+        validation.check_source_fields(
+            page_size=self.page_size,
+            num_bytes_per_token=self.num_bytes_per_token,
+            read_bytes=self.read_bytes,
+            tensor=validation.array_facts(self.tensor),
+        )
 
 
 jax.tree_util.register_pytree_node(
     RealKvSource,
     lambda s: ((s.tensor,), (s.page_size, s.num_bytes_per_token, s.read_bytes)),
-    lambda aux, ch: _unflatten_source(aux, ch),
+    lambda aux, ch: prechecked_source(ch[0], page_size=aux[0], num_bytes_per_token=aux[1], read_bytes=aux[2]),
 )
 
 
-def _unflatten_source(aux, children) -> RealKvSource:
-    # Bypass __post_init__: unflattening happens inside transformations where ``tensor`` may be a sentinel.
+def prechecked_source(tensor: Any, *, page_size: int, num_bytes_per_token: int, read_bytes: int) -> RealKvSource:
+    """A :class:`RealKvSource` built without running its checks again.
+
+    For fields that were already validated (a source's own fields, pytree unflattening inside
+    transformations where ``tensor`` may be a sentinel, the torch launchers' sources after their launch-time
+    checks). Never raises.
+    """
     obj = object.__new__(RealKvSource)
-    object.__setattr__(obj, "tensor", children[0])
-    object.__setattr__(obj, "page_size", aux[0])
-    object.__setattr__(obj, "num_bytes_per_token", aux[1])
-    object.__setattr__(obj, "read_bytes", aux[2])
+    object.__setattr__(obj, "tensor", tensor)
+    object.__setattr__(obj, "page_size", page_size)
+    object.__setattr__(obj, "num_bytes_per_token", num_bytes_per_token)
+    object.__setattr__(obj, "read_bytes", read_bytes)
     return obj
 
 
@@ -127,51 +95,52 @@ class SourceDescriptor(NamedTuple):
     num_rows: int
 
 
-def _uint8_view_shape(tensor: Any) -> tuple[int, ...]:
-    shape = tuple(int(d) for d in tensor.shape)
-    return shape[:-1] + (shape[-1] * np.dtype(tensor.dtype).itemsize,)
-
-
 def check_real_kv_sources(
     sources: Sequence[RealKvSource], mode: constants.RealKvHashMode | int
 ) -> tuple[SourceDescriptor, ...]:
-    """Launch-time checks and the static descriptor array (SGLang ``_build_real_kv_source_abi``).
+    """Launch-time checks of the sources (SGLang ``_build_real_kv_source_abi``), then their descriptors.
 
-    Returns an empty tuple when ``mode`` is NONE or there are no sources (nothing is hashed then; the
-    tensors are never read).
+    The checks are :mod:`canary_jax.validation`'s, on each tensor's facts: the count (first, every mode),
+    each source's kind, contiguity and 2-D uint8 view (every mode), and, when the launch hashes, each row's
+    width. A launch runs this once, before tracing; backends read :func:`source_descriptors`.
+
+    Returns:
+      ``source_descriptors(sources, mode)``: empty when ``mode`` is NONE or there are no sources.
 
     Raises:
-      ValueError: more than 4 sources (checked first, for every mode), a source that is not 2-D viewed as
-        uint8, or a row narrower than ``page_size * num_bytes_per_token``.
+      ValueError: more than 4 sources, a source that is not contiguous or not 2-D viewed as uint8, or (PARTIAL
+        / ALL) a row narrower than ``page_size * num_bytes_per_token``.
       TypeError: an entry that is not a RealKvSource.
     """
     sources = tuple(sources)
-    if len(sources) > constants.MAX_REAL_KV_SOURCES:
-        raise ValueError(
-            f"kv-canary: at most {constants.MAX_REAL_KV_SOURCES} RealKvSource entries supported by the CUDA ABI, "
-            f"got {len(sources)}"
-        )
+    validation.check_source_count(len(sources))
     for i, s in enumerate(sources):
         if not isinstance(s, RealKvSource):
             raise TypeError(f"kv-canary: real_kv_sources[{i}] must be a RealKvSource, got {type(s).__name__}")
-    mode = constants.RealKvHashMode(int(mode))
-    descs = []
+    hashing_on = validation.check_hash_mode(mode) != constants.RealKvHashMode.NONE
     for i, s in enumerate(sources):
-        if isinstance(s.tensor, np.ndarray) and not s.tensor.flags.c_contiguous:
-            raise ValueError(f"kv-canary: real_kv_sources[{i}].tensor must be contiguous")
-        u8_shape = _uint8_view_shape(s.tensor)
-        if len(u8_shape) != 2:
-            raise ValueError(
-                f"kv-canary: real_kv_sources[{i}].tensor (viewed as uint8) must be 2-D, got {len(u8_shape)}-D"
+        _, row_bytes = validation.check_source_layout(i, validation.array_facts(s.tensor))
+        if hashing_on:
+            validation.check_source_row_width(
+                row_bytes, page_size=s.page_size, num_bytes_per_token=s.num_bytes_per_token
             )
-        row_bytes = u8_shape[1]
-        need = s.page_size * s.num_bytes_per_token
-        if row_bytes < need:
-            raise ValueError(
-                "kv-canary: RealKvSource row is too narrow for its slot layout: "
-                f"dim-1 is {row_bytes} bytes but page_size={s.page_size} x "
-                f"num_bytes_per_token={s.num_bytes_per_token} needs {need}"
-            )
+    return source_descriptors(sources, mode)
+
+
+def source_descriptors(
+    sources: Sequence[RealKvSource], mode: constants.RealKvHashMode | int
+) -> tuple[SourceDescriptor, ...]:
+    """The static descriptor array of sources that passed :func:`check_real_kv_sources` (checks nothing).
+
+    Works on tracers (only shapes and dtypes are read). Empty when ``mode`` is NONE or there are no sources
+    (nothing is hashed then; the tensors are never read).
+    """
+    mode = constants.RealKvHashMode(int(mode))
+    if mode == constants.RealKvHashMode.NONE or not sources:
+        return ()
+    descs = []
+    for s in sources:
+        shape = tuple(int(d) for d in s.tensor.shape)
         eff = constants.PARTIAL_READ_BYTES if mode == constants.RealKvHashMode.PARTIAL else s.read_bytes
         descs.append(
             SourceDescriptor(
@@ -179,12 +148,10 @@ def check_real_kv_sources(
                 num_bytes_per_token=int(s.num_bytes_per_token),
                 read_bytes=int(s.read_bytes),
                 effective_read_bytes=int(eff),
-                row_bytes=int(row_bytes),
-                num_rows=int(u8_shape[0]),
+                row_bytes=shape[1] * np.dtype(s.tensor.dtype).itemsize,
+                num_rows=shape[0],
             )
         )
-    if mode == constants.RealKvHashMode.NONE or not sources:
-        return ()
     return tuple(descs)
 
 
@@ -199,7 +166,12 @@ def device_sources(sources: Sequence[RealKvSource]) -> tuple[RealKvSource, ...]:
     for s in sources:
         if isinstance(s.tensor, np.ndarray):
             u8 = np.ascontiguousarray(s.tensor).view(np.uint8)
-            s = _unflatten_source((s.page_size, s.num_bytes_per_token, s.read_bytes), (jnp.asarray(u8),))
+            s = prechecked_source(
+                jnp.asarray(u8),
+                page_size=s.page_size,
+                num_bytes_per_token=s.num_bytes_per_token,
+                read_bytes=s.read_bytes,
+            )
         out.append(s)
     return tuple(out)
 
@@ -223,7 +195,7 @@ def source_words(tensor: jax.Array) -> jax.Array:
 
 def real_kv_hash_reference(
     tensors: Sequence[jax.Array], descs: Sequence[SourceDescriptor], slots: jax.Array
-) -> hashing.U64:
+) -> pairs.U64:
     """Combined real-KV fingerprint of ``slots`` (int32, any shape), pure jnp (SPEC 2.5).
 
     Slots whose row lies outside a source read as zero bytes there (canary-jax never reads outside a
@@ -233,8 +205,7 @@ def real_kv_hash_reference(
       U64 of ``slots.shape``.
     """
     if not descs:
-        z = jnp.zeros(slots.shape, jnp.uint32)
-        return hashing.U64(z, z)
+        return pairs.const(0, slots.shape)
     per_source = []
     for tensor, d in zip(tensors, descs):
         words = source_words(tensor)  # u32[rows, row_bytes/4]

@@ -25,7 +25,8 @@ import collections
 import ctypes
 import threading
 import weakref
-from typing import Any, Hashable, Iterable
+from collections.abc import Hashable, Iterable
+from typing import Any
 
 import jax
 import numpy as np
@@ -67,7 +68,7 @@ def _capsule_is(obj: Any, names: tuple[bytes, ...]) -> bool:
     return any(_PyCapsule_IsValid(obj, n) for n in names)
 
 
-def as_torch_tensor(x: Any, *, name: str) -> "torch.Tensor":
+def as_torch_tensor(x: Any, *, name: str) -> torch.Tensor:
     """A torch tensor for ``x`` without copying: a tensor itself, a fresh DLPack capsule, or any object with
     ``__dlpack__``.
 
@@ -92,13 +93,13 @@ def as_torch_tensor(x: Any, *, name: str) -> "torch.Tensor":
 
 
 # --- layout checks ----------------------------------------------------------------------------------------
-def check_contiguous(t: "torch.Tensor", name: str) -> None:
+def check_contiguous(t: torch.Tensor, name: str) -> None:
     """SGLang's check and message: ``kv-canary: {name} must be contiguous``."""
     if not t.is_contiguous():
         raise ValueError(f"kv-canary: {name} must be contiguous")
 
 
-def contiguous_view(t: "torch.Tensor", name: str) -> "torch.Tensor":
+def contiguous_view(t: torch.Tensor, name: str) -> torch.Tensor:
     """A new view of ``t`` with canonical row-major strides (same memory; never ``t`` itself, so importing it
     does not pin ``t``'s Python object).
 
@@ -115,7 +116,7 @@ def contiguous_view(t: "torch.Tensor", name: str) -> "torch.Tensor":
     return t.view(t.dtype).view(-1).view(tuple(t.shape))
 
 
-def int64_pairs_view(t: "torch.Tensor", name: str = "tensor") -> "torch.Tensor":
+def int64_pairs_view(t: torch.Tensor, name: str = "tensor") -> torch.Tensor:
     """``int64``/``uint64 [*S]`` -> ``int32 [*S, 2]`` little-endian (lo, hi) words, the same memory.
 
     Raises:
@@ -129,7 +130,7 @@ def int64_pairs_view(t: "torch.Tensor", name: str = "tensor") -> "torch.Tensor":
 
 
 # --- devices and alignment --------------------------------------------------------------------------------
-def jax_device_for(t: "torch.Tensor") -> jax.Device:
+def jax_device_for(t: torch.Tensor) -> jax.Device:
     """The JAX device that DLPack places ``t`` on.
 
     Raises:
@@ -156,7 +157,7 @@ _ALIGNMENT: dict[str, int] = {}
 _EXECUTABLE_MIN_ALIGN = 16  # bytes; XLA's argument-buffer check on GPU (see device_alignment)
 
 
-def device_alignment(device: "torch.device") -> int:
+def device_alignment(device: torch.device) -> int:
     """Smallest data-pointer alignment (bytes) at which JAX imports a tensor of ``device``'s type zero-copy.
 
     Measured once per device type by importing byte slices at exact alignments 1, 2, 4, ..., 256 with
@@ -185,7 +186,7 @@ def device_alignment(device: "torch.device") -> int:
     # Importing is not the whole story: a compiled XLA executable also checks its argument buffers. On the
     # H200 (jax 0.11.2) imports succeeded at any alignment, but an 8-byte-aligned counter view then failed at
     # launch with "INTERNAL: Address of buffer N must be a multiple of 10" (hex: 16 bytes). So never report
-    # less than 16; smaller-aligned tensors go through the aligned byte windows of ``inplace``.
+    # less than 16; smaller-aligned tensors go through the aligned byte windows of ``interop.buffers``.
     found = max(found, _EXECUTABLE_MIN_ALIGN)
     with _ALIGN_LOCK:
         _ALIGNMENT[key] = found
@@ -200,7 +201,7 @@ def _x64() -> bool:
     return bool(jax.config.read("jax_enable_x64"))
 
 
-def to_jax(x: Any, *, name: str = "tensor", int64: str = "pairs", cache: "ImportCache | None" = None) -> jax.Array:
+def to_jax(x: Any, *, name: str = "tensor", int64: str = "pairs", cache: ImportCache | None = None) -> jax.Array:
     """Imports a torch tensor into JAX without copying it.
 
     Args:
@@ -233,7 +234,7 @@ def to_jax(x: Any, *, name: str = "tensor", int64: str = "pairs", cache: "Import
     return arr
 
 
-def _importable_view(t: "torch.Tensor", *, name: str, int64: str) -> "torch.Tensor":
+def _importable_view(t: torch.Tensor, *, name: str, int64: str) -> torch.Tensor:
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"kv-canary: {name} is on {t.device}; only CPU and CUDA tensors can be exchanged with JAX")
     if t.dtype in (torch.int64, torch.uint64):
@@ -250,7 +251,7 @@ def _importable_view(t: "torch.Tensor", *, name: str, int64: str) -> "torch.Tens
     return contiguous_view(t, name)
 
 
-def _import_exact(t: "torch.Tensor", *, name: str) -> jax.Array:
+def _import_exact(t: torch.Tensor, *, name: str) -> jax.Array:
     """``from_dlpack(t, copy=False)`` plus the zero-copy / dtype-width checks."""
     if t.numel() > 0:
         align = device_alignment(t.device)
@@ -264,7 +265,9 @@ def _import_exact(t: "torch.Tensor", *, name: str) -> jax.Array:
         arr = jax.dlpack.from_dlpack(t, copy=False)
     except ValueError as e:
         if "aligned" in str(e):
-            raise ValueError(f"kv-canary: {name} is not aligned the way XLA needs for a zero-copy import: {e}") from None
+            raise ValueError(
+                f"kv-canary: {name} is not aligned the way XLA needs for a zero-copy import: {e}"
+            ) from None
         raise
     except Exception as e:  # JaxRuntimeError for exotic strides
         raise ValueError(f"kv-canary: {name} cannot be imported into JAX without a copy: {e}") from None
@@ -280,7 +283,7 @@ def _import_exact(t: "torch.Tensor", *, name: str) -> jax.Array:
     return arr
 
 
-def to_torch(a: jax.Array) -> "torch.Tensor":
+def to_torch(a: jax.Array) -> torch.Tensor:
     """Exports a JAX array to torch without a copy (on CUDA, torch's current stream waits for it)."""
     return torch.from_dlpack(a)
 
@@ -299,7 +302,7 @@ class ImportCache:
 
     def __init__(self, max_entries: int = 1024):
         self._max = int(max_entries)
-        self._d: "collections.OrderedDict[Hashable, tuple[Any, tuple]]" = collections.OrderedDict()
+        self._d: collections.OrderedDict[Hashable, tuple[Any, tuple]] = collections.OrderedDict()
         self._keys_by_ref: dict[int, set] = {}  # id(weak reference) -> keys of the entries it guards
         self._lock = threading.RLock()
         self.hits = 0
@@ -316,10 +319,10 @@ class ImportCache:
         self._on_death = _on_death
 
     @staticmethod
-    def key_for(t: "torch.Tensor", extra: Hashable = None) -> Hashable:
+    def key_for(t: torch.Tensor, extra: Hashable = None) -> Hashable:
         return (str(t.device), t.data_ptr(), tuple(t.shape), str(t.dtype), extra)
 
-    def ref(self, owner: Any) -> "weakref.ref":
+    def ref(self, owner: Any) -> weakref.ref:
         """A weak reference to ``owner`` that evicts this cache's entries of ``owner`` when it dies."""
         return weakref.ref(owner, self._on_death)
 

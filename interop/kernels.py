@@ -1,4 +1,4 @@
-"""The JAX side of the torch launchers: verify / write / plan bodies for :func:`interop.inplace.run_in_place`.
+"""The JAX side of the torch launchers: verify / write / plan bodies for :func:`interop.runner.run_in_place`.
 
 Each ``*_body_factory(statics)`` returns ``body(vals) -> dict``: ``vals`` maps SGLang's argument names
 (``canary_buf``, ``plan.verify_slot_indices``, ``violation_ring``, ``slot_run_counter``, ...) to JAX arrays in
@@ -12,22 +12,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from canary_jax import constants
-from canary_jax import backends
-from canary_jax import plan_builder
-from canary_jax import sources
+from canary_jax import backends, constants, plan_builder, sources, validation
 from canary_jax.layout import ViolationLog
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
-
-VERIFY_PLAN_FIELDS = (
-    "verify_slot_indices",
-    "verify_expected_tokens",
-    "verify_expected_positions",
-    "verify_prev_slot_indices",
-    "verify_num_valid",
-    "enable",
-)
-WRITE_PLAN_FIELDS = ("write_offsets", "write_seed_slot_indices", "write_num_valid_reqs")
 
 
 def _counters(c: jnp.ndarray, tag: int, num_tags: int) -> jnp.ndarray:
@@ -57,7 +44,7 @@ def _log_out(log: ViolationLog, tag: int) -> dict:
 
 def _sources(v: dict, source_meta: tuple) -> tuple:
     return tuple(
-        sources.RealKvSource(tensor=v[f"real_kv_sources[{i}].tensor"], page_size=p, num_bytes_per_token=n, read_bytes=r)
+        sources.prechecked_source(v[f"real_kv_sources[{i}].tensor"], page_size=p, num_bytes_per_token=n, read_bytes=r)
         for i, (p, n, r) in enumerate(source_meta)
     )
 
@@ -69,10 +56,13 @@ def verify_body_factory(statics):
 
     def body(v: dict) -> dict:
         log = _log(v, tag, jnp.ones((1,), jnp.int32))
-        plan = VerifyPlan(**{f: v[f"plan.{f}"] for f in VERIFY_PLAN_FIELDS})
+        plan = VerifyPlan(**{f: v[f"plan.{f}"] for f in validation.VERIFY_PLAN_FIELDS})
         ctx = VerifyOrWriteContext(
-            canary_buf=v["canary_buf"], kernel_kind=constants.CanaryLaunchTag(tag), log=log,
-            real_kv_sources=_sources(v, source_meta), real_kv_hash_mode=constants.RealKvHashMode(mode),
+            canary_buf=v["canary_buf"],
+            kernel_kind=constants.CanaryLaunchTag(tag),
+            log=log,
+            real_kv_sources=_sources(v, source_meta),
+            real_kv_hash_mode=constants.RealKvHashMode(mode),
         )
         out = impl(ctx, plan, check_verify_expected_token=check)
         return _log_out(out.log, tag)
@@ -87,13 +77,20 @@ def write_body_factory(statics):
 
     def body(v: dict) -> dict:
         log = _log(v, tag, v["enable_chain_position_assert"])
-        plan = WritePlan(**{f: v[f"plan.{f}"] for f in WRITE_PLAN_FIELDS})
+        plan = WritePlan(**{f: v[f"plan.{f}"] for f in validation.WRITE_PLAN_FIELDS})
         ctx = VerifyOrWriteContext(
-            canary_buf=v["canary_buf"], kernel_kind=constants.CanaryLaunchTag(tag), log=log,
-            real_kv_sources=_sources(v, source_meta), real_kv_hash_mode=constants.RealKvHashMode(mode),
+            canary_buf=v["canary_buf"],
+            kernel_kind=constants.CanaryLaunchTag(tag),
+            log=log,
+            real_kv_sources=_sources(v, source_meta),
+            real_kv_hash_mode=constants.RealKvHashMode(mode),
         )
         out = impl(
-            ctx, plan, v["input_ids"], v["positions"], v["out_cache_loc"],
+            ctx,
+            plan,
+            v["input_ids"],
+            v["positions"],
+            v["out_cache_loc"],
             enable_write_input_assert=assert_inputs,
             expected_input_tokens=v.get("expected_input_tokens"),
             expected_input_positions=v.get("expected_input_positions"),
@@ -110,8 +107,8 @@ def plan_body_factory(statics):
     w, k, has_lut, has_pool = statics
 
     def body(v: dict) -> dict:
-        vp = VerifyPlan(**{f: v[f"verify_plan_out.{f}"] for f in VERIFY_PLAN_FIELDS})
-        wp = WritePlan(**{f: v[f"write_plan_out.{f}"] for f in WRITE_PLAN_FIELDS})
+        vp = VerifyPlan(**{f: v[f"verify_plan_out.{f}"] for f in validation.VERIFY_PLAN_FIELDS})
+        wp = WritePlan(**{f: v[f"write_plan_out.{f}"] for f in validation.WRITE_PLAN_FIELDS})
         new_v, new_w = plan_builder.build_plans(
             req_pool_indices=v["req_pool_indices"],
             prefix_lens=v["prefix_lens"],
@@ -127,8 +124,8 @@ def plan_body_factory(statics):
             verify_plan_out=vp,
             write_plan_out=wp,
         )
-        out = {f"verify_plan_out.{f}": getattr(new_v, f) for f in VERIFY_PLAN_FIELDS}
-        out.update({f"write_plan_out.{f}": getattr(new_w, f) for f in WRITE_PLAN_FIELDS})
+        out = {f"verify_plan_out.{f}": getattr(new_v, f) for f in validation.VERIFY_PLAN_FIELDS}
+        out.update({f"write_plan_out.{f}": getattr(new_w, f) for f in validation.WRITE_PLAN_FIELDS})
         return out
 
     return body

@@ -9,7 +9,6 @@ from canary_jax import constants
 
 
 class ConstantsTest(absltest.TestCase):
-
     def test_chain_and_padding(self):
         self.assertEqual(constants.CANARY_CHAIN_ANCHOR, 0xC0FFEE1234567890)
         self.assertEqual(constants.REQ_POOL_IDX_PADDING, 0)
@@ -20,18 +19,42 @@ class ConstantsTest(absltest.TestCase):
 
     def test_slot_layout(self):
         self.assertEqual(constants.CANARY_FIELDS_PER_SLOT, 4)
-        self.assertEqual((constants.CANARY_FIELD_TOKEN, constants.CANARY_FIELD_POSITION, constants.CANARY_FIELD_PREV_HASH,
-                          constants.CANARY_FIELD_REAL_KV_HASH), (0, 1, 2, 3))
+        self.assertEqual(
+            (
+                constants.CANARY_FIELD_TOKEN,
+                constants.CANARY_FIELD_POSITION,
+                constants.CANARY_FIELD_PREV_HASH,
+                constants.CANARY_FIELD_REAL_KV_HASH,
+            ),
+            (0, 1, 2, 3),
+        )
         self.assertEqual(constants.CANARY_SLOT_BYTES, 32)
 
     def test_violation_row_layout(self):
         self.assertEqual(constants.VIOLATION_FIELDS, 8)
-        self.assertEqual(constants.VIOLATION_FIELD_NAMES, ("kernel_kind", "slot_idx", "position", "stored_token",
-                                                   "expected_token", "stored_chain_hash", "expected_aux",
-                                                   "fail_reason_bits"))
-        cols = (constants.VIOLATION_FIELD_KERNEL_KIND, constants.VIOLATION_FIELD_SLOT_IDX, constants.VIOLATION_FIELD_POSITION,
-                constants.VIOLATION_FIELD_STORED_TOKEN, constants.VIOLATION_FIELD_EXPECTED_TOKEN, constants.VIOLATION_FIELD_STORED_CHAIN_HASH,
-                constants.VIOLATION_FIELD_EXPECTED_AUX, constants.VIOLATION_FIELD_FAIL_REASON_BITS)
+        self.assertEqual(
+            constants.VIOLATION_FIELD_NAMES,
+            (
+                "kernel_kind",
+                "slot_idx",
+                "position",
+                "stored_token",
+                "expected_token",
+                "stored_chain_hash",
+                "expected_aux",
+                "fail_reason_bits",
+            ),
+        )
+        cols = (
+            constants.VIOLATION_FIELD_KERNEL_KIND,
+            constants.VIOLATION_FIELD_SLOT_IDX,
+            constants.VIOLATION_FIELD_POSITION,
+            constants.VIOLATION_FIELD_STORED_TOKEN,
+            constants.VIOLATION_FIELD_EXPECTED_TOKEN,
+            constants.VIOLATION_FIELD_STORED_CHAIN_HASH,
+            constants.VIOLATION_FIELD_EXPECTED_AUX,
+            constants.VIOLATION_FIELD_FAIL_REASON_BITS,
+        )
         self.assertEqual(cols, tuple(range(8)))
         self.assertEqual(constants.DEFAULT_RING_CAPACITY, 1024)
 
@@ -53,7 +76,9 @@ class ConstantsTest(absltest.TestCase):
         self.assertEqual({m.name: int(m) for m in constants.FailReason}, want)
         self.assertEqual([m.name for m in constants.FailReason], list(want))  # bit order
         self.assertEqual(constants.FAIL_REASON_ALL_BITS, 63)
-        self.assertEqual(int(constants.FailReason.VERIFY_TOKEN_MISMATCH | constants.FailReason.VERIFY_POSITION_MISMATCH), 34)
+        self.assertEqual(
+            int(constants.FailReason.VERIFY_TOKEN_MISMATCH | constants.FailReason.VERIFY_POSITION_MISMATCH), 34
+        )
 
     def test_real_kv_hash_mode(self):
         self.assertEqual({m.name: int(m) for m in constants.RealKvHashMode}, {"NONE": 0, "PARTIAL": 1, "ALL": 2})
@@ -64,8 +89,20 @@ class ConstantsTest(absltest.TestCase):
                 constants.RealKvHashMode.from_name(bad)
 
     def test_launch_tags(self):
-        want = ["HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL", "TAIL_V_FULL", "SWEEP_K_FULL", "SWEEP_V_FULL",
-                "HEAD_K_SWA", "HEAD_V_SWA", "TAIL_K_SWA", "TAIL_V_SWA", "SWEEP_K_SWA", "SWEEP_V_SWA"]
+        want = [
+            "HEAD_K_FULL",
+            "HEAD_V_FULL",
+            "TAIL_K_FULL",
+            "TAIL_V_FULL",
+            "SWEEP_K_FULL",
+            "SWEEP_V_FULL",
+            "HEAD_K_SWA",
+            "HEAD_V_SWA",
+            "TAIL_K_SWA",
+            "TAIL_V_SWA",
+            "SWEEP_K_SWA",
+            "SWEEP_V_SWA",
+        ]
         self.assertEqual([(t.name, int(t)) for t in constants.CanaryLaunchTag], [(n, i) for i, n in enumerate(want)])
         self.assertLen(constants.CanaryLaunchTag, 12)
         self.assertEqual(constants.NUM_LAUNCH_TAGS, 12)

@@ -9,7 +9,7 @@ Skipped without a CUDA device (and a JAX GPU backend). What each test establishe
   is seen by the JAX verify; torch reads queued right after a launch see JAX's results, even when JAX's own
   stream is busy;
 * the random launches and the plan produce the bytes of SGLang's torch references (re-implemented in
-  test_interop_torchref), and CUDA equals CPU;
+  helpers/torch_reference.py), and CUDA equals CPU;
 * bad input (CPU mixed with CUDA, two GPUs (skipped with one GPU), wrong dtype, non-contiguous, aliasing
   outputs, consumed capsule)
   raises naming the argument and leaves the tensors untouched;
@@ -21,18 +21,15 @@ from __future__ import annotations
 import gc
 import random
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-import jax
-import jax.numpy as jnp
-
-from interop import dlpack
-from interop import inplace
-from interop import sglang
-from test_interop_torchref import ref_verify, ref_write
-from test_interop_world import World, assert_same_bytes, random_verify_plan, random_write_args
+from helpers.interop_world import World, assert_same_bytes, random_verify_plan, random_write_args
+from helpers.torch_reference import ref_verify, ref_write
+from interop import dlpack, runner, sglang, streams
 
 
 def _have_gpu() -> bool:
@@ -77,9 +74,14 @@ def _write_once(w, *, backend, tag=2, n=3, start_slot=5):
     plan.write_offsets.copy_(torch.tensor([0, n, n]))
     plan.write_seed_slot_indices.fill_(-1)
     plan.write_num_valid_reqs.fill_(1)
-    kw = dict(input_ids=torch.arange(101, 101 + n, device="cuda"), positions=torch.arange(n, device="cuda"),
-              out_cache_loc=torch.arange(start_slot, start_slot + n, device="cuda"), enable_write_input_assert=False,
-              expected_input_tokens=None, expected_input_positions=None)
+    kw = dict(
+        input_ids=torch.arange(101, 101 + n, device="cuda"),
+        positions=torch.arange(n, device="cuda"),
+        out_cache_loc=torch.arange(start_slot, start_slot + n, device="cuda"),
+        enable_write_input_assert=False,
+        expected_input_tokens=None,
+        expected_input_positions=None,
+    )
     sglang.launch_canary_write_kernel(context=w.context(tag), plan=plan, backend=backend, **kw)
     return plan, kw
 
@@ -92,8 +94,8 @@ def test_cuda_launch_is_in_place_and_aliases_when_donation_does(backend):
     _write_once(w, backend=backend)
     torch.cuda.synchronize()
     assert {k: t.data_ptr() for k, t in w.tensors().items()} == ptrs
-    rep = inplace.last_launch_report()
-    assert rep["donated"] == inplace.donation_aliases(torch.device("cuda"))
+    rep = runner.last_launch_report()
+    assert rep["donated"] == runner.donation_aliases(torch.device("cuda"))
     if rep["donated"]:
         assert "canary_buf" in rep["aliased"], rep  # no O(num_slots) copy
     assert w.buf.view(torch.int64)[5, :2].tolist() == [101, 0]
@@ -114,16 +116,20 @@ def _random_sequence(backend, worlds, seed=2):
                 if who == "ref":
                     ref_write(context=world.context(tag), plan=plan, **kw)
                 else:
-                    sglang.launch_canary_write_kernel(context=world.context(tag), plan=plan,
-                                                 backend=backend if who == "gpu" else "reference", **kw)
+                    sglang.launch_canary_write_kernel(
+                        context=world.context(tag), plan=plan, backend=backend if who == "gpu" else "reference", **kw
+                    )
             else:
                 plan = random_verify_plan(r, world, device=dev)
                 if who == "ref":
                     ref_verify(context=world.context(tag), plan=plan, check_verify_expected_token=True)
                 else:
-                    sglang.launch_canary_verify_kernel(context=world.context(tag), plan=plan,
-                                                  check_verify_expected_token=True,
-                                                  backend=backend if who == "gpu" else "reference")
+                    sglang.launch_canary_verify_kernel(
+                        context=world.context(tag),
+                        plan=plan,
+                        check_verify_expected_token=True,
+                        backend=backend if who == "gpu" else "reference",
+                    )
         yield step, op
 
 
@@ -160,8 +166,9 @@ def _verify_setup(backend):
     plan.verify_expected_tokens.fill_(-1)
     plan.verify_num_valid.fill_(4)
     torch.cuda.synchronize()
-    sglang.launch_canary_verify_kernel(context=w.context(2), plan=plan, check_verify_expected_token=False,
-                                  backend=backend)
+    sglang.launch_canary_verify_kernel(
+        context=w.context(2), plan=plan, check_verify_expected_token=False, backend=backend
+    )
     torch.cuda.synchronize()
     assert w.state.violation_write_index.item() == 0
     return w, plan
@@ -176,8 +183,9 @@ def test_cuda_jax_waits_for_a_side_stream_write_the_current_stream_waits_for(bac
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the corruption lands
         w.kv[0][10, 0] ^= 0x5A  # flips a byte slot 10 fingerprints
     torch.cuda.current_stream().wait_stream(side)
-    sglang.launch_canary_verify_kernel(context=w.context(2), plan=plan, check_verify_expected_token=False,
-                                  backend=backend)
+    sglang.launch_canary_verify_kernel(
+        context=w.context(2), plan=plan, check_verify_expected_token=False, backend=backend
+    )
     rows = w.state.violation_ring[:1].clone()  # queued right after the launch on the current stream
     n = w.state.violation_write_index.clone()
     torch.cuda.synchronize()
@@ -200,10 +208,17 @@ def test_cuda_torch_sees_results_while_jax_stream_is_busy(backend):
     plan.write_offsets.copy_(torch.tensor([0, 2]))
     plan.write_seed_slot_indices.fill_(-1)
     plan.write_num_valid_reqs.fill_(1)
-    sglang.launch_canary_write_kernel(context=w.context(2), plan=plan, input_ids=torch.tensor([7, 8], device="cuda"),
-                                 positions=torch.tensor([0, 1], device="cuda"),
-                                 out_cache_loc=torch.tensor([3, 4], device="cuda"), enable_write_input_assert=False,
-                                 expected_input_tokens=None, expected_input_positions=None, backend=backend)
+    sglang.launch_canary_write_kernel(
+        context=w.context(2),
+        plan=plan,
+        input_ids=torch.tensor([7, 8], device="cuda"),
+        positions=torch.tensor([0, 1], device="cuda"),
+        out_cache_loc=torch.tensor([3, 4], device="cuda"),
+        enable_write_input_assert=False,
+        expected_input_tokens=None,
+        expected_input_positions=None,
+        backend=backend,
+    )
     snap = w.buf[3:5].clone()  # torch kernel on the current stream, no host sync in between
     counters = w.state.kernel_run_counters.clone()
     torch.cuda.synchronize()
@@ -213,11 +228,11 @@ def test_cuda_torch_sees_results_while_jax_stream_is_busy(backend):
 
 
 def test_cuda_host_sync_mode_also_orders():
-    inplace.set_stream_sync("host")
+    streams.set_stream_sync("host")
     try:
         test_cuda_torch_sees_results_while_jax_stream_is_busy("reference")
     finally:
-        inplace.set_stream_sync("fence")
+        streams.set_stream_sync("fence")
 
 
 # --- bad input ---------------------------------------------------------------------------------------------
@@ -234,17 +249,36 @@ def test_cuda_bad_input_names_the_argument_and_touches_nothing():
     before = _snapshot(w)
     ctx = w.context(2)
     cases = [
-        (ValueError, r"out_cache_loc must be on canary_buf's device cuda:0, got cpu",
-         dict(kw, out_cache_loc=kw["out_cache_loc"].cpu())),
-        (ValueError, r"violation_ring must be on canary_buf's device",
-         dict(kw, context=dataclasses.replace(ctx, violation_ring=w.state.violation_ring.cpu()))),
-        (TypeError, r"input_ids must have dtype torch.int64, got torch.int32", dict(kw, input_ids=kw["input_ids"].int())),
-        (ValueError, r"^kv-canary: positions must be contiguous$",
-         dict(kw, positions=torch.arange(6, device="cuda")[::2])),
-        (ValueError, r"slot_run_counter overlaps|overlaps slot_run_counter",
-         dict(kw, context=dataclasses.replace(ctx, slot_run_counter=ctx.kernel_run_counter))),
-        (ValueError, r"input_ids is a DLPack capsule that was already consumed",
-         dict(kw, input_ids=_consumed(kw["input_ids"]))),
+        (
+            ValueError,
+            r"out_cache_loc must be on canary_buf's device cuda:0, got cpu",
+            dict(kw, out_cache_loc=kw["out_cache_loc"].cpu()),
+        ),
+        (
+            ValueError,
+            r"violation_ring must be on canary_buf's device",
+            dict(kw, context=dataclasses.replace(ctx, violation_ring=w.state.violation_ring.cpu())),
+        ),
+        (
+            TypeError,
+            r"input_ids must have dtype torch.int64, got torch.int32",
+            dict(kw, input_ids=kw["input_ids"].int()),
+        ),
+        (
+            ValueError,
+            r"^kv-canary: positions must be contiguous$",
+            dict(kw, positions=torch.arange(6, device="cuda")[::2]),
+        ),
+        (
+            ValueError,
+            r"slot_run_counter overlaps|overlaps slot_run_counter",
+            dict(kw, context=dataclasses.replace(ctx, slot_run_counter=ctx.kernel_run_counter)),
+        ),
+        (
+            ValueError,
+            r"input_ids is a DLPack capsule that was already consumed",
+            dict(kw, input_ids=_consumed(kw["input_ids"])),
+        ),
     ]
     for exc, pattern, args in cases:
         args.setdefault("context", ctx)
@@ -260,8 +294,9 @@ def test_cuda_tensors_on_two_gpus_are_refused_and_touch_nothing():
     plan, kw = _write_once(w, backend="reference")
     before = _snapshot(w)
     with pytest.raises(ValueError, match=r"positions must be on canary_buf's device cuda:0, got cuda:1"):
-        sglang.launch_canary_write_kernel(context=w.context(2), plan=plan,
-                                     **dict(kw, positions=kw["positions"].to("cuda:1")))
+        sglang.launch_canary_write_kernel(
+            context=w.context(2), plan=plan, **dict(kw, positions=kw["positions"].to("cuda:1"))
+        )
     torch.cuda.synchronize()
     assert_same_bytes(_snapshot(w), before, "refused two-GPU call")
 
@@ -292,4 +327,4 @@ def test_cuda_donated_buffers_survive_alloc_free_cycles():
     stats1 = jax.devices("gpu")[0].memory_stats() or {}
     if "bytes_in_use" in stats0 and "bytes_in_use" in stats1:
         assert stats1["bytes_in_use"] - stats0["bytes_in_use"] < 64 << 20
-    assert inplace.donation_aliases(dev) in (True, False)
+    assert runner.donation_aliases(dev) in (True, False)

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from interop import dlpack
-from interop import inplace
+from interop import buffers, dlpack, runner
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.bfloat16, torch.float32, torch.int16])
@@ -47,11 +46,14 @@ def test_float64_refused_without_x64():
         dlpack.to_jax(torch.zeros(4, dtype=torch.float64), name="kv_f64")
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.zeros(8, 8, dtype=torch.int32)[:, ::2],
-    lambda: torch.zeros(8, 6, dtype=torch.int32).t(),
-    lambda: torch.zeros(1, 8, dtype=torch.int32).expand(4, 8),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(8, 8, dtype=torch.int32)[:, ::2],
+        lambda: torch.zeros(8, 6, dtype=torch.int32).t(),
+        lambda: torch.zeros(1, 8, dtype=torch.int32).expand(4, 8),
+    ],
+)
 def test_non_contiguous_refused(make):
     with pytest.raises(ValueError, match=r"^kv-canary: plan.x must be contiguous$"):
         dlpack.to_jax(make(), name="plan.x")
@@ -75,7 +77,9 @@ def test_misaligned_refused_instead_of_copied():
     assert dlpack.to_jax(ok, name="ok").unsafe_buffer_pointer() == ok.data_ptr()
     if align > 1:
         bad = base[off + align // 2 : off + align // 2 + 64]
-        with pytest.raises(ValueError, match=rf"kv-canary: kv_view data pointer 0x[0-9a-f]+ is not aligned to {align} bytes"):
+        with pytest.raises(
+            ValueError, match=rf"kv-canary: kv_view data pointer 0x[0-9a-f]+ is not aligned to {align} bytes"
+        ):
             dlpack.to_jax(bad, name="kv_view")
         # plain from_dlpack would have copied silently
         assert jax.dlpack.from_dlpack(bad).unsafe_buffer_pointer() != bad.data_ptr()
@@ -135,24 +139,36 @@ def test_run_in_place_windows_merge_adjacent_counters_and_keep_neighbours():
     counters = torch.tensor([7, 2**32 - 1, 11, 13], dtype=torch.int64)  # views at 8-byte offsets
     flags = torch.zeros(3, dtype=torch.int32)
     buf = torch.zeros(4, 32, dtype=torch.uint8)
-    args = [inplace.TensorArg("counter", counters[1:2], True), inplace.TensorArg("other", counters[2:3], False),
-            inplace.TensorArg("flag", flags[1:2], True), inplace.TensorArg("buf", buf, True)]
+    args = [
+        buffers.TensorArg("counter", counters[1:2], True),
+        buffers.TensorArg("other", counters[2:3], False),
+        buffers.TensorArg("flag", flags[1:2], True),
+        buffers.TensorArg("buf", buf, True),
+    ]
     for _ in range(3):
-        inplace.run_in_place("bump", (1,), _bump_factory, args)
+        runner.run_in_place("bump", (1,), _bump_factory, args)
     assert counters.tolist() == [7, 2**32 + 2, 11, 13]  # carry into the high word, neighbours untouched
     assert flags.tolist() == [0, 3, 0]
     assert buf[0, 0].item() == 3
-    rep = inplace.last_launch_report()
+    rep = runner.last_launch_report()
     assert sorted(rep["aliased"] + rep["copied_back"]) == sorted(["counter", "flag", "buf"])
-    assert rep["donated"] == inplace.donation_aliases(torch.device("cpu"))
+    assert rep["donated"] == runner.donation_aliases(torch.device("cpu"))
 
 
 def test_run_in_place_refuses_aliasing_outputs_and_device_mix():
     t = torch.zeros(8, dtype=torch.int64)
     with pytest.raises(ValueError, match="counter overlaps other"):
-        inplace.run_in_place("bump", (1,), _bump_factory,
-                        [inplace.TensorArg("counter", t[1:2], True), inplace.TensorArg("other", t[0:4], False)])
+        runner.run_in_place(
+            "bump",
+            (1,),
+            _bump_factory,
+            [buffers.TensorArg("counter", t[1:2], True), buffers.TensorArg("other", t[0:4], False)],
+        )
     with pytest.raises(ValueError, match="meta_arg is on meta but counter is on cpu"):
-        inplace.run_in_place("bump", (1,), _bump_factory,
-                        [inplace.TensorArg("counter", t[1:2], True), inplace.TensorArg("meta_arg", torch.empty(2, device="meta"))])
+        runner.run_in_place(
+            "bump",
+            (1,),
+            _bump_factory,
+            [buffers.TensorArg("counter", t[1:2], True), buffers.TensorArg("meta_arg", torch.empty(2, device="meta"))],
+        )
     assert t.tolist() == [0] * 8

@@ -1,23 +1,23 @@
 """interop.sglang on CPU tensors: SGLang's calls, SGLang's bytes, SGLang's errors.
 
 Every launch runs on one copy of an SGLang-shaped torch state through the drop-in launchers and on another
-through the independent re-implementation of SGLang's torch references (test_interop_torchref); all tensors
+through the independent re-implementation of SGLang's torch references (helpers/torch_reference.py); all tensors
 (canary buffer, ring, write index, both per-tag counter arrays, plan outputs) must be byte-identical after
 every call. Error cases check the message names the argument and that no tensor changed.
 """
 
 from __future__ import annotations
 
-import os
 import random
+import types
+import zlib
 
 import pytest
 import torch
 
-from interop import inplace
-from interop import sglang
-from test_interop_torchref import ref_plan, ref_verify, ref_write
-from test_interop_world import World, assert_same_bytes, random_verify_plan, random_write_args
+from helpers.interop_world import World, assert_same_bytes, random_verify_plan, random_write_args
+from helpers.torch_reference import ref_plan, ref_verify, ref_write
+from interop import buffers, runner, sglang
 
 BACKENDS = ["reference"]
 try:  # the Pallas kernels land separately; run them interpreted on CPU when present
@@ -42,8 +42,9 @@ def _run_pair(rng, w_ours, w_ref, op, tag, backend):
     else:
         plan = random_verify_plan(rng, w_ours)
         check = rng.random() < 0.5
-        sglang.launch_canary_verify_kernel(context=w_ours.context(tag), plan=plan, check_verify_expected_token=check,
-                                      backend=backend)
+        sglang.launch_canary_verify_kernel(
+            context=w_ours.context(tag), plan=plan, check_verify_expected_token=check, backend=backend
+        )
         ref_verify(context=w_ref.context(tag), plan=_clone_plan(plan), check_verify_expected_token=check)
     return op
 
@@ -52,8 +53,16 @@ CONFIGS = {
     # name: (sources, mode, stride)
     "none": ((), 0, 32),
     "partial_2src": (((torch.bfloat16, 1, 64, 32, 0), (torch.float32, 4, 32, 32, 16)), 1, 32),
-    "all_4src_stride48": (((torch.uint8, 1, 16, 16, 0), (torch.int64, 2, 32, 16, 0), (torch.float16, 1, 48, 32, 16),
-                           (torch.uint8, 16, 16, 16, 0)), 2, 48),
+    "all_4src_stride48": (
+        (
+            (torch.uint8, 1, 16, 16, 0),
+            (torch.int64, 2, 32, 16, 0),
+            (torch.float16, 1, 48, 32, 16),
+            (torch.uint8, 16, 16, 16, 0),
+        ),
+        2,
+        48,
+    ),
 }
 
 
@@ -62,7 +71,7 @@ CASES = [(c, "reference") for c in CONFIGS] + [("partial_2src", b) for b in BACK
 
 @pytest.mark.parametrize("config,backend", CASES)
 def test_random_launches_match_sglang_reference_bytes(config, backend):
-    rng = random.Random(hash(config) & 0xFFFF)
+    rng = random.Random(zlib.crc32(config.encode()))  # stable across processes (hash() of a str is not)
     sources, mode, stride = CONFIGS[config]
     ours = World.make(rng, sources=sources, mode=mode, stride=stride)
     ref = ours.clone()
@@ -94,10 +103,16 @@ def test_tensors_are_updated_in_place():
     plan.write_seed_slot_indices.copy_(torch.tensor([-1, -1]))
     plan.write_num_valid_reqs.fill_(1)
     ctx = w.context(int(sglang.CanaryLaunchTag.TAIL_K_FULL))
-    sglang.launch_canary_write_kernel(context=ctx, plan=plan, input_ids=torch.tensor([101, 202, 303]),
-                                 positions=torch.tensor([0, 1, 2]), out_cache_loc=torch.tensor([5, 6, 7]),
-                                 enable_write_input_assert=False, expected_input_tokens=None,
-                                 expected_input_positions=None)
+    sglang.launch_canary_write_kernel(
+        context=ctx,
+        plan=plan,
+        input_ids=torch.tensor([101, 202, 303]),
+        positions=torch.tensor([0, 1, 2]),
+        out_cache_loc=torch.tensor([5, 6, 7]),
+        enable_write_input_assert=False,
+        expected_input_tokens=None,
+        expected_input_positions=None,
+    )
     assert {k: t.data_ptr() for k, t in w.tensors().items()} == ptrs
     assert {k: id(t) for k, t in w.tensors().items()} == ids
     rows = w.buf.view(torch.int64)[5:8, :3].tolist()
@@ -116,10 +131,17 @@ def test_write_with_no_tokens_only_counts_the_launch(backend):
     plan.write_seed_slot_indices.fill_(-1)
     plan.write_num_valid_reqs.zero_()
     empty = torch.zeros(0, dtype=torch.int64)
-    sglang.launch_canary_write_kernel(context=w.context(int(sglang.CanaryLaunchTag.TAIL_K_FULL)), plan=plan,
-                                 input_ids=empty, positions=empty, out_cache_loc=empty,
-                                 enable_write_input_assert=False, expected_input_tokens=None,
-                                 expected_input_positions=None, backend=backend)
+    sglang.launch_canary_write_kernel(
+        context=w.context(int(sglang.CanaryLaunchTag.TAIL_K_FULL)),
+        plan=plan,
+        input_ids=empty,
+        positions=empty,
+        out_cache_loc=empty,
+        enable_write_input_assert=False,
+        expected_input_tokens=None,
+        expected_input_positions=None,
+        backend=backend,
+    )
     assert torch.equal(w.buf, before)
     assert w.state.kernel_run_counters.tolist()[2] == 1 and w.state.slot_run_counters.tolist()[2] == 0
 
@@ -130,13 +152,13 @@ def test_steady_state_launch_does_not_retrace_or_reimport():
     plan = random_verify_plan(rng, w)
     ctx = w.context(2)
     sglang.launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=True)
-    traces = inplace.trace_count()
-    cache = inplace.import_cache()
+    traces = runner.trace_count()
+    cache = buffers.import_cache()
     misses = cache.misses
     for _ in range(5):
         plan.verify_num_valid.fill_(rng.randrange(11))  # new values, same tensors
         sglang.launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=True)
-    assert inplace.trace_count() == traces
+    assert runner.trace_count() == traces
     assert cache.misses == misses  # every tensor came from the import cache
 
 
@@ -145,12 +167,12 @@ def test_import_cache_entries_die_with_their_tensor():
     w = World.make(rng)
     plan = random_verify_plan(rng, w)
     sglang.launch_canary_verify_kernel(context=w.context(0), plan=plan, check_verify_expected_token=False)
-    n = len(inplace.import_cache())
+    n = len(buffers.import_cache())
     del plan
     import gc
 
     gc.collect()
-    assert len(inplace.import_cache()) < n
+    assert len(buffers.import_cache()) < n
 
 
 def test_backend_keyword_and_environment(monkeypatch):
@@ -162,11 +184,13 @@ def test_backend_keyword_and_environment(monkeypatch):
     monkeypatch.setenv("CANARY_JAX_BACKEND", "bogus")
     with pytest.raises(ValueError, match="backend must be one of"):
         sglang.launch_canary_verify_kernel(context=w.context(0), plan=plan, check_verify_expected_token=False)
-    sglang.launch_canary_verify_kernel(context=w.context(0), plan=plan, check_verify_expected_token=False,
-                                  backend="reference")  # the keyword wins
+    sglang.launch_canary_verify_kernel(
+        context=w.context(0), plan=plan, check_verify_expected_token=False, backend="reference"
+    )  # the keyword wins
     with pytest.raises(ValueError, match="backend must be one of"):
-        sglang.launch_canary_verify_kernel(context=w.context(0), plan=plan, check_verify_expected_token=False,
-                                      backend="cuda")
+        sglang.launch_canary_verify_kernel(
+            context=w.context(0), plan=plan, check_verify_expected_token=False, backend="cuda"
+        )
 
 
 def test_duck_typed_objects_are_accepted():
@@ -179,10 +203,17 @@ def test_duck_typed_objects_are_accepted():
     ref = w.clone()
     st = w.state
     src = Anything(tensor=w.kv[0], page_size=1, num_bytes_per_token=16, read_bytes=16)
-    ctx = Anything(canary_buf=w.buf, kernel_kind=3, violation_ring=st.violation_ring,
-                   violation_write_index=st.violation_write_index, slot_run_counter=st.slot_run_counters[3:4],
-                   kernel_run_counter=st.kernel_run_counters[3:4], real_kv_sources=[src], real_kv_hash_mode=2,
-                   enable_chain_position_assert=st.enable_chain_position_assert)
+    ctx = Anything(
+        canary_buf=w.buf,
+        kernel_kind=3,
+        violation_ring=st.violation_ring,
+        violation_write_index=st.violation_write_index,
+        slot_run_counter=st.slot_run_counters[3:4],
+        kernel_run_counter=st.kernel_run_counters[3:4],
+        real_kv_sources=[src],
+        real_kv_hash_mode=2,
+        enable_chain_position_assert=st.enable_chain_position_assert,
+    )
     plan, kw = random_write_args(rng, w)
     duck_plan = Anything(**{f: getattr(plan, f) for f in plan.__dataclass_fields__})
     sglang.launch_canary_write_kernel(context=ctx, plan=duck_plan, **kw)
@@ -196,13 +227,21 @@ def _plan_inputs(rng, *, bs=5, max_reqs=6, max_len=24, n_slots=80, lut=False, po
     for r in range(1, max_reqs):
         r2t[r] = torch.tensor([rng.randrange(1, n_slots) for _ in range(max_len)], dtype=torch.int32)
     rows = [rng.randrange(1, max_reqs) for _ in range(bs - 1)] + [0]  # a padding row at the end
-    kw = dict(req_pool_indices=torch.tensor(rows), prefix_lens=torch.tensor([rng.randrange(0, 12) for _ in rows]),
-              extend_seq_lens=torch.tensor([rng.randrange(0, 4) for _ in rows]), req_to_token=r2t,
-              swa_window_size=w, full_to_swa_index_mapping=None, req_to_verify_expected_tokens=None,
-              req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset=k)
+    kw = dict(
+        req_pool_indices=torch.tensor(rows),
+        prefix_lens=torch.tensor([rng.randrange(0, 12) for _ in rows]),
+        extend_seq_lens=torch.tensor([rng.randrange(0, 4) for _ in rows]),
+        req_to_token=r2t,
+        swa_window_size=w,
+        full_to_swa_index_mapping=None,
+        req_to_verify_expected_tokens=None,
+        req_to_verify_expected_tokens_valid_lens=None,
+        kv_token_id_vs_position_offset=k,
+    )
     if lut:
-        kw["full_to_swa_index_mapping"] = torch.tensor([0] + [rng.choice([0, rng.randrange(1, 40)])
-                                                              for _ in range(n_slots)])
+        kw["full_to_swa_index_mapping"] = torch.tensor(
+            [0] + [rng.choice([0, rng.randrange(1, 40)]) for _ in range(n_slots)]
+        )
     if pool:
         kw["req_to_verify_expected_tokens"] = torch.randint(0, 1000, (max_reqs, max_len + 2), dtype=torch.int32)
         kw["req_to_verify_expected_tokens_valid_lens"] = torch.tensor([rng.randrange(0, max_len) for _ in rows])
@@ -211,7 +250,7 @@ def _plan_inputs(rng, *, bs=5, max_reqs=6, max_len=24, n_slots=80, lut=False, po
 
 @pytest.mark.parametrize("variant", ["full", "swa_lut", "pool_eagle"])
 def test_plan_matches_sglang_reference_bytes(variant):
-    rng = random.Random(variant.__hash__() & 0xFFF)
+    rng = random.Random(zlib.crc32(variant.encode()))  # stable across processes
     opts = {"full": {}, "swa_lut": dict(lut=True, w=5), "pool_eagle": dict(pool=True, k=1)}[variant]
     for trial in range(4):
         cap = [40, 8][trial % 2]  # 8 overflows most batches
@@ -233,19 +272,29 @@ def test_plan_errors_are_sglangs():
     kw = _plan_inputs(rng)
     vp, wp = sglang.VerifyPlan.allocate(verify_capacity=8), sglang.WritePlan.allocate(write_req_capacity=6)
     with pytest.raises(ValueError, match="requires full_to_swa_index_mapping when swa_window_size > 0"):
-        sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=8,
-                                     **{**kw, "swa_window_size": 4})
+        sglang.launch_canary_plan_kernels(
+            verify_plan_out=vp, write_plan_out=wp, verify_capacity=8, **{**kw, "swa_window_size": 4}
+        )
     with pytest.raises(ValueError, match=r"torch_reference verify_capacity=9 does not match .*shape\[0\]=8"):
         sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=9, **kw)
     with pytest.raises(ValueError, match="requires req_to_verify_expected_tokens_valid_lens"):
-        sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=8, **{
-            **kw, "req_to_verify_expected_tokens": torch.zeros(6, 30, dtype=torch.int32)})
+        sglang.launch_canary_plan_kernels(
+            verify_plan_out=vp,
+            write_plan_out=wp,
+            verify_capacity=8,
+            **{**kw, "req_to_verify_expected_tokens": torch.zeros(6, 30, dtype=torch.int32)},
+        )
     with pytest.raises(TypeError, match="req_to_token must have dtype torch.int32, got torch.int64"):
-        sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=8,
-                                     **{**kw, "req_to_token": kw["req_to_token"].long()})
+        sglang.launch_canary_plan_kernels(
+            verify_plan_out=vp,
+            write_plan_out=wp,
+            verify_capacity=8,
+            **{**kw, "req_to_token": kw["req_to_token"].long()},
+        )
     with pytest.raises(ValueError, match="bs=5 exceeds write_req_capacity=4"):
-        sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=sglang.WritePlan.allocate(write_req_capacity=4),
-                                     verify_capacity=8, **kw)
+        sglang.launch_canary_plan_kernels(
+            verify_plan_out=vp, write_plan_out=sglang.WritePlan.allocate(write_req_capacity=4), verify_capacity=8, **kw
+        )
 
 
 # --- errors ----------------------------------------------------------------------------------------------
@@ -254,9 +303,16 @@ def _write_kw(w, **over):
     plan.write_offsets.copy_(torch.tensor([0, 2, 2]))
     plan.write_seed_slot_indices.fill_(-1)
     plan.write_num_valid_reqs.fill_(1)
-    kw = dict(context=w.context(2), plan=plan, input_ids=torch.tensor([1, 2]), positions=torch.tensor([0, 1]),
-              out_cache_loc=torch.tensor([3, 4]), enable_write_input_assert=False, expected_input_tokens=None,
-              expected_input_positions=None)
+    kw = dict(
+        context=w.context(2),
+        plan=plan,
+        input_ids=torch.tensor([1, 2]),
+        positions=torch.tensor([0, 1]),
+        out_cache_loc=torch.tensor([3, 4]),
+        enable_write_input_assert=False,
+        expected_input_tokens=None,
+        expected_input_positions=None,
+    )
     kw.update(over)
     return kw
 
@@ -272,56 +328,176 @@ def _ctx(w, tag=2, **over):
 
 
 ERROR_CASES = {
-    "five_sources": (ValueError, r"at most 4 RealKvSource entries supported by the CUDA ABI, got 5",
-                     lambda w: dict(context=_ctx(w, real_kv_sources=w.sources() * 5))),
-    "noncontiguous_ids": (ValueError, r"^kv-canary: input_ids must be contiguous$",
-                          lambda w: dict(input_ids=torch.tensor([1, 9, 2, 9])[::2])),
-    "noncontiguous_ring": (ValueError, r"^kv-canary: violation_ring must be contiguous$",
-                           lambda w: dict(context=_ctx(w, violation_ring=w.state.violation_ring.t().contiguous().t()))),
-    "int32_positions": (TypeError, r"positions must have dtype torch.int64, got torch.int32",
-                        lambda w: dict(positions=torch.tensor([0, 1], dtype=torch.int32))),
-    "ring_int32": (TypeError, r"violation_ring must have dtype torch.int64",
-                   lambda w: dict(context=_ctx(w, violation_ring=torch.zeros(4, 8, dtype=torch.int32)))),
-    "counter_shape": (ValueError, r"slot_run_counter must have shape \(1,\), got \(2,\)",
-                      lambda w: dict(context=_ctx(w, slot_run_counter=w.state.slot_run_counters[2:4]))),
-    "length_mismatch": (ValueError, r"out_cache_loc must have shape \(2,\), got \(3,\)",
-                        lambda w: dict(out_cache_loc=torch.tensor([3, 4, 5]))),
-    "expected_missing": (ValueError, "expected input tensors are required when enable_write_input_assert=True",
-                         lambda w: dict(enable_write_input_assert=True)),
-    "expected_extra": (ValueError, "expected input tensors must be None when enable_write_input_assert=False",
-                       lambda w: dict(expected_input_tokens=torch.tensor([1, 2]))),
-    "offsets_len": (ValueError, r"canary_write: write_offsets.size\(0\) must equal write_req_capacity \+ 1 \(3\), got 4",
-                    lambda w: dict(plan=sglang.WritePlan(write_offsets=torch.zeros(4, dtype=torch.int64),
-                                                    write_seed_slot_indices=torch.zeros(2, dtype=torch.int64),
-                                                    write_num_valid_reqs=torch.ones(1, dtype=torch.int32)))),
-    "stride_16": (ValueError, r"canary_buf slot stride must hold at least 4 int64 fields, got 2",
-                  lambda w: dict(context=_ctx(w, canary_buf=torch.zeros(8, 16, dtype=torch.uint8)))),
-    "aliasing_counters": (ValueError, r"slot_run_counter overlaps kernel_run_counter|kernel_run_counter overlaps slot_run_counter",
-                          lambda w: dict(context=_ctx(w, kernel_run_counter=w.state.slot_run_counters[2:3]))),
-    "ring_aliases_buf": (ValueError, r"overlaps",
-                         lambda w: dict(context=_ctx(w, violation_ring=w.buf.view(torch.int64)[:4, :].reshape(-1)[:16].reshape(2, 8)))),
-    "source_aliases_output": (ValueError, r"overlaps real_kv_sources\[0\]\.tensor",
-                              lambda w: dict(context=_ctx(w, real_kv_sources=(sglang.RealKvSource(
-                                  tensor=w.buf, page_size=1, num_bytes_per_token=32, read_bytes=16),),
-                                  real_kv_hash_mode=sglang.RealKvHashMode.PARTIAL))),
-    "source_3d": (ValueError, r"real_kv_sources\[0\].tensor \(viewed as uint8\) must be 2-D, got 3-D",
-                  lambda w: dict(context=_ctx(w, real_kv_sources=(sglang.RealKvSource(
-                      tensor=torch.zeros(61, 2, 16, dtype=torch.uint8), page_size=1, num_bytes_per_token=16,
-                      read_bytes=16),)))),
-    "source_noncontig": (ValueError, r"^kv-canary: real_kv_sources\[0\].tensor must be contiguous$",
-                         lambda w: dict(context=_ctx(w, real_kv_sources=(sglang.RealKvSource(
-                             tensor=torch.zeros(61, 64, dtype=torch.uint8)[:, :32], page_size=1,
-                             num_bytes_per_token=16, read_bytes=16),)))),
-    "source_narrow": (ValueError, r"row is too narrow for its slot layout: dim-1 is 32 bytes but page_size=4 x "
-                                  r"num_bytes_per_token=16 needs 64",
-                      lambda w: dict(context=_ctx(w, real_kv_hash_mode=sglang.RealKvHashMode.ALL, real_kv_sources=(
-                          sglang.RealKvSource(tensor=torch.zeros(16, 32, dtype=torch.uint8), page_size=4,
-                                         num_bytes_per_token=16, read_bytes=16),)))),
+    "five_sources": (
+        ValueError,
+        r"at most 4 RealKvSource entries supported by the CUDA ABI, got 5",
+        lambda w: dict(context=_ctx(w, real_kv_sources=w.sources() * 5)),
+    ),
+    "noncontiguous_ids": (
+        ValueError,
+        r"^kv-canary: input_ids must be contiguous$",
+        lambda w: dict(input_ids=torch.tensor([1, 9, 2, 9])[::2]),
+    ),
+    "noncontiguous_ring": (
+        ValueError,
+        r"^kv-canary: violation_ring must be contiguous$",
+        lambda w: dict(context=_ctx(w, violation_ring=w.state.violation_ring.t().contiguous().t())),
+    ),
+    "int32_positions": (
+        TypeError,
+        r"positions must have dtype torch.int64, got torch.int32",
+        lambda w: dict(positions=torch.tensor([0, 1], dtype=torch.int32)),
+    ),
+    "ring_int32": (
+        TypeError,
+        r"violation_ring must have dtype torch.int64",
+        lambda w: dict(context=_ctx(w, violation_ring=torch.zeros(4, 8, dtype=torch.int32))),
+    ),
+    "counter_shape": (
+        ValueError,
+        r"slot_run_counter must have shape \(1,\), got \(2,\)",
+        lambda w: dict(context=_ctx(w, slot_run_counter=w.state.slot_run_counters[2:4])),
+    ),
+    "length_mismatch": (
+        ValueError,
+        r"out_cache_loc must have shape \(2,\), got \(3,\)",
+        lambda w: dict(out_cache_loc=torch.tensor([3, 4, 5])),
+    ),
+    "expected_missing": (
+        ValueError,
+        "expected input tensors are required when enable_write_input_assert=True",
+        lambda w: dict(enable_write_input_assert=True),
+    ),
+    "expected_extra": (
+        ValueError,
+        "expected input tensors must be None when enable_write_input_assert=False",
+        lambda w: dict(expected_input_tokens=torch.tensor([1, 2])),
+    ),
+    "offsets_len": (
+        ValueError,
+        r"canary_write: write_offsets.size\(0\) must equal write_req_capacity \+ 1 \(3\), got 4",
+        lambda w: dict(
+            plan=sglang.WritePlan(
+                write_offsets=torch.zeros(4, dtype=torch.int64),
+                write_seed_slot_indices=torch.zeros(2, dtype=torch.int64),
+                write_num_valid_reqs=torch.ones(1, dtype=torch.int32),
+            )
+        ),
+    ),
+    "zero_slots": (
+        ValueError,
+        r"^kv-canary: canary_buf must have between 1 and 2\*\*31 - 1 slots, got 0$",
+        lambda w: dict(context=_ctx(w, canary_buf=torch.zeros(0, 32, dtype=torch.uint8))),
+    ),
+    "stride_16": (
+        ValueError,
+        r"canary_buf slot stride must hold at least 4 int64 fields, got 2",
+        lambda w: dict(context=_ctx(w, canary_buf=torch.zeros(8, 16, dtype=torch.uint8))),
+    ),
+    "aliasing_counters": (
+        ValueError,
+        r"slot_run_counter overlaps kernel_run_counter|kernel_run_counter overlaps slot_run_counter",
+        lambda w: dict(context=_ctx(w, kernel_run_counter=w.state.slot_run_counters[2:3])),
+    ),
+    "ring_aliases_buf": (
+        ValueError,
+        r"overlaps",
+        lambda w: dict(context=_ctx(w, violation_ring=w.buf.view(torch.int64)[:4, :].reshape(-1)[:16].reshape(2, 8))),
+    ),
+    "source_aliases_output": (
+        ValueError,
+        r"overlaps real_kv_sources\[0\]\.tensor",
+        lambda w: dict(
+            context=_ctx(
+                w,
+                real_kv_sources=(
+                    sglang.RealKvSource(tensor=w.buf, page_size=1, num_bytes_per_token=32, read_bytes=16),
+                ),
+                real_kv_hash_mode=sglang.RealKvHashMode.PARTIAL,
+            )
+        ),
+    ),
+    "source_3d": (
+        ValueError,
+        r"real_kv_sources\[0\].tensor \(viewed as uint8\) must be 2-D, got 3-D",
+        lambda w: dict(
+            context=_ctx(
+                w,
+                real_kv_sources=(
+                    sglang.RealKvSource(
+                        tensor=torch.zeros(61, 2, 16, dtype=torch.uint8),
+                        page_size=1,
+                        num_bytes_per_token=16,
+                        read_bytes=16,
+                    ),
+                ),
+            )
+        ),
+    ),
+    "source_noncontig": (
+        ValueError,
+        r"^kv-canary: real_kv_sources\[0\].tensor must be contiguous$",
+        lambda w: dict(
+            context=_ctx(
+                w,
+                real_kv_sources=(
+                    sglang.RealKvSource(
+                        tensor=torch.zeros(61, 64, dtype=torch.uint8)[:, :32],
+                        page_size=1,
+                        num_bytes_per_token=16,
+                        read_bytes=16,
+                    ),
+                ),
+            )
+        ),
+    ),
+    "source_narrow": (
+        ValueError,
+        r"row is too narrow for its slot layout: dim-1 is 32 bytes but page_size=4 x "
+        r"num_bytes_per_token=16 needs 64",
+        lambda w: dict(
+            context=_ctx(
+                w,
+                real_kv_hash_mode=sglang.RealKvHashMode.ALL,
+                real_kv_sources=(
+                    sglang.RealKvSource(
+                        tensor=torch.zeros(16, 32, dtype=torch.uint8),
+                        page_size=4,
+                        num_bytes_per_token=16,
+                        read_bytes=16,
+                    ),
+                ),
+            )
+        ),
+    ),
+    "duck_source_fields": (
+        ValueError,
+        r"^kv-canary: RealKvSource.page_size must be >= 1, got 0$",
+        lambda w: dict(
+            context=_ctx(
+                w,
+                real_kv_sources=(
+                    types.SimpleNamespace(
+                        tensor=torch.zeros(16, 32, dtype=torch.uint8),
+                        page_size=0,
+                        num_bytes_per_token=16,
+                        read_bytes=16,
+                    ),
+                ),
+            )
+        ),
+    ),
     "bad_tag": (ValueError, r"kernel_kind must be a CanaryLaunchTag", lambda w: dict(context=_ctx(w, kernel_kind=12))),
-    "consumed_capsule": (ValueError, r"input_ids is a DLPack capsule that was already consumed",
-                         lambda w: dict(input_ids=_consumed_capsule())),
-    "misaligned_ids": (ValueError, r"input_ids data pointer .* is not aligned",
-                       lambda w: dict(input_ids=torch.arange(10)[1:3])),
+    "consumed_capsule": (
+        ValueError,
+        r"input_ids is a DLPack capsule that was already consumed",
+        lambda w: dict(input_ids=_consumed_capsule()),
+    ),
+    "misaligned_ids": (
+        ValueError,
+        r"input_ids data pointer .* is not aligned",
+        lambda w: dict(input_ids=torch.arange(10)[1:3]),
+    ),
     "not_a_tensor": (TypeError, r"positions must be a torch.Tensor", lambda w: dict(positions=[0, 1])),
 }
 
@@ -361,13 +537,16 @@ def test_refused_verify_errors():
         object.__setattr__(bad, "enable", torch.ones(1, dtype=torch.int64))
         sglang.launch_canary_verify_kernel(context=w.context(0), plan=bad, check_verify_expected_token=False)
     with pytest.raises(ValueError, match=r"at most 4 RealKvSource entries supported by the CUDA ABI, got 5"):
-        src = sglang.RealKvSource(tensor=torch.zeros(61, 16, dtype=torch.uint8), page_size=1, num_bytes_per_token=16,
-                             read_bytes=16)
-        sglang.launch_canary_verify_kernel(context=_ctx(w, real_kv_sources=(src,) * 5), plan=plan,
-                                      check_verify_expected_token=False)
+        src = sglang.RealKvSource(
+            tensor=torch.zeros(61, 16, dtype=torch.uint8), page_size=1, num_bytes_per_token=16, read_bytes=16
+        )
+        sglang.launch_canary_verify_kernel(
+            context=_ctx(w, real_kv_sources=(src,) * 5), plan=plan, check_verify_expected_token=False
+        )
     with pytest.raises(ValueError, match=r"violation_write_index overlaps|overlaps violation_write_index"):
-        sglang.launch_canary_verify_kernel(context=_ctx(w, violation_write_index=plan.enable), plan=plan,
-                                      check_verify_expected_token=False)
+        sglang.launch_canary_verify_kernel(
+            context=_ctx(w, violation_write_index=plan.enable), plan=plan, check_verify_expected_token=False
+        )
     assert_same_bytes(_snapshot(w), before, "verify errors")
 
 
@@ -377,13 +556,16 @@ def test_real_kv_source_validation_messages():
         sglang.RealKvSource(tensor=t, page_size=0, num_bytes_per_token=16, read_bytes=16)
     with pytest.raises(ValueError, match=r"num_bytes_per_token must be a positive multiple of 16, got 24"):
         sglang.RealKvSource(tensor=t, page_size=1, num_bytes_per_token=24, read_bytes=16)
-    with pytest.raises(ValueError, match=r"read_bytes must be a positive multiple of 16 in \(0, num_bytes_per_token=16\], got 0"):
+    with pytest.raises(
+        ValueError, match=r"read_bytes must be a positive multiple of 16 in \(0, num_bytes_per_token=16\], got 0"
+    ):
         sglang.RealKvSource(tensor=t, page_size=1, num_bytes_per_token=16, read_bytes=0)
     with pytest.raises(ValueError, match=r"tensor must be at least 2-D, got shape \(32,\)"):
         sglang.RealKvSource(tensor=t[0], page_size=1, num_bytes_per_token=16, read_bytes=16)
     with pytest.raises(ValueError, match=r"row stride must be a multiple of 16 bytes, got 24 bytes"):
-        sglang.RealKvSource(tensor=torch.zeros(4, 24, dtype=torch.uint8), page_size=1, num_bytes_per_token=16,
-                       read_bytes=16)
+        sglang.RealKvSource(
+            tensor=torch.zeros(4, 24, dtype=torch.uint8), page_size=1, num_bytes_per_token=16, read_bytes=16
+        )
     with pytest.raises(ValueError, match="VerifyPlan verify_capacity must be positive, got 0"):
         sglang.VerifyPlan.allocate(verify_capacity=0)
     with pytest.raises(ValueError, match="WritePlan write_req_capacity must be positive, got -1"):

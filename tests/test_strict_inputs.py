@@ -9,7 +9,6 @@ import canary_jax
 
 
 class StrictHostInputsTest(absltest.TestCase):
-
     def test_plan_builders_refuse_floats_and_strings(self):
         with self.assertRaisesRegex(TypeError, "kv-canary: slots must hold integers, got float64"):
             canary_jax.VerifyPlan.from_entries(slots=[3.7], positions=[0], prev_slots=[-1])

@@ -20,24 +20,41 @@ import random
 import pytest
 import torch
 
+from helpers.torch_reference import ref_plan, ref_verify, ref_write
 from interop import sglang
-from test_interop_torchref import ref_plan, ref_verify, ref_write
 
 TAG = sglang.CanaryLaunchTag
 CHAIN, POSITION, REAL_KV, TOKEN = 1, 2, 4, 32
 
 
 class TinyEngine:
-    def __init__(self, seed: int, *, device="cpu", backend=None, num_slots=1024, layers=3, heads=2, head_dim=16,
-                 max_reqs=10, max_len=96, bs_cap=6, t_cap=48, verify_cap=384, ring=64):
+    def __init__(
+        self,
+        seed: int,
+        *,
+        device="cpu",
+        backend=None,
+        num_slots=1024,
+        layers=3,
+        heads=2,
+        head_dim=16,
+        max_reqs=10,
+        max_len=96,
+        bs_cap=6,
+        t_cap=48,
+        verify_cap=384,
+        ring=64,
+    ):
         self.rng = random.Random(seed)
         self.dev, self.backend = device, backend
         self.bs_cap, self.t_cap, self.verify_cap = bs_cap, t_cap, verify_cap
         g = torch.Generator().manual_seed(seed)
-        self.k = [torch.randn(num_slots, heads, head_dim, generator=g).to(torch.bfloat16).to(device)
-                  for _ in range(layers)]
-        self.v = [torch.randn(num_slots, heads, head_dim, generator=g).to(torch.bfloat16).to(device)
-                  for _ in range(layers)]
+        self.k = [
+            torch.randn(num_slots, heads, head_dim, generator=g).to(torch.bfloat16).to(device) for _ in range(layers)
+        ]
+        self.v = [
+            torch.randn(num_slots, heads, head_dim, generator=g).to(torch.bfloat16).to(device) for _ in range(layers)
+        ]
         self.free = list(range(1, num_slots))
         self.r2t = torch.zeros(max_reqs, max_len, dtype=torch.int32, device=device)
         self.pool = torch.zeros(max_reqs, max_len, dtype=torch.int32, device=device)
@@ -55,16 +72,20 @@ class TinyEngine:
             )
         nbpt = heads * head_dim * 2
         # layer-0 K as SGLang's pool patch exposes it: [rows, bytes_per_row], page_size 1, ALL mode
-        self.k0_source = sglang.RealKvSource(tensor=self.k[0].view(num_slots, heads * head_dim), page_size=1,
-                                        num_bytes_per_token=nbpt, read_bytes=nbpt)
+        self.k0_source = sglang.RealKvSource(
+            tensor=self.k[0].view(num_slots, heads * head_dim), page_size=1, num_bytes_per_token=nbpt, read_bytes=nbpt
+        )
         self.contexts = {}
         for who, w in self.worlds.items():
             st = w["state"]
             self.contexts[who] = {
                 TAG.HEAD_K_FULL: st.context(canary_buf=w["k_head"], kernel_kind=TAG.HEAD_K_FULL),
-                TAG.TAIL_K_FULL: st.context(canary_buf=w["k_tail"], kernel_kind=TAG.TAIL_K_FULL,
-                                            real_kv_sources=(self.k0_source,),
-                                            real_kv_hash_mode=sglang.RealKvHashMode.ALL),
+                TAG.TAIL_K_FULL: st.context(
+                    canary_buf=w["k_tail"],
+                    kernel_kind=TAG.TAIL_K_FULL,
+                    real_kv_sources=(self.k0_source,),
+                    real_kv_hash_mode=sglang.RealKvHashMode.ALL,
+                ),
             }
         self.steps = 0
 
@@ -120,15 +141,26 @@ class TinyEngine:
             loc += slots
         pad_r, pad_t = self.bs_cap - len(batch), self.t_cap - len(ids)
         t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.dev)  # noqa: E731
-        plan_kw = dict(req_pool_indices=t(rpi + [0] * pad_r), prefix_lens=t(prefix + [0] * pad_r),
-                       extend_seq_lens=t(extend + [0] * pad_r), req_to_token=self.r2t, swa_window_size=0,
-                       full_to_swa_index_mapping=None, verify_capacity=self.verify_cap,
-                       req_to_verify_expected_tokens=self.pool,
-                       req_to_verify_expected_tokens_valid_lens=t(prefix + [0] * pad_r),
-                       kv_token_id_vs_position_offset=0)
-        write_kw = dict(input_ids=t(ids + [0] * pad_t), positions=t(pos + [0] * pad_t),
-                        out_cache_loc=t(loc + [0] * pad_t), enable_write_input_assert=False,
-                        expected_input_tokens=None, expected_input_positions=None)
+        plan_kw = dict(
+            req_pool_indices=t(rpi + [0] * pad_r),
+            prefix_lens=t(prefix + [0] * pad_r),
+            extend_seq_lens=t(extend + [0] * pad_r),
+            req_to_token=self.r2t,
+            swa_window_size=0,
+            full_to_swa_index_mapping=None,
+            verify_capacity=self.verify_cap,
+            req_to_verify_expected_tokens=self.pool,
+            req_to_verify_expected_tokens_valid_lens=t(prefix + [0] * pad_r),
+            kv_token_id_vs_position_offset=0,
+        )
+        write_kw = dict(
+            input_ids=t(ids + [0] * pad_t),
+            positions=t(pos + [0] * pad_t),
+            out_cache_loc=t(loc + [0] * pad_t),
+            enable_write_input_assert=False,
+            expected_input_tokens=None,
+            expected_input_positions=None,
+        )
         before = int(self.worlds["ours"]["state"].violation_write_index.item())
         for who in ("ours", "ref"):
             w = self.worlds[who]
@@ -156,8 +188,9 @@ class TinyEngine:
         for who in ("ours", "ref"):
             w, ctx = self.worlds[who], self.contexts[who][tag]
             if who == "ours":
-                sglang.launch_canary_verify_kernel(context=ctx, plan=w["vp"], check_verify_expected_token=True,
-                                              backend=self.backend)
+                sglang.launch_canary_verify_kernel(
+                    context=ctx, plan=w["vp"], check_verify_expected_token=True, backend=self.backend
+                )
                 sglang.launch_canary_write_kernel(context=ctx, plan=w["wp"], backend=self.backend, **write_kw)
             else:
                 ref_verify(context=ctx, plan=w["vp"], check_verify_expected_token=True)
@@ -210,8 +243,11 @@ def _run_engine(device, backend=None):
     def remap(e, batch):
         counts = slot_use()
         q = 2
-        victim = next(r for r in batch if r["written"] >= 6
-                      and counts[int(e.r2t[r["row"], q])] == 1 and counts[int(e.r2t[r["row"], q + 1])] == 1)
+        victim = next(
+            r
+            for r in batch
+            if r["written"] >= 6 and counts[int(e.r2t[r["row"], q])] == 1 and counts[int(e.r2t[r["row"], q + 1])] == 1
+        )
         old, nxt = int(e.r2t[victim["row"], q]), int(e.r2t[victim["row"], q + 1])
         other = next(s for r, qq, s in e.used_slots() if qq != q and s not in (old, nxt, hit["slot"]))
         e.r2t[victim["row"], q] = other

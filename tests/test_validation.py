@@ -15,8 +15,7 @@ import numpy as np
 from absl.testing import absltest
 
 import canary_jax
-from canary_jax import constants
-from canary_jax import ints
+from canary_jax import constants, ints
 from canary_jax.sources import SourceDescriptor, check_real_kv_sources
 from helpers import oracle
 
@@ -41,7 +40,9 @@ def ctx_with(*, sources=(), mode=ALL, buf=None, log=None, kind=TAG):
 
 
 def vplan(n=1, cap=4):
-    return canary_jax.VerifyPlan.from_entries(slots=[1] * n, positions=[0] * n, prev_slots=[-1] * n, verify_capacity=cap)
+    return canary_jax.VerifyPlan.from_entries(
+        slots=[1] * n, positions=[0] * n, prev_slots=[-1] * n, verify_capacity=cap
+    )
 
 
 def wplan(cap=2):
@@ -54,19 +55,32 @@ def tok(values=(1, 2, 3, 4)):
 
 def snapshot(ctx):
     log = ctx.log
-    return [np.asarray(x).copy() for x in (ctx.canary_buf, log.ring, log.write_index, log.slot_run_counters,
-                                            log.kernel_run_counters, log.enable_chain_position_assert)]
+    return [
+        np.asarray(x).copy()
+        for x in (
+            ctx.canary_buf,
+            log.ring,
+            log.write_index,
+            log.slot_run_counters,
+            log.kernel_run_counters,
+            log.enable_chain_position_assert,
+        )
+    ]
 
 
 class RefusalMixin:
-
     def assertRefused(self, ctx, exc, regex, fn):
         """``fn()`` raises ``exc`` matching ``regex`` and leaves ``ctx``'s buffer and log untouched."""
         before = snapshot(ctx)
         with self.assertRaisesRegex(exc, regex):
             fn()
-        for x in (ctx.canary_buf, ctx.log.ring, ctx.log.write_index, ctx.log.slot_run_counters,
-                  ctx.log.kernel_run_counters):
+        for x in (
+            ctx.canary_buf,
+            ctx.log.ring,
+            ctx.log.write_index,
+            ctx.log.slot_run_counters,
+            ctx.log.kernel_run_counters,
+        ):
             if isinstance(x, jax.Array):
                 self.assertFalse(x.is_deleted(), "a refused launch must not donate its buffers")
         for a, b in zip(before, snapshot(ctx)):
@@ -74,33 +88,56 @@ class RefusalMixin:
 
 
 class RealKvSourceTest(absltest.TestCase):
-
     def test_post_init_order_and_messages(self):
         t = np.zeros((4, 32), np.uint8)
         cases = [
             # (kwargs, message); each case also breaks every later rule, so the order is pinned.
-            (dict(tensor=np.zeros(3, np.uint8), page_size=0, num_bytes_per_token=24, read_bytes=0),
-             r"^kv-canary: RealKvSource\.page_size must be >= 1, got 0$"),
-            (dict(tensor=np.zeros(3, np.uint8), page_size=1, num_bytes_per_token=24, read_bytes=0),
-             r"^kv-canary: RealKvSource\.num_bytes_per_token must be a positive multiple of 16, got 24$"),
-            (dict(tensor=np.zeros(3, np.uint8), page_size=1, num_bytes_per_token=0, read_bytes=0),
-             r"^kv-canary: RealKvSource\.num_bytes_per_token must be a positive multiple of 16, got 0$"),
-            (dict(tensor=np.zeros(3, np.uint8), page_size=1, num_bytes_per_token=32, read_bytes=0),
-             re.escape("kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in "
-                       "(0, num_bytes_per_token=32], got 0")),
-            (dict(tensor=t, page_size=1, num_bytes_per_token=32, read_bytes=48),
-             re.escape("(0, num_bytes_per_token=32], got 48")),
-            (dict(tensor=t, page_size=1, num_bytes_per_token=32, read_bytes=24),
-             re.escape("(0, num_bytes_per_token=32], got 24")),
-            (dict(tensor=np.zeros(48, np.uint8), page_size=1, num_bytes_per_token=32, read_bytes=16),
-             re.escape("kv-canary: RealKvSource.tensor must be at least 2-D, got shape (48,)")),
-            (dict(tensor=np.zeros((4, 24), np.uint8), page_size=1, num_bytes_per_token=16, read_bytes=16),
-             re.escape("kv-canary: RealKvSource.tensor row stride must be a multiple of 16 bytes, got 24 bytes "
-                       "(shape=(4, 24), strides=(24, 1), dtype=uint8)")),
-            (dict(tensor=jnp.zeros((4, 6), jnp.int16), page_size=1, num_bytes_per_token=16, read_bytes=16),
-             r"row stride must be a multiple of 16 bytes, got 12 bytes"),
-            (dict(tensor=np.zeros((4, 16), np.uint8), page_size=-2, num_bytes_per_token=16, read_bytes=16),
-             r"page_size must be >= 1, got -2"),
+            (
+                dict(tensor=np.zeros(3, np.uint8), page_size=0, num_bytes_per_token=24, read_bytes=0),
+                r"^kv-canary: RealKvSource\.page_size must be >= 1, got 0$",
+            ),
+            (
+                dict(tensor=np.zeros(3, np.uint8), page_size=1, num_bytes_per_token=24, read_bytes=0),
+                r"^kv-canary: RealKvSource\.num_bytes_per_token must be a positive multiple of 16, got 24$",
+            ),
+            (
+                dict(tensor=np.zeros(3, np.uint8), page_size=1, num_bytes_per_token=0, read_bytes=0),
+                r"^kv-canary: RealKvSource\.num_bytes_per_token must be a positive multiple of 16, got 0$",
+            ),
+            (
+                dict(tensor=np.zeros(3, np.uint8), page_size=1, num_bytes_per_token=32, read_bytes=0),
+                re.escape(
+                    "kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in "
+                    "(0, num_bytes_per_token=32], got 0"
+                ),
+            ),
+            (
+                dict(tensor=t, page_size=1, num_bytes_per_token=32, read_bytes=48),
+                re.escape("(0, num_bytes_per_token=32], got 48"),
+            ),
+            (
+                dict(tensor=t, page_size=1, num_bytes_per_token=32, read_bytes=24),
+                re.escape("(0, num_bytes_per_token=32], got 24"),
+            ),
+            (
+                dict(tensor=np.zeros(48, np.uint8), page_size=1, num_bytes_per_token=32, read_bytes=16),
+                re.escape("kv-canary: RealKvSource.tensor must be at least 2-D, got shape (48,)"),
+            ),
+            (
+                dict(tensor=np.zeros((4, 24), np.uint8), page_size=1, num_bytes_per_token=16, read_bytes=16),
+                re.escape(
+                    "kv-canary: RealKvSource.tensor row stride must be a multiple of 16 bytes, got 24 bytes "
+                    "(shape=(4, 24), strides=(24, 1), dtype=uint8)"
+                ),
+            ),
+            (
+                dict(tensor=jnp.zeros((4, 6), jnp.int16), page_size=1, num_bytes_per_token=16, read_bytes=16),
+                r"row stride must be a multiple of 16 bytes, got 12 bytes",
+            ),
+            (
+                dict(tensor=np.zeros((4, 16), np.uint8), page_size=-2, num_bytes_per_token=16, read_bytes=16),
+                r"page_size must be >= 1, got -2",
+            ),
         ]
         for kw, msg in cases:
             with self.assertRaisesRegex(ValueError, msg):
@@ -116,8 +153,12 @@ class RealKvSourceTest(absltest.TestCase):
             check_real_kv_sources([s], ALL)
 
     def test_valid_sources(self):
-        for tensor in (np.zeros((4, 16), np.uint8), jnp.zeros((4, 8), jnp.bfloat16), np.zeros((2, 4), np.float32),
-                       np.zeros((2, 3, 16), np.uint8)):
+        for tensor in (
+            np.zeros((4, 16), np.uint8),
+            jnp.zeros((4, 8), jnp.bfloat16),
+            np.zeros((2, 4), np.float32),
+            np.zeros((2, 3, 16), np.uint8),
+        ):
             s = src(tensor)
             self.assertEqual((s.page_size, s.num_bytes_per_token, s.read_bytes), (1, 16, 16))
         with self.assertRaises(dataclasses.FrozenInstanceError):
@@ -126,12 +167,17 @@ class RealKvSourceTest(absltest.TestCase):
     def test_launch_abi_checks(self):
         three_d = src(np.zeros((N, 2, 16), np.uint8))
         with self.assertRaisesRegex(
-                ValueError, r"^kv-canary: real_kv_sources\[1\]\.tensor \(viewed as uint8\) must be 2-D, got 3-D$"):
+            ValueError, r"^kv-canary: real_kv_sources\[1\]\.tensor \(viewed as uint8\) must be 2-D, got 3-D$"
+        ):
             check_real_kv_sources([src(np.zeros((N, 16), np.uint8)), three_d], ALL)
         narrow = src(np.zeros((N, 32), np.uint8), page_size=4, nbpt=16)
-        with self.assertRaisesRegex(ValueError, re.escape(
+        with self.assertRaisesRegex(
+            ValueError,
+            re.escape(
                 "kv-canary: RealKvSource row is too narrow for its slot layout: dim-1 is 32 bytes but page_size=4 "
-                "x num_bytes_per_token=16 needs 64")):
+                "x num_bytes_per_token=16 needs 64"
+            ),
+        ):
             check_real_kv_sources([narrow], ALL)
         with self.assertRaisesRegex(TypeError, r"real_kv_sources\[0\] must be a RealKvSource, got tuple"):
             check_real_kv_sources([(np.zeros((N, 16)), 1, 16, 16)], ALL)
@@ -141,53 +187,80 @@ class RealKvSourceTest(absltest.TestCase):
         bad = src(np.zeros((N, 2, 16), np.uint8))  # would fail the 2-D check; the count check comes first
         for mode in constants.RealKvHashMode:
             with self.assertRaisesRegex(
-                    ValueError, r"^kv-canary: at most 4 RealKvSource entries supported by the CUDA ABI, got 5$"):
+                ValueError, r"^kv-canary: at most 4 RealKvSource entries supported by the CUDA ABI, got 5$"
+            ):
                 check_real_kv_sources([bad, ok, ok, ok, ok], mode)
         self.assertEqual(check_real_kv_sources([ok] * 4, constants.RealKvHashMode.NONE), ())
         self.assertEqual(check_real_kv_sources([], ALL), ())
 
     def test_descriptors(self):
-        d = check_real_kv_sources([src(np.zeros((8, 96), np.uint8), page_size=2, nbpt=32, read_bytes=32),
-                                     src(np.zeros((16, 8), np.float32), nbpt=32, read_bytes=16)],
-                                    constants.RealKvHashMode.PARTIAL)
+        d = check_real_kv_sources(
+            [
+                src(np.zeros((8, 96), np.uint8), page_size=2, nbpt=32, read_bytes=32),
+                src(np.zeros((16, 8), np.float32), nbpt=32, read_bytes=16),
+            ],
+            constants.RealKvHashMode.PARTIAL,
+        )
         self.assertEqual(d, (SourceDescriptor(2, 32, 32, 16, 96, 8), SourceDescriptor(1, 32, 16, 16, 32, 16)))
         d = check_real_kv_sources([src(np.zeros((8, 96), np.uint8), page_size=2, nbpt=32, read_bytes=32)], ALL)
         self.assertEqual(d[0].effective_read_bytes, 32)
 
 
 class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
-
     def test_more_than_four_sources_before_tracing(self):
         ctx = ctx_with(sources=[src(np.zeros((N, 16), np.uint8))] * 5)
         msg = r"^kv-canary: at most 4 RealKvSource entries supported by the CUDA ABI, got 5$"
         self.assertRefused(ctx, ValueError, msg, lambda: canary_jax.verify(ctx, vplan(), backend="reference"))
-        self.assertRefused(ctx, ValueError, msg, lambda: canary_jax.write(ctx, wplan(), tok(), tok(), tok(),
-                                                                   backend="reference"))
+        self.assertRefused(
+            ctx, ValueError, msg, lambda: canary_jax.write(ctx, wplan(), tok(), tok(), tok(), backend="reference")
+        )
         ctx_none = ctx_with(sources=[src(np.zeros((N, 16), np.uint8))] * 5, mode=constants.RealKvHashMode.NONE)
         self.assertRefused(ctx_none, ValueError, msg, lambda: canary_jax.verify(ctx_none, vplan(), backend="reference"))
 
     def test_source_errors_at_launch(self):
-        for s, msg in ((src(np.zeros((N, 2, 16), np.uint8)), r"\(viewed as uint8\) must be 2-D, got 3-D"),
-                       (src(np.zeros((N, 16), np.uint8), page_size=2), r"row is too narrow"),
-                       (src(np.zeros((N, 48), np.uint8)[:, :32]), r"must be contiguous")):
+        for s, msg in (
+            (src(np.zeros((N, 2, 16), np.uint8)), r"\(viewed as uint8\) must be 2-D, got 3-D"),
+            (src(np.zeros((N, 16), np.uint8), page_size=2), r"row is too narrow"),
+            (src(np.zeros((N, 48), np.uint8)[:, :32]), r"must be contiguous"),
+        ):
             ctx = ctx_with(sources=[s])
-            self.assertRefused(ctx, ValueError, msg, lambda: canary_jax.verify(ctx, vplan(), backend="reference"))
-            self.assertRefused(ctx, ValueError, msg, lambda: canary_jax.write(ctx, wplan(), tok(), tok(), tok(),
-                                                                       backend="reference"))
+            self.assertRefused(
+                ctx, ValueError, msg, lambda ctx=ctx: canary_jax.verify(ctx, vplan(), backend="reference")
+            )
+            self.assertRefused(
+                ctx,
+                ValueError,
+                msg,
+                lambda ctx=ctx: canary_jax.write(ctx, wplan(), tok(), tok(), tok(), backend="reference"),
+            )
 
     def test_canary_buffer_checks(self):
         for buf, exc, msg in (
-                (jnp.zeros((N, 24), jnp.uint8), ValueError,
-                 r"^kv-canary: canary_buf slot stride must hold at least 4 int64 fields, got 3$"),
-                (jnp.zeros((N, 8), jnp.uint8), ValueError, r"must hold at least 4 int64 fields, got 1$"),
-                (jnp.zeros((N, 36), jnp.uint8), ValueError, r"canary_buf slot stride must be a multiple of 8 bytes, got 36"),
-                (jnp.zeros((N, 8), jnp.uint32), TypeError, r"canary_buf must have dtype uint8, got uint32"),
-                (jnp.zeros((N * 32,), jnp.uint8), ValueError, r"canary_buf must be 2-D"),
+            (
+                jnp.zeros((N, 24), jnp.uint8),
+                ValueError,
+                r"^kv-canary: canary_buf slot stride must hold at least 4 int64 fields, got 3$",
+            ),
+            (jnp.zeros((N, 8), jnp.uint8), ValueError, r"must hold at least 4 int64 fields, got 1$"),
+            (
+                jnp.zeros((N, 36), jnp.uint8),
+                ValueError,
+                r"canary_buf slot stride must be a multiple of 8 bytes, got 36",
+            ),
+            (jnp.zeros((N, 8), jnp.uint32), TypeError, r"canary_buf must have dtype uint8, got uint32"),
+            (jnp.zeros((N * 32,), jnp.uint8), ValueError, r"canary_buf must be 2-D"),
+            # No slots: refused, with the torch launchers' message (one check for both, see validation.py).
+            (
+                jnp.zeros((0, 32), jnp.uint8),
+                ValueError,
+                r"^kv-canary: canary_buf must have between 1 and 2\*\*31 - 1 slots, got 0$",
+            ),
         ):
             ctx = ctx_with(buf=buf)
-            self.assertRefused(ctx, exc, msg, lambda: canary_jax.verify(ctx, vplan(), backend="reference"))
-            self.assertRefused(ctx, exc, msg, lambda: canary_jax.write(ctx, wplan(), tok(), tok(), tok(),
-                                                                backend="reference"))
+            self.assertRefused(ctx, exc, msg, lambda ctx=ctx: canary_jax.verify(ctx, vplan(), backend="reference"))
+            self.assertRefused(
+                ctx, exc, msg, lambda ctx=ctx: canary_jax.write(ctx, wplan(), tok(), tok(), tok(), backend="reference")
+            )
         with self.assertRaisesRegex(ValueError, r"at least 4 int64 fields, got 3"):
             canary_jax.allocate_canary_buffer(N, 24)
         with self.assertRaisesRegex(ValueError, r"num_slots must be positive, got 0"):
@@ -195,63 +268,120 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
 
     def test_context_and_plan_kinds(self):
         ctx = ctx_with()
-        self.assertRefused(ctx, TypeError, r"plan must be a VerifyPlan, got WritePlan",
-                           lambda: canary_jax.verify(ctx, wplan(), backend="reference"))
-        self.assertRefused(ctx, TypeError, r"plan must be a WritePlan, got VerifyPlan",
-                           lambda: canary_jax.write(ctx, vplan(), tok(), tok(), tok(), backend="reference"))
+        self.assertRefused(
+            ctx,
+            TypeError,
+            r"plan must be a VerifyPlan, got WritePlan",
+            lambda: canary_jax.verify(ctx, wplan(), backend="reference"),
+        )
+        self.assertRefused(
+            ctx,
+            TypeError,
+            r"plan must be a WritePlan, got VerifyPlan",
+            lambda: canary_jax.write(ctx, vplan(), tok(), tok(), tok(), backend="reference"),
+        )
         with self.assertRaisesRegex(TypeError, r"context must be a VerifyOrWriteContext, got dict"):
             canary_jax.verify({}, vplan(), backend="reference")
         bad_kind = ctx_with(kind=12)
-        self.assertRefused(bad_kind, ValueError, r"kernel_kind must be a CanaryLaunchTag, got 12",
-                           lambda: canary_jax.verify(bad_kind, vplan(), backend="reference"))
+        self.assertRefused(
+            bad_kind,
+            ValueError,
+            r"kernel_kind must be a CanaryLaunchTag, got 12",
+            lambda: canary_jax.verify(bad_kind, vplan(), backend="reference"),
+        )
         small_log = canary_jax.ViolationLog.allocate(ring_capacity=4, num_tags=2)
         ctx2 = ctx_with(log=small_log)
-        self.assertRefused(ctx2, ValueError, r"kernel_kind=2 is outside the counter arrays of length 2",
-                           lambda: canary_jax.verify(ctx2, vplan(), backend="reference"))
-        self.assertRefused(ctx, ValueError, r"backend must be one of",
-                           lambda: canary_jax.verify(ctx, vplan(), backend="cuda"))
+        self.assertRefused(
+            ctx2,
+            ValueError,
+            r"kernel_kind=2 is outside the counter arrays of length 2",
+            lambda: canary_jax.verify(ctx2, vplan(), backend="reference"),
+        )
+        self.assertRefused(
+            ctx, ValueError, r"backend must be one of", lambda: canary_jax.verify(ctx, vplan(), backend="cuda")
+        )
 
     def test_verify_plan_field_checks(self):
         ctx = ctx_with()
         good = vplan()
         cases = [
-            (dict(verify_slot_indices=jnp.zeros((4,), jnp.uint32)), ValueError,
-             r"plan\.verify_slot_indices must have shape \(4, 2\), got \(4,\)"),
-            (dict(verify_slot_indices=jnp.zeros((4,), jnp.int32)), TypeError,
-             r"plan\.verify_slot_indices must have dtype uint32, got int32"),
-            (dict(verify_expected_tokens=np.zeros((4,), np.int64)), TypeError,
-             r"plan\.verify_expected_tokens must have dtype uint32, got int64"),
-            (dict(verify_expected_positions=jnp.zeros((5, 2), jnp.uint32)), ValueError,
-             r"plan\.verify_expected_positions must have shape \(4, 2\), got \(5, 2\)"),
-            (dict(verify_prev_slot_indices=jnp.zeros((4, 2), jnp.float32)), TypeError,
-             r"plan\.verify_prev_slot_indices must have dtype uint32, got float32"),
-            (dict(verify_num_valid=jnp.zeros((2,), jnp.int32)), ValueError, r"plan\.verify_num_valid must have shape \(1,\)"),
-            (dict(verify_num_valid=jnp.zeros((1,), jnp.uint32)), TypeError, r"plan\.verify_num_valid must have dtype int32"),
+            (
+                dict(verify_slot_indices=jnp.zeros((4,), jnp.uint32)),
+                ValueError,
+                r"plan\.verify_slot_indices must have shape \(4, 2\), got \(4,\)",
+            ),
+            (
+                dict(verify_slot_indices=jnp.zeros((4,), jnp.int32)),
+                TypeError,
+                r"plan\.verify_slot_indices must have dtype uint32, got int32",
+            ),
+            (
+                dict(verify_expected_tokens=np.zeros((4,), np.int64)),
+                TypeError,
+                r"plan\.verify_expected_tokens must have dtype uint32, got int64",
+            ),
+            (
+                dict(verify_expected_positions=jnp.zeros((5, 2), jnp.uint32)),
+                ValueError,
+                r"plan\.verify_expected_positions must have shape \(4, 2\), got \(5, 2\)",
+            ),
+            (
+                dict(verify_prev_slot_indices=jnp.zeros((4, 2), jnp.float32)),
+                TypeError,
+                r"plan\.verify_prev_slot_indices must have dtype uint32, got float32",
+            ),
+            (
+                dict(verify_num_valid=jnp.zeros((2,), jnp.int32)),
+                ValueError,
+                r"plan\.verify_num_valid must have shape \(1,\)",
+            ),
+            (
+                dict(verify_num_valid=jnp.zeros((1,), jnp.uint32)),
+                TypeError,
+                r"plan\.verify_num_valid must have dtype int32",
+            ),
             (dict(enable=np.ones((1,), np.int64)), TypeError, r"plan\.enable must have dtype int32, got int64"),
         ]
         for kw, exc, msg in cases:
             plan = dataclasses.replace(good, **kw)
-            self.assertRefused(ctx, exc, msg, lambda: canary_jax.verify(ctx, plan, backend="reference"))
+            self.assertRefused(ctx, exc, msg, lambda plan=plan: canary_jax.verify(ctx, plan, backend="reference"))
 
     def test_write_plan_field_checks(self):
         ctx = ctx_with()
         good = wplan(cap=8)
         cases = [
-            (dict(write_offsets=jnp.zeros((8, 2), jnp.uint32)), ValueError,
-             re.escape("canary_write: write_offsets.size(0) must equal write_req_capacity + 1 (9), got 8")),
-            (dict(write_offsets=jnp.zeros((10, 2), jnp.uint32)), ValueError,
-             re.escape("write_req_capacity + 1 (9), got 10")),
+            (
+                dict(write_offsets=jnp.zeros((8, 2), jnp.uint32)),
+                ValueError,
+                re.escape("canary_write: write_offsets.size(0) must equal write_req_capacity + 1 (9), got 8"),
+            ),
+            (
+                dict(write_offsets=jnp.zeros((10, 2), jnp.uint32)),
+                ValueError,
+                re.escape("write_req_capacity + 1 (9), got 10"),
+            ),
             (dict(write_offsets=jnp.zeros((9,), jnp.int32)), ValueError, r"write_offsets"),
-            (dict(write_seed_slot_indices=jnp.zeros((8,), jnp.uint32)), ValueError,
-             r"plan\.write_seed_slot_indices must have shape"),
-            (dict(write_seed_slot_indices=np.zeros((8,), np.int64)), TypeError,
-             r"plan\.write_seed_slot_indices must have dtype uint32, got int64"),
-            (dict(write_num_valid_reqs=jnp.zeros((1,), jnp.int16)), TypeError,
-             r"plan\.write_num_valid_reqs must have dtype int32"),
+            (
+                dict(write_seed_slot_indices=jnp.zeros((8,), jnp.uint32)),
+                ValueError,
+                r"plan\.write_seed_slot_indices must have shape",
+            ),
+            (
+                dict(write_seed_slot_indices=np.zeros((8,), np.int64)),
+                TypeError,
+                r"plan\.write_seed_slot_indices must have dtype uint32, got int64",
+            ),
+            (
+                dict(write_num_valid_reqs=jnp.zeros((1,), jnp.int16)),
+                TypeError,
+                r"plan\.write_num_valid_reqs must have dtype int32",
+            ),
         ]
         for kw, exc, msg in cases:
             plan = dataclasses.replace(good, **kw)
-            self.assertRefused(ctx, exc, msg, lambda: canary_jax.write(ctx, plan, tok(), tok(), tok(), backend="reference"))
+            self.assertRefused(
+                ctx, exc, msg, lambda plan=plan: canary_jax.write(ctx, plan, tok(), tok(), tok(), backend="reference")
+            )
 
     def test_log_field_checks(self):
         base = canary_jax.ViolationLog.allocate(ring_capacity=4)
@@ -260,13 +390,20 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
             (dict(ring=jnp.zeros((4, 8, 2), jnp.int32)), TypeError, r"violation_ring must have dtype uint32"),
             (dict(write_index=jnp.zeros((1,), jnp.uint32)), TypeError, r"violation_write_index must have dtype int32"),
             (dict(slot_run_counters=jnp.zeros((11, 2), jnp.uint32)), ValueError, r"slot_run_counters shape"),
-            (dict(kernel_run_counters=jnp.zeros((12,), jnp.uint32)), ValueError, r"kernel_run_counters must have shape"),
-            (dict(enable_chain_position_assert=jnp.zeros((1,), jnp.bool_)), TypeError,
-             r"enable_chain_position_assert must have dtype int32"),
+            (
+                dict(kernel_run_counters=jnp.zeros((12,), jnp.uint32)),
+                ValueError,
+                r"kernel_run_counters must have shape",
+            ),
+            (
+                dict(enable_chain_position_assert=jnp.zeros((1,), jnp.bool_)),
+                TypeError,
+                r"enable_chain_position_assert must have dtype int32",
+            ),
         ]
         for kw, exc, msg in cases:
             ctx = ctx_with(log=dataclasses.replace(base, **kw))
-            self.assertRefused(ctx, exc, msg, lambda: canary_jax.verify(ctx, vplan(), backend="reference"))
+            self.assertRefused(ctx, exc, msg, lambda ctx=ctx: canary_jax.verify(ctx, vplan(), backend="reference"))
         with self.assertRaisesRegex(TypeError, r"context\.log must be a ViolationLog"):
             canary_jax.verify(ctx_with(log=object()), vplan(), backend="reference")
 
@@ -275,41 +412,105 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
         p = wplan()
         f = np.zeros(T, np.float32)
         cases = [
-            (lambda: canary_jax.write(ctx, p, f, tok(), tok(), backend="reference"), TypeError,
-             r"input_ids must be an int64-valued integer array, got shape \(4,\) dtype float32"),
-            (lambda: canary_jax.write(ctx, p, tok(), tok((1, 2, 3)), tok(), backend="reference"), ValueError,
-             r"positions must have shape \(4,\) \(int64\), got shape \(3,\)"),
-            (lambda: canary_jax.write(ctx, p, tok(), tok(), np.zeros((4, 3), np.int64), backend="reference"), ValueError,
-             r"out_cache_loc must have shape \(4,\) \(int64\), got shape \(4, 3\)"),
-            (lambda: canary_jax.write(ctx, p, tok(), tok(), jnp.zeros(4, jnp.float32), backend="reference"), TypeError,
-             r"out_cache_loc must be an int64-valued integer array"),
-            (lambda: canary_jax.write(ctx, p, tok(), tok(), tok(), enable_write_input_assert=True,
-                              expected_input_tokens=tok(), expected_input_positions=tok((1, 2)),
-                              backend="reference"), ValueError, r"expected_input_positions must have shape \(4,\)"),
-            (lambda: canary_jax.write(ctx, p, tok(), tok(), tok(), enable_write_input_assert=True,
-                              expected_input_tokens=f, expected_input_positions=tok(), backend="reference"),
-             TypeError, r"expected_input_tokens must be an int64-valued"),
-            (lambda: canary_jax.write(ctx, p, [2**63, 0, 0, 0], tok(), tok(), backend="reference"), ValueError,
-             r"input_ids holds a value that does not fit int64"),
-            (lambda: canary_jax.write(ctx, p, tok(), tok(), tok(), enable_write_input_assert=True,
-                              expected_input_positions=tok(), backend="reference"), ValueError,
-             r"^kv-canary: expected input tensors are required when enable_write_input_assert=True$"),
-            (lambda: canary_jax.write(ctx, p, tok(), tok(), tok(), enable_write_input_assert=False,
-                              expected_input_tokens=tok(), expected_input_positions=tok(), backend="reference"),
-             ValueError, r"^kv-canary: expected input tensors must be None when enable_write_input_assert=False$"),
+            (
+                lambda: canary_jax.write(ctx, p, f, tok(), tok(), backend="reference"),
+                TypeError,
+                r"input_ids must be an int64-valued integer array, got shape \(4,\) dtype float32",
+            ),
+            (
+                lambda: canary_jax.write(ctx, p, tok(), tok((1, 2, 3)), tok(), backend="reference"),
+                ValueError,
+                r"positions must have shape \(4,\) \(int64\), got shape \(3,\)",
+            ),
+            (
+                lambda: canary_jax.write(ctx, p, tok(), tok(), np.zeros((4, 3), np.int64), backend="reference"),
+                ValueError,
+                r"out_cache_loc must have shape \(4,\) \(int64\), got shape \(4, 3\)",
+            ),
+            (
+                lambda: canary_jax.write(ctx, p, tok(), tok(), jnp.zeros(4, jnp.float32), backend="reference"),
+                TypeError,
+                r"out_cache_loc must be an int64-valued integer array",
+            ),
+            (
+                lambda: canary_jax.write(
+                    ctx,
+                    p,
+                    tok(),
+                    tok(),
+                    tok(),
+                    enable_write_input_assert=True,
+                    expected_input_tokens=tok(),
+                    expected_input_positions=tok((1, 2)),
+                    backend="reference",
+                ),
+                ValueError,
+                r"expected_input_positions must have shape \(4,\)",
+            ),
+            (
+                lambda: canary_jax.write(
+                    ctx,
+                    p,
+                    tok(),
+                    tok(),
+                    tok(),
+                    enable_write_input_assert=True,
+                    expected_input_tokens=f,
+                    expected_input_positions=tok(),
+                    backend="reference",
+                ),
+                TypeError,
+                r"expected_input_tokens must be an int64-valued",
+            ),
+            (
+                lambda: canary_jax.write(ctx, p, [2**63, 0, 0, 0], tok(), tok(), backend="reference"),
+                ValueError,
+                r"input_ids holds a value that does not fit int64",
+            ),
+            (
+                lambda: canary_jax.write(
+                    ctx,
+                    p,
+                    tok(),
+                    tok(),
+                    tok(),
+                    enable_write_input_assert=True,
+                    expected_input_positions=tok(),
+                    backend="reference",
+                ),
+                ValueError,
+                r"^kv-canary: expected input tensors are required when enable_write_input_assert=True$",
+            ),
+            (
+                lambda: canary_jax.write(
+                    ctx,
+                    p,
+                    tok(),
+                    tok(),
+                    tok(),
+                    enable_write_input_assert=False,
+                    expected_input_tokens=tok(),
+                    expected_input_positions=tok(),
+                    backend="reference",
+                ),
+                ValueError,
+                r"^kv-canary: expected input tensors must be None when enable_write_input_assert=False$",
+            ),
         ]
         for fn, exc, msg in cases:
             self.assertRefused(ctx, exc, msg, fn)
 
 
 class PlanAllocationTest(absltest.TestCase):
-
     def test_allocate_capacity_errors(self):
         for c in (0, -3):
-            with self.assertRaisesRegex(ValueError, rf"^kv-canary: VerifyPlan verify_capacity must be positive, got {c}$"):
+            with self.assertRaisesRegex(
+                ValueError, rf"^kv-canary: VerifyPlan verify_capacity must be positive, got {c}$"
+            ):
                 canary_jax.VerifyPlan.allocate(verify_capacity=c)
-            with self.assertRaisesRegex(ValueError,
-                                        rf"^kv-canary: WritePlan write_req_capacity must be positive, got {c}$"):
+            with self.assertRaisesRegex(
+                ValueError, rf"^kv-canary: WritePlan write_req_capacity must be positive, got {c}$"
+            ):
                 canary_jax.WritePlan.allocate(write_req_capacity=c)
 
     def test_allocate_shapes(self):
@@ -325,14 +526,17 @@ class PlanAllocationTest(absltest.TestCase):
         wp.check()
 
     def test_host_builders(self):
-        vp = canary_jax.VerifyPlan.from_entries(slots=[3, 2**40], positions=[0, -1], prev_slots=[-1, 3],
-                                        expected_tokens=[7, 2**33], verify_capacity=4)
+        vp = canary_jax.VerifyPlan.from_entries(
+            slots=[3, 2**40], positions=[0, -1], prev_slots=[-1, 3], expected_tokens=[7, 2**33], verify_capacity=4
+        )
         self.assertEqual(ints.pairs_to_int64_np(vp.verify_slot_indices).tolist(), [3, 2**40, 0, 0])
         self.assertEqual(ints.pairs_to_int64_np(vp.verify_expected_tokens).tolist(), [7, 2**33, -1, -1])
         self.assertEqual(ints.pairs_to_int64_np(vp.verify_expected_positions).tolist(), [0, -1, 0, 0])
         self.assertEqual(np.asarray(vp.verify_num_valid).tolist(), [2])
         with self.assertRaisesRegex(ValueError, r"3 verify entries exceed verify_capacity=2"):
-            canary_jax.VerifyPlan.from_entries(slots=[1, 2, 3], positions=[0, 1, 2], prev_slots=[-1, 1, 2], verify_capacity=2)
+            canary_jax.VerifyPlan.from_entries(
+                slots=[1, 2, 3], positions=[0, 1, 2], prev_slots=[-1, 1, 2], verify_capacity=2
+            )
         with self.assertRaisesRegex(ValueError, r"positions has length 1, slots has 2"):
             canary_jax.VerifyPlan.from_entries(slots=[1, 2], positions=[0], prev_slots=[-1, 1])
         wp = canary_jax.WritePlan.from_requests(counts=[2, 0, 3], seed_slots=[-1, -1, 9], write_req_capacity=4)
@@ -363,8 +567,14 @@ class Int64InputTest(absltest.TestCase):
     def test_numpy_int64_values_above_int32_kept(self):
         ctx = ctx_with(mode=constants.RealKvHashMode.NONE)
         big_tok, big_pos = 2**40 + 5, -(2**35)
-        ctx = canary_jax.write(ctx, wplan(), np.array([big_tok, 0, 0, 0], np.int64), np.array([big_pos, 0, 0, 0], np.int64),
-                       np.array([3, 0, 0, 0], np.int64), backend="reference")
+        ctx = canary_jax.write(
+            ctx,
+            wplan(),
+            np.array([big_tok, 0, 0, 0], np.int64),
+            np.array([big_pos, 0, 0, 0], np.int64),
+            np.array([3, 0, 0, 0], np.int64),
+            backend="reference",
+        )
         self.assertEqual(canary_jax.read_slot(ctx.canary_buf, 3), (big_tok, big_pos, oracle.s64(oracle.ANCHOR_HASH), 0))
 
     def test_accepted_forms_agree(self):
@@ -383,12 +593,21 @@ class Int64InputTest(absltest.TestCase):
             np.testing.assert_array_equal(got, want)
 
     def test_narrow_forms_sign_or_zero_extend(self):
-        self.assertEqual(ints.pairs_to_int64_np(ints.as_int64_pairs(jnp.asarray([-1, 5], jnp.int32), name="x",
-                                                                    shape=(None,))).tolist(), [-1, 5])
-        self.assertEqual(ints.pairs_to_int64_np(ints.as_int64_pairs(jnp.asarray([0xFFFFFFFF], jnp.uint32), name="x",
-                                                                    shape=(1,))).tolist(), [0xFFFFFFFF])
-        self.assertEqual(ints.pairs_to_int64_np(ints.as_int64_pairs(np.array([-3], np.int8), name="x",
-                                                                    shape=(1,))).tolist(), [-3])
+        self.assertEqual(
+            ints.pairs_to_int64_np(
+                ints.as_int64_pairs(jnp.asarray([-1, 5], jnp.int32), name="x", shape=(None,))
+            ).tolist(),
+            [-1, 5],
+        )
+        self.assertEqual(
+            ints.pairs_to_int64_np(
+                ints.as_int64_pairs(jnp.asarray([0xFFFFFFFF], jnp.uint32), name="x", shape=(1,))
+            ).tolist(),
+            [0xFFFFFFFF],
+        )
+        self.assertEqual(
+            ints.pairs_to_int64_np(ints.as_int64_pairs(np.array([-3], np.int8), name="x", shape=(1,))).tolist(), [-3]
+        )
         self.assertEqual(ints.pairs_to_int64_np(ints.as_int64_pairs([], name="x", shape=(0,))).shape, (0,))
 
     def test_python_ints_outside_int64_refused(self):
@@ -404,8 +623,10 @@ class Int64InputTest(absltest.TestCase):
             ints.as_int32(np.array([2**31], np.int64), name="n")
         with self.assertRaisesRegex(ValueError, r"outside int32"):
             ints.as_int32(np.array([-(2**31) - 1], np.int64), name="n")
-        self.assertEqual(np.asarray(ints.as_int32(np.array([2**31 - 1, -(2**31)], np.int64), name="n")).tolist(),
-                         [2**31 - 1, -(2**31)])
+        self.assertEqual(
+            np.asarray(ints.as_int32(np.array([2**31 - 1, -(2**31)], np.int64), name="n")).tolist(),
+            [2**31 - 1, -(2**31)],
+        )
         with self.assertRaisesRegex(TypeError, r"n must have dtype int32, got uint32"):
             ints.as_int32(jnp.zeros((1,), jnp.uint32), name="n")
         with self.assertRaisesRegex(TypeError, r"n must have dtype int32, got float64"):
@@ -435,8 +656,12 @@ class Int64InputTest(absltest.TestCase):
     def test_bool_and_narrow_dtype_sources(self):
         mask = (np.arange(N * 16).reshape(N, 16) % 3) == 0
         raw = np.random.default_rng(1).integers(0, 256, (N, 16), dtype=np.uint8)
-        cases = [(jnp.asarray(mask), mask.view(np.uint8)), (mask, mask.view(np.uint8)),
-                 (jnp.asarray(raw.view(np.int16)), raw), (jnp.asarray(raw.view(np.float32)), raw)]
+        cases = [
+            (jnp.asarray(mask), mask.view(np.uint8)),
+            (mask, mask.view(np.uint8)),
+            (jnp.asarray(raw.view(np.int16)), raw),
+            (jnp.asarray(raw.view(np.float32)), raw),
+        ]
         for tensor, want_bytes in cases:
             ctx = ctx_with(sources=[src(tensor)])
             ctx = canary_jax.write(ctx, wplan(), tok(), tok((0, 0, 0, 0)), tok((6, 0, 0, 0)), backend="reference")
@@ -445,12 +670,17 @@ class Int64InputTest(absltest.TestCase):
 
 
 class LaunchMechanicsTest(absltest.TestCase):
-
     def test_inside_user_jit_matches_eager(self):
         def run(ctx):
-            ctx = canary_jax.write(ctx, wplan(), tok((7, 8, 9, 9)), tok((0, 1, 2, 2)), tok((4, 0, 0, 0)), backend="reference")
-            return canary_jax.verify(ctx, canary_jax.VerifyPlan.from_entries(slots=[4], positions=[1], prev_slots=[-1],
-                                                             verify_capacity=4), backend="reference")
+            ctx = canary_jax.write(
+                ctx, wplan(), tok((7, 8, 9, 9)), tok((0, 1, 2, 2)), tok((4, 0, 0, 0)), backend="reference"
+            )
+            return canary_jax.verify(
+                ctx,
+                canary_jax.VerifyPlan.from_entries(slots=[4], positions=[1], prev_slots=[-1], verify_capacity=4),
+                backend="reference",
+            )
+
         eager = run(ctx_with())
         jitted = jax.jit(run)(ctx_with())
         for a, b in zip(snapshot(eager), snapshot(jitted)):
@@ -459,6 +689,7 @@ class LaunchMechanicsTest(absltest.TestCase):
 
     def test_no_retrace_for_same_shapes(self):
         from canary_jax import launch
+
         ctx = ctx_with(mode=constants.RealKvHashMode.NONE)
         ctx = canary_jax.verify(ctx, vplan(), backend="reference")
         n0 = launch._verify_jit._cache_size()

@@ -1,6 +1,6 @@
 """Shared fixtures for the interop tests: an SGLang-shaped torch canary state and random launches.
 
-No tests here (a shared helper named so the test glob owns it). ``World`` holds one canary buffer, a ``CanaryDeviceState`` (ring, write index, per-tag
+``World`` holds one canary buffer, a ``CanaryDeviceState`` (ring, write index, per-tag
 counters as in SGLang) and real-KV source tensors on one device; ``clone()`` gives an identical independent
 copy so a launcher and the reference re-implementation can run side by side and be compared byte for byte.
 """
@@ -31,8 +31,17 @@ class World:
     mode: int
 
     @classmethod
-    def make(cls, rng: random.Random, *, num_slots: int = 61, stride: int = 32, ring: int = 6,
-             sources: tuple = (), mode: int = 0, device="cpu") -> "World":
+    def make(
+        cls,
+        rng: random.Random,
+        *,
+        num_slots: int = 61,
+        stride: int = 32,
+        ring: int = 6,
+        sources: tuple = (),
+        mode: int = 0,
+        device="cpu",
+    ) -> World:
         """sources: tuples (dtype, page_size, nbpt, read_bytes, extra_row_bytes)."""
         buf = torch.zeros(num_slots, stride, dtype=torch.uint8, device=device)
         state = sglang.CanaryDeviceState.allocate(ring_capacity=ring, device=device)
@@ -41,13 +50,18 @@ class World:
             rows = (num_slots + page - 1) // page
             row_bytes = page * nbpt + extra
             esize = torch.empty((), dtype=dtype).element_size()
-            raw = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8,
-                                generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+            raw = torch.randint(
+                0,
+                256,
+                (rows, row_bytes),
+                dtype=torch.uint8,
+                generator=torch.Generator().manual_seed(rng.randrange(1 << 30)),
+            )
             kv.append(raw.view(dtype).reshape(rows, row_bytes // esize).to(device))
             meta.append((page, nbpt, rb))
         return cls(buf, state, kv, meta, mode)
 
-    def clone(self) -> "World":
+    def clone(self) -> World:
         st = self.state
         state = sglang.CanaryDeviceState(
             violation_ring=st.violation_ring.clone(),
@@ -59,18 +73,29 @@ class World:
         return World(self.buf.clone(), state, [t.clone() for t in self.kv], list(self.source_meta), self.mode)
 
     def sources(self) -> tuple:
-        return tuple(sglang.RealKvSource(tensor=t, page_size=p, num_bytes_per_token=n, read_bytes=r)
-                     for t, (p, n, r) in zip(self.kv, self.source_meta))
+        return tuple(
+            sglang.RealKvSource(tensor=t, page_size=p, num_bytes_per_token=n, read_bytes=r)
+            for t, (p, n, r) in zip(self.kv, self.source_meta)
+        )
 
     def context(self, tag: int) -> sglang.VerifyOrWriteContext:
-        return self.state.context(canary_buf=self.buf, kernel_kind=sglang.CanaryLaunchTag(tag),
-                                  real_kv_sources=self.sources(), real_kv_hash_mode=sglang.RealKvHashMode(self.mode))
+        return self.state.context(
+            canary_buf=self.buf,
+            kernel_kind=sglang.CanaryLaunchTag(tag),
+            real_kv_sources=self.sources(),
+            real_kv_hash_mode=sglang.RealKvHashMode(self.mode),
+        )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         st = self.state
-        return {"canary_buf": self.buf, "ring": st.violation_ring, "write_index": st.violation_write_index,
-                "slot_run_counters": st.slot_run_counters, "kernel_run_counters": st.kernel_run_counters,
-                **{f"kv{i}": t for i, t in enumerate(self.kv)}}
+        return {
+            "canary_buf": self.buf,
+            "ring": st.violation_ring,
+            "write_index": st.violation_write_index,
+            "slot_run_counters": st.slot_run_counters,
+            "kernel_run_counters": st.kernel_run_counters,
+            **{f"kv{i}": t for i, t in enumerate(self.kv)},
+        }
 
 
 def assert_same_bytes(a: dict, b: dict, what: str = "") -> None:
@@ -110,9 +135,14 @@ def random_write_args(rng: random.Random, w: World, *, cw: int = 4, t: int = 12,
             pos.append(base + j if rng.random() < 0.8 else rng.randrange(100))
     pos += [rng.randrange(100) for _ in range(t - len(pos))]
     flag = rng.random() < 0.5
-    kw = dict(input_ids=torch.tensor(ids, device=device), positions=torch.tensor(pos, device=device),
-              out_cache_loc=torch.tensor(loc, device=device), enable_write_input_assert=flag,
-              expected_input_tokens=None, expected_input_positions=None)
+    kw = dict(
+        input_ids=torch.tensor(ids, device=device),
+        positions=torch.tensor(pos, device=device),
+        out_cache_loc=torch.tensor(loc, device=device),
+        enable_write_input_assert=flag,
+        expected_input_tokens=None,
+        expected_input_positions=None,
+    )
     if flag:
         kw["expected_input_tokens"] = torch.tensor([v if rng.random() < 0.8 else v + 1 for v in ids], device=device)
         kw["expected_input_positions"] = torch.tensor([v if rng.random() < 0.8 else v - 1 for v in pos], device=device)

@@ -1,6 +1,7 @@
 """Run a jitted JAX function on torch tensors, updating the mutable ones in place.
 
-:func:`run_in_place` is the one mechanism every torch-facing launcher uses:
+:func:`run_in_place` is the one mechanism every torch-facing launcher uses (buffers: :mod:`interop.buffers`;
+stream order: :mod:`interop.streams`):
 
 1. **Checks** (before anything is imported or run, so a refused call leaves every tensor untouched): one
    device for all tensors; no mutable tensor overlapping any other argument's bytes.
@@ -29,40 +30,37 @@ name.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import threading
 import time
 import warnings
-from typing import Any, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import torch
 
-from interop import dlpack
+from interop import buffers, dlpack, streams
+from interop.buffers import TensorArg
 
 __all__ = [
+    "ALIAS_RECHECK_PERIOD",
     "TensorArg",
-    "donation_aliases",
-    "import_cache",
     "alias_check_count",
+    "donation_aliases",
     "last_launch_program",
     "last_launch_report",
     "phase_times",
     "run_in_place",
     "set_alias_check",
     "set_phase_timing",
-    "set_stream_sync",
-    "stream_sync",
     "trace_count",
 ]
 
-_CACHE = dlpack.ImportCache()
+_CACHE = buffers.import_cache()
 _TRACES = [0]
 _LAST_REPORT: dict[str, Any] = {}
-_STREAM_SYNC = ["fence"]
 _ALIAS_CHECK = ["first"]
 _ALIAS_CHECKS = [0]  # pointer queries of launch outputs made by run_in_place (tests pin steady state)
 ALIAS_RECHECK_PERIOD = 1024  # launches of one prepared program between two pointer re-checks
@@ -70,27 +68,9 @@ _PHASES: dict[str, list] = {}  # name -> [count, seconds] while phase timing is 
 _TIMING = [False]
 
 
-def import_cache() -> dlpack.ImportCache:
-    """The process-wide import cache used by the launchers."""
-    return _CACHE
-
-
 def trace_count() -> int:
     """Number of times a launcher's JAX function has been traced in this process."""
     return _TRACES[0]
-
-
-def set_stream_sync(mode: str) -> None:
-    """CUDA ordering between torch's current stream and JAX: ``"fence"`` (default, asynchronous DLPack
-    handshakes), ``"host"`` (synchronise torch's current stream before and block on JAX's result after; slow,
-    for debugging), or ``"none"`` (caller orders the streams; unsafe)."""
-    if mode not in ("fence", "host", "none"):
-        raise ValueError(f"kv-canary: stream sync mode must be 'fence', 'host' or 'none', got {mode!r}")
-    _STREAM_SYNC[0] = mode
-
-
-def stream_sync() -> str:
-    return _STREAM_SYNC[0]
 
 
 def set_alias_check(mode: str) -> None:
@@ -140,30 +120,12 @@ def _phase(name: str, t0: float) -> float:
     return t1
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class TensorArg:
-    """One torch argument of a launch.
-
-    Fields:
-      name: argument name (error messages and the body's dict key).
-      tensor: the torch tensor, already dtype/shape-checked by the caller.
-      mutable: the launch writes it (in place).
-      owner: the caller's tensor when ``tensor`` is a view made for this call (e.g. ``.view(torch.uint8)``),
-        so cached imports live as long as the caller's tensor; defaults to ``tensor``.
-    """
-
-    name: str
-    tensor: "torch.Tensor"
-    mutable: bool = False
-    owner: Any = None  # the caller's long-lived tensor ``tensor`` is a view of (keys the import cache)
-
-
 # --- platform capabilities --------------------------------------------------------------------------------
 _CAPS_LOCK = threading.Lock()
 _DONATION: dict[str, bool] = {}
 
 
-def donation_aliases(device: "torch.device") -> bool:
+def donation_aliases(device: torch.device) -> bool:
     """Whether donating a DLPack-imported buffer on this device type returns the output in the same memory.
 
     Measured once per device type with a 64-byte int32 tensor through ``jit(donate_argnums=0)``.
@@ -192,211 +154,7 @@ def donation_aliases(device: "torch.device") -> bool:
     return ok
 
 
-# Outputs copied back on CUDA stay referenced until torch's stream has finished reading them (an event per
-# launch, polled at the next launches), so JAX cannot recycle their memory under a pending torch copy.
-_PENDING: "collections.deque" = collections.deque()
-
-
-def _retire_pending() -> None:
-    while _PENDING and _PENDING[0][0].query():
-        _PENDING.popleft()
-
-
-_FENCES: dict[str, "torch.Tensor"] = {}
-_CPU_FENCE: list[jax.Array] = []
-
-
-def _fence(device: "torch.device", sync: str) -> jax.Array:
-    """The first argument of every launch program.
-
-    CUDA with ``sync == "fence"``: a fresh import of a 64-byte torch tensor, on purpose uncached: torch's
-    ``__dlpack__(stream=...)`` makes the stream JAX imports on wait for torch's current stream, and the
-    imported buffer's definition event then gates the whole JAX computation. Otherwise a constant.
-    """
-    if device.type == "cpu":
-        if not _CPU_FENCE:
-            _CPU_FENCE.append(jax.device_put(jnp.zeros((16,), jnp.uint8), jax.devices("cpu")[0]))
-        return _CPU_FENCE[0]
-    key = str(device)
-    t = _FENCES.get(key)
-    if t is None:
-        t = _FENCES[key] = torch.zeros(64, dtype=torch.uint8, device=device)
-    if sync == "fence":
-        # The fence's bytes are never read, so no zero-copy / pointer check (a pointer query is an external
-        # reference in PJRT, see set_alias_check): only the stream handshake of the import matters.
-        return jax.dlpack.from_dlpack(t, copy=False)
-    hit = _CACHE.get(("fence", key))
-    if hit is None:
-        hit = dlpack._import_exact(t, name="fence")
-        _CACHE.put(("fence", key), hit, (t,))
-    return hit
-
-
-# --- buffers ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Member:
-    name: str
-    offset: int  # byte offset inside the window
-    nbytes: int
-    shape: tuple[int, ...]
-    kind: str  # "i64" | "i32" | "raw"
-    dtype: str
-    mutable: bool
-
-
-@dataclasses.dataclass
-class _Buffer:
-    view: "torch.Tensor"  # what is imported (pairs view / canary buffer / byte window)
-    members: list[_Member]
-    window: bool
-    owners: list  # weak references to the caller's tensors (never strong: see ImportCache)
-    key: Hashable
-    mutable: bool
-
-
-def _kind(t: "torch.Tensor") -> str:
-    if t.dtype in (torch.int64, torch.uint64):
-        return "i64"
-    if t.dtype == torch.int32:
-        return "i32"
-    return "raw"
-
-
-def _byte_range(t: "torch.Tensor") -> tuple[int, int]:
-    lo = t.data_ptr()
-    return lo, lo + t.numel() * t.element_size()
-
-
-def _check_device_and_aliasing(args: Sequence[TensorArg]) -> "torch.device":
-    first = args[0]
-    dev = first.tensor.device
-    for a in args[1:]:
-        if a.tensor.device != dev:
-            raise ValueError(
-                f"kv-canary: {a.name} is on {a.tensor.device} but {first.name} is on {dev}; all tensors of one "
-                "launch must be on the same device"
-            )
-    spans = [(a, _byte_range(a.tensor)) for a in args if a.tensor.numel() > 0]
-    for i, (a, (alo, ahi)) in enumerate(spans):
-        for b, (blo, bhi) in spans[i + 1 :]:
-            if (a.mutable or b.mutable) and alo < bhi and blo < ahi:
-                w, o = (a, b) if a.mutable else (b, a)
-                raise ValueError(
-                    f"kv-canary: {w.name} overlaps {o.name} in memory; an output of the launch must not alias "
-                    "another argument"
-                )
-    return dev
-
-
-def _plan_buffers(args: Sequence[TensorArg], dev: "torch.device") -> list[_Buffer]:
-    align = dlpack.device_alignment(dev)
-    buffers: list[_Buffer] = []
-    scalars_by_storage: dict[int, list[TensorArg]] = {}
-    for a in args:
-        t = a.tensor
-        if t.numel() == 1 and t.element_size() in (4, 8) and _kind(t) != "raw":
-            scalars_by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(a)
-            continue
-        kind = _kind(t)
-        view = dlpack.int64_pairs_view(t, a.name) if kind == "i64" else dlpack.contiguous_view(t, a.name)
-        m = _Member(a.name, 0, t.numel() * t.element_size(), tuple(t.shape), kind, str(t.dtype), a.mutable)
-        owner = a.owner if a.owner is not None else t
-        buffers.append(_Buffer(view, [m], False, [_CACHE.ref(owner)], dlpack.ImportCache.key_for(view), a.mutable))
-    for base, group in scalars_by_storage.items():
-        spans = []
-        for a in group:
-            p = a.tensor.data_ptr()
-            start = max(base, p - p % align)
-            spans.append((start, p + a.tensor.element_size(), a))
-        spans.sort(key=lambda s: s[0])
-        merged: list[list] = []
-        for s in spans:
-            if merged and s[0] < merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], s[1])
-                merged[-1][2].append(s[2])
-            else:
-                merged.append([s[0], s[1], [s[2]]])
-        storage = group[0].tensor.untyped_storage()
-        for start, end, members in merged:
-            if start % align:
-                names = ", ".join(m.name for m in members)
-                raise ValueError(
-                    f"kv-canary: {names} lives in a storage whose base 0x{base:x} is not aligned to {align} bytes; "
-                    "XLA cannot import it without a copy"
-                )
-            view = torch.empty(0, dtype=torch.uint8, device=dev).set_(storage, start - base, (end - start,), (1,))
-            mems = [
-                _Member(m.name, m.tensor.data_ptr() - start, m.tensor.element_size(), tuple(m.tensor.shape),
-                        _kind(m.tensor), str(m.tensor.dtype), m.mutable)
-                for m in members
-            ]
-            buffers.append(
-                _Buffer(view, mems, True, [_CACHE.ref(m.owner if m.owner is not None else m.tensor) for m in members],
-                        ("win", str(dev), start, end - start), any(m.mutable for m in members))
-            )
-    # A donated window rewrites its padding bytes: refuse if they belong to another mutable argument.
-    for b in buffers:
-        if not (b.window and b.mutable):
-            continue
-        lo, hi = b.view.data_ptr(), b.view.data_ptr() + b.view.numel()
-        mine = {m.name for m in b.members}
-        for a in args:
-            if a.name in mine or not a.mutable or a.tensor.numel() == 0:
-                continue
-            alo, ahi = _byte_range(a.tensor)
-            if alo < hi and lo < ahi:
-                raise ValueError(
-                    f"kv-canary: {sorted(mine)[0]} shares an aligned {hi - lo}-byte span with the output {a.name}; "
-                    "allocate them apart"
-                )
-    return buffers
-
-
-def _import(b: _Buffer) -> jax.Array:
-    hit = _CACHE.get(b.key)
-    if hit is not None:
-        return hit
-    arr = dlpack._import_exact(b.view, name=b.members[0].name)
-    _CACHE.put(b.key, arr, b.owners)
-    return arr
-
-
 # --- the jitted program -----------------------------------------------------------------------------------
-def _unpack(buf: jax.Array, spec: tuple, vals: dict) -> None:
-    window, members = spec
-    if not window:
-        (m,) = members
-        vals[m.name] = jax.lax.bitcast_convert_type(buf, jnp.uint32) if m.kind == "i64" else buf
-        return
-    for m in members:
-        seg = jax.lax.slice(buf, (m.offset,), (m.offset + m.nbytes,))
-        if m.kind == "i64":
-            v = jax.lax.bitcast_convert_type(seg.reshape(2, 4), jnp.uint32).reshape(m.shape + (2,))
-        else:
-            v = jax.lax.bitcast_convert_type(seg.reshape(1, 4), jnp.dtype(m.dtype.replace("torch.", ""))).reshape(m.shape)
-        vals[m.name] = v
-
-
-def _pack(buf: jax.Array, spec: tuple, new: dict) -> jax.Array:
-    window, members = spec
-    if not window:
-        (m,) = members
-        out = new[m.name]
-        if m.kind == "i64":
-            out = jax.lax.bitcast_convert_type(out.astype(jnp.uint32), jnp.int32)
-        if out.shape != buf.shape or out.dtype != buf.dtype:
-            raise TypeError(f"kv-canary: body returned {out.dtype}{out.shape} for {m.name}, want {buf.dtype}{buf.shape}")
-        return out
-    out = buf
-    for m in members:
-        if not m.mutable:
-            continue
-        v = new[m.name]
-        b = jax.lax.bitcast_convert_type(v.reshape(-1), jnp.uint8).reshape(m.nbytes)
-        out = jax.lax.dynamic_update_slice(out, b, (m.offset,))
-    return out
-
-
 @functools.lru_cache(maxsize=256)
 def _compiled(op: Hashable, statics: Hashable, body_factory: Callable, layout: tuple, donate: bool):
     body = body_factory(statics)
@@ -407,9 +165,9 @@ def _compiled(op: Hashable, statics: Hashable, body_factory: Callable, layout: t
         _TRACES[0] += 1
         vals: dict[str, jax.Array] = {}
         for buf, spec in zip(bufs, layout):
-            _unpack(buf, spec, vals)
+            buffers.unpack(buf, spec, vals)
         new = body(vals)
-        return tuple(_pack(bufs[i], layout[i], new) for i in mutable_idx)
+        return tuple(buffers.pack(bufs[i], layout[i], new) for i in mutable_idx)
 
     donate_argnums = tuple(i + 1 for i in mutable_idx) if donate else ()
     # One _Program per compiled program: which outputs alias their donated inputs is a property of the program
@@ -437,8 +195,8 @@ class _Program:
 class _Prepared:
     """Everything about a launch that depends only on its tensors' addresses, shapes and dtypes."""
 
-    dev: "torch.device"
-    buffers: list[_Buffer]
+    dev: torch.device
+    buffers: list[buffers.Buffer]
     layout: tuple
     programs: dict
 
@@ -448,8 +206,17 @@ def _signature(args: Sequence[TensorArg]) -> tuple:
     for a in args:
         t = a.tensor
         n = t.numel()
-        sig.append((a.name, a.mutable, t.data_ptr(), tuple(t.shape), t.dtype, t.device,
-                    t.untyped_storage().data_ptr() if n == 1 else n))
+        sig.append(
+            (
+                a.name,
+                a.mutable,
+                t.data_ptr(),
+                tuple(t.shape),
+                t.dtype,
+                t.device,
+                t.untyped_storage().data_ptr() if n == 1 else n,
+            )
+        )
     return tuple(sig)
 
 
@@ -458,9 +225,9 @@ def _prepare(args: Sequence[TensorArg]) -> _Prepared:
     hit = _LAYOUTS.get(key)
     if hit is not None:
         return hit
-    dev = _check_device_and_aliasing(args)
-    buffers = _plan_buffers(args, dev)
-    prep = _Prepared(dev, buffers, tuple((b.window, tuple(b.members)) for b in buffers), {})
+    dev = buffers.check_device_and_aliasing(args)
+    bufs = buffers.plan_buffers(args, dev)
+    prep = _Prepared(dev, bufs, tuple((b.window, tuple(b.members)) for b in bufs), {})
     _LAYOUTS.put(key, prep, [_LAYOUTS.ref(a.owner if a.owner is not None else a.tensor) for a in args])
     return prep
 
@@ -482,22 +249,22 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
     timing = _TIMING[0]
     t0 = t = time.perf_counter() if timing else 0.0
     prep = _prepare(args)
-    dev, buffers = prep.dev, prep.buffers
+    dev, bufs = prep.dev, prep.buffers
     donate = donation_aliases(dev)
     key = (op, statics, body_factory)
     prog = prep.programs.get(key)
     if prog is None:
         prog = prep.programs[key] = _compiled(op, statics, body_factory, prep.layout, donate)
     fn, mutable_idx = prog.fn, prog.mutable_idx
-    sync = _STREAM_SYNC[0] if dev.type == "cuda" else "none"
+    sync = streams.stream_sync() if dev.type == "cuda" else "none"
     if timing:
         t = _phase("prepare", t)
-    arrays = [_import(b) for b in buffers]
+    arrays = [buffers.import_buffer(b) for b in bufs]
     if sync == "host":
         torch.cuda.current_stream(dev).synchronize()
     if timing:
         t = _phase("import", t)
-    fence = _fence(dev, sync)
+    fence = streams.fence(dev, sync)
     if timing:
         t = _phase("fence", t)
     try:
@@ -507,10 +274,12 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
             raise
         # A runtime that refuses to donate these buffers: remember it and run again without donation (nothing
         # ran: the failure is at dispatch), re-importing the mutable tensors from torch.
-        warnings.warn(f"kv-canary: donation failed on {dev.type} ({type(e).__name__}: {e}); copying outputs back")
+        warnings.warn(
+            f"kv-canary: donation failed on {dev.type} ({type(e).__name__}: {e}); copying outputs back", stacklevel=2
+        )
         with _CAPS_LOCK:
             _DONATION[dev.type] = False
-        for b in buffers:
+        for b in bufs:
             _CACHE.discard(b.key)
         prep.programs.clear()
         return run_in_place(op, statics, body_factory, args)
@@ -518,17 +287,17 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
         jax.block_until_ready(outs)
     if timing:
         t = _phase("dispatch", t)
-    if _PENDING:
-        _retire_pending()
+    streams.retire_pending()
     # Which outputs are the torch memory: decided by pointer on the first launch of this program, then reused
     # (a pointer query waits for the launch to be dispatched; see set_alias_check).
     prog.launches += 1
-    check = donate and (prog.aliases is None or prog.every or _ALIAS_CHECK[0] == "every"
-                        or prog.launches % ALIAS_RECHECK_PERIOD == 0)
+    check = donate and (
+        prog.aliases is None or prog.every or _ALIAS_CHECK[0] == "every" or prog.launches % ALIAS_RECHECK_PERIOD == 0
+    )
     if check:
         found = []
         for i, out in zip(mutable_idx, outs):
-            b = buffers[i]
+            b = bufs[i]
             if b.view.numel() == 0:
                 found.append(True)
                 continue
@@ -538,7 +307,8 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
         if prog.aliases is not None and found != prog.aliases:
             warnings.warn(
                 f"kv-canary: {op}: outputs that aliased torch memory on the first launch did not on launch "
-                f"{prog.launches}; copying them back and checking every launch of this program from now on"
+                f"{prog.launches}; copying them back and checking every launch of this program from now on",
+                stacklevel=2,
             )
             prog.every = True
         prog.aliases = found
@@ -546,7 +316,7 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
     aliased, copied = [], []
     ordered = False
     for i, out, alias in zip(mutable_idx, outs, aliases):
-        b = buffers[i]
+        b = bufs[i]
         if alias:
             _CACHE.put(b.key, out, b.owners)
             aliased.append(i)
@@ -567,9 +337,7 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
     if sync == "fence" and not ordered and outs:
         dlpack.to_torch(outs[0])  # torch's current stream waits for the JAX computation
     if copied and dev.type == "cuda":
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(dev))
-        _PENDING.append((ev, outs))
+        streams.keep_until_consumed(dev, outs)
     if timing:
         t = _phase("export", t)
         _phase("total", t0)
@@ -578,7 +346,7 @@ def run_in_place(op: Hashable, statics: Hashable, body_factory: Callable, args: 
     _LAST_REPORT["copied"] = copied
     _LAST_REPORT["donated"] = donate
     _LAST_REPORT["alias_checked"] = check
-    _LAST_REPORT["program"] = (fn, mutable_idx, [b.view for b in buffers], dev)
+    _LAST_REPORT["program"] = (fn, mutable_idx, [b.view for b in bufs], dev)
     _LAST_REPORT["_prog"] = prog
 
 

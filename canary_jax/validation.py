@@ -1,0 +1,349 @@
+"""The one validation layer: every static check of a launch, shared by the JAX entry points and the torch
+launchers (SPEC 3, 4, 10).
+
+Checks are written on framework-neutral facts about an array (:class:`ArrayFacts`: shape, a dtype name,
+the itemsize, strides in bytes, contiguity), so :mod:`canary_jax` and :mod:`interop` call the very same code;
+each side only turns its arrays into facts (:func:`array_facts` for numpy / JAX, ``interop.arguments`` for
+torch). Dtype names are compared as given and printed as given, so torch callers keep torch's names in the
+messages (``torch.int64``) and JAX callers numpy's (``uint32``). :class:`DtypeNames` says how each side
+spells the dtypes of SGLang's tensors, and whether int64 arrays are held as ``uint32[..., 2]`` pairs.
+
+Messages are SGLang's where SGLang has one (tests pin them). Every function raises ``TypeError`` for a wrong
+kind or dtype and ``ValueError`` for a wrong value or shape, and returns nothing unless documented. Each
+launch runs each check once: the entry points call these functions before tracing, and what runs after
+(device transfer, backends) trusts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from canary_jax import constants
+
+
+# --- facts ---------------------------------------------------------------------------------------------------
+class ArrayFacts(NamedTuple):
+    """What the checks need to know about one array.
+
+    Fields:
+      shape: the array's shape.
+      dtype: the dtype's display name (``"uint8"`` for numpy / JAX, ``"torch.uint8"`` for torch).
+      itemsize: bytes per element.
+      strides_bytes: strides in bytes (dense row-major for JAX arrays).
+      contiguous: whether the elements are dense and row-major.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    itemsize: int
+    strides_bytes: tuple[int, ...]
+    contiguous: bool = True
+
+
+def dense_strides_bytes(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    """Row-major strides in bytes of a dense array of ``shape``."""
+    out, acc = [], int(itemsize)
+    for d in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= int(d)
+    return tuple(reversed(out))
+
+
+def array_facts(x: Any) -> ArrayFacts:
+    """Facts of a numpy array, a JAX array or tracer, or a ``jax.ShapeDtypeStruct``.
+
+    numpy arrays report their real strides and contiguity; everything else is dense and row-major.
+    """
+    dt = np.dtype(x.dtype)
+    shape = tuple(int(d) for d in x.shape)
+    if isinstance(x, np.ndarray):
+        return ArrayFacts(shape, str(dt), dt.itemsize, tuple(int(s) for s in x.strides), bool(x.flags.c_contiguous))
+    return ArrayFacts(shape, str(dt), dt.itemsize, dense_strides_bytes(shape, dt.itemsize))
+
+
+class DtypeNames(NamedTuple):
+    """How one side spells SGLang's dtypes, and how it holds int64 arrays.
+
+    Fields:
+      u8, i32, i64: dtype names of SGLang's uint8, int32 and int64 tensors on this side.
+      int64_pairs: int64 arrays are held as ``u32[..., 2]`` pairs (``i64`` is then ``"uint32"``).
+    """
+
+    u8: str
+    i32: str
+    i64: str
+    int64_pairs: bool
+
+    def int64_shape(self, *logical: int | None) -> tuple[int | None, ...]:
+        """The physical shape of an int64 array of logical shape ``logical``."""
+        return logical + (2,) if self.int64_pairs else logical
+
+
+JAX_DTYPES = DtypeNames(u8="uint8", i32="int32", i64="uint32", int64_pairs=True)
+"""canary-jax's own arrays: int64 as ``uint32[..., 2]`` pairs."""
+
+
+# --- arrays -------------------------------------------------------------------------------------------------
+def shape_matches(got: Sequence[int], want: Sequence[int | None]) -> bool:
+    """Whether ``got`` has ``want``'s rank and sizes (``None`` in ``want`` matches any size)."""
+    got, want = tuple(got), tuple(want)
+    return len(got) == len(want) and all(w is None or w == g for w, g in zip(want, got))
+
+
+def shape_pattern(want: Sequence[int | None]) -> tuple:
+    """``want`` as printed in messages: ``None`` becomes ``"*"``."""
+    return tuple("*" if w is None else w for w in want)
+
+
+def check_shape(name: str, got: Sequence[int], want: Sequence[int | None]) -> None:
+    """Raises ValueError ``kv-canary: {name} must have shape {want}, got {got}`` on a mismatch."""
+    if not shape_matches(got, want):
+        raise ValueError(f"kv-canary: {name} must have shape {shape_pattern(want)}, got {tuple(got)}")
+
+
+def check_array(facts: ArrayFacts, name: str, dtype: str, shape: Sequence[int | None]) -> None:
+    """Dtype, then shape.
+
+    Raises:
+      TypeError: ``kv-canary: {name} must have dtype {dtype}, got {facts.dtype}``.
+      ValueError: wrong rank or size (see :func:`check_shape`).
+    """
+    if facts.dtype != dtype:
+        raise TypeError(f"kv-canary: {name} must have dtype {dtype}, got {facts.dtype}")
+    check_shape(name, facts.shape, shape)
+
+
+def check_contiguous(facts: ArrayFacts, name: str) -> None:
+    """SGLang's check and message: ``kv-canary: {name} must be contiguous`` (ValueError)."""
+    if not facts.contiguous:
+        raise ValueError(f"kv-canary: {name} must be contiguous")
+
+
+# --- canary buffer --------------------------------------------------------------------------------------------
+def check_canary_buffer(facts: ArrayFacts, *, name: str = "canary_buf", u8: str = "uint8") -> None:
+    """A canary buffer ``uint8[num_slots, slot_stride_bytes]`` (SPEC 1.1).
+
+    ``1 <= num_slots <= 2**31 - 1``. SGLang's matchers let an empty buffer through, but no launch can use
+    one (every entry would address a slot outside it, which SGLang leaves undefined and canary-jax's jnp
+    gathers cannot express), so both the JAX entry points and the torch launchers refuse it here, before
+    anything runs. The stride is a multiple of 8 bytes (SGLang's references view the buffer as int64) holding
+    at least the four int64 fields.
+
+    Raises:
+      TypeError: dtype is not ``u8``.
+      ValueError: not 2-D; stride not a multiple of 8 bytes; stride below 32 bytes (SGLang's message, in
+        int64 fields); no slots, or ``2**31`` slots or more.
+    """
+    if facts.dtype != u8:
+        raise TypeError(f"kv-canary: {name} must have dtype {u8}, got {facts.dtype}")
+    if len(facts.shape) != 2:
+        raise ValueError(f"kv-canary: {name} must be 2-D [num_slots, slot_stride_bytes], got shape {facts.shape}")
+    num_slots, stride = facts.shape
+    if stride % 8 != 0:
+        raise ValueError(f"kv-canary: {name} slot stride must be a multiple of 8 bytes, got {stride}")
+    if stride < constants.CANARY_SLOT_BYTES:
+        raise ValueError(f"kv-canary: canary_buf slot stride must hold at least 4 int64 fields, got {stride // 8}")
+    if not 1 <= num_slots < 2**31:
+        raise ValueError(f"kv-canary: {name} must have between 1 and 2**31 - 1 slots, got {num_slots}")
+
+
+# --- launch statics -------------------------------------------------------------------------------------------
+def check_kernel_kind(kernel_kind: Any) -> constants.CanaryLaunchTag:
+    """The launch tag as a ``CanaryLaunchTag``.
+
+    Raises:
+      ValueError: ``kv-canary: kernel_kind must be a CanaryLaunchTag, got {kernel_kind!r}``.
+    """
+    try:
+        return constants.CanaryLaunchTag(int(kernel_kind))
+    except (TypeError, ValueError):
+        raise ValueError(f"kv-canary: kernel_kind must be a CanaryLaunchTag, got {kernel_kind!r}") from None
+
+
+def check_hash_mode(mode: Any) -> constants.RealKvHashMode:
+    """The real-KV hash mode as a ``RealKvHashMode``.
+
+    Raises:
+      ValueError: ``kv-canary: real_kv_hash_mode must be a RealKvHashMode, got {mode!r}``.
+    """
+    try:
+        return constants.RealKvHashMode(int(mode))
+    except (TypeError, ValueError):
+        raise ValueError(f"kv-canary: real_kv_hash_mode must be a RealKvHashMode, got {mode!r}") from None
+
+
+def check_expected_inputs(enable_write_input_assert: bool, *, has_tokens: bool, has_positions: bool) -> None:
+    """The write-input-assert presence rule (SGLang's ``write_ref`` messages).
+
+    Raises:
+      ValueError: an expected tensor missing with the assert on, or present with it off.
+    """
+    if enable_write_input_assert:
+        if not (has_tokens and has_positions):
+            raise ValueError("kv-canary: expected input tensors are required when enable_write_input_assert=True")
+    elif has_tokens or has_positions:
+        raise ValueError("kv-canary: expected input tensors must be None when enable_write_input_assert=False")
+
+
+# --- real-KV sources ------------------------------------------------------------------------------------------
+def check_source_count(count: int) -> None:
+    """At most ``MAX_REAL_KV_SOURCES`` sources, checked first and in every hash mode (SGLang's message).
+
+    Raises:
+      ValueError: more than 4 sources.
+    """
+    if count > constants.MAX_REAL_KV_SOURCES:
+        raise ValueError(
+            f"kv-canary: at most {constants.MAX_REAL_KV_SOURCES} RealKvSource entries supported by the CUDA ABI, "
+            f"got {count}"
+        )
+
+
+def check_source_fields(*, page_size: int, num_bytes_per_token: int, read_bytes: int, tensor: ArrayFacts) -> None:
+    """SGLang's ``RealKvSource.__post_init__``, in its order and with its messages (all ValueError).
+
+    Args:
+      page_size, num_bytes_per_token, read_bytes: the source's ints.
+      tensor: facts of the source tensor (any rank; the row stride is ``strides_bytes[0]``).
+
+    Raises:
+      ValueError: ``page_size < 1``; ``num_bytes_per_token`` or ``read_bytes`` not a positive multiple of 16
+        (``read_bytes <= num_bytes_per_token``); tensor below 2-D; row stride not a multiple of 16 bytes.
+    """
+    if page_size < 1:
+        raise ValueError(f"kv-canary: RealKvSource.page_size must be >= 1, got {page_size}")
+    if num_bytes_per_token <= 0 or num_bytes_per_token % 16 != 0:
+        raise ValueError(
+            f"kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of 16, got {num_bytes_per_token}"
+        )
+    if read_bytes <= 0 or read_bytes > num_bytes_per_token or read_bytes % 16 != 0:
+        raise ValueError(
+            "kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in "
+            f"(0, num_bytes_per_token={num_bytes_per_token}], got {read_bytes}"
+        )
+    if len(tensor.shape) < 2:
+        raise ValueError(f"kv-canary: RealKvSource.tensor must be at least 2-D, got shape {tensor.shape}")
+    row_stride_bytes = tensor.strides_bytes[0]
+    if row_stride_bytes % 16 != 0:
+        strides = tuple(s // tensor.itemsize for s in tensor.strides_bytes)
+        raise ValueError(
+            "kv-canary: RealKvSource.tensor row stride must be a multiple of 16 bytes, "
+            f"got {row_stride_bytes} bytes (shape={tensor.shape}, strides={strides}, dtype={tensor.dtype})"
+        )
+
+
+def check_source_layout(index: int, tensor: ArrayFacts) -> tuple[int, int]:
+    """SGLang's ``_build_real_kv_source_abi`` checks of source ``index`` (every hash mode).
+
+    Returns:
+      ``(num_rows, row_bytes)`` of the tensor viewed as ``uint8[num_rows, row_bytes]``.
+
+    Raises:
+      ValueError: not contiguous; not 2-D viewed as uint8.
+    """
+    check_contiguous(tensor, f"real_kv_sources[{index}].tensor")
+    if len(tensor.shape) != 2:
+        raise ValueError(
+            f"kv-canary: real_kv_sources[{index}].tensor (viewed as uint8) must be 2-D, got {len(tensor.shape)}-D"
+        )
+    return tensor.shape[0], tensor.shape[1] * tensor.itemsize
+
+
+def check_source_row_width(row_bytes: int, *, page_size: int, num_bytes_per_token: int) -> None:
+    """A row holds ``page_size`` slots of ``num_bytes_per_token`` bytes (SGLang ``verify_ref``; checked only
+    when the launch hashes, as SGLang's reference reads sources only then).
+
+    Raises:
+      ValueError: the row is too narrow.
+    """
+    need = page_size * num_bytes_per_token
+    if row_bytes < need:
+        raise ValueError(
+            "kv-canary: RealKvSource row is too narrow for its slot layout: "
+            f"dim-1 is {row_bytes} bytes but page_size={page_size} x num_bytes_per_token={num_bytes_per_token} "
+            f"needs {need}"
+        )
+
+
+# --- launch objects -------------------------------------------------------------------------------------------
+VERIFY_PLAN_FIELDS = (
+    "verify_slot_indices",
+    "verify_expected_tokens",
+    "verify_expected_positions",
+    "verify_prev_slot_indices",
+    "verify_num_valid",
+    "enable",
+)
+"""SGLang's ``VerifyPlan`` fields, in order."""
+
+WRITE_PLAN_FIELDS = ("write_offsets", "write_seed_slot_indices", "write_num_valid_reqs")
+"""SGLang's ``WritePlan`` fields, in order."""
+
+
+def check_verify_plan(
+    fields: dict[str, ArrayFacts], names: DtypeNames, *, prefix: str = "plan.", capacity: int | None = None
+) -> None:
+    """A verify plan: four int64 ``[C]`` arrays, ``verify_num_valid`` and ``enable`` int32 ``[1]`` (SPEC 4.2).
+
+    Args:
+      fields: facts per field name of :data:`VERIFY_PLAN_FIELDS`.
+      names: the caller's dtype names.
+      prefix: prepended to field names in messages.
+      capacity: the required C, or None for ``verify_slot_indices``' own.
+
+    Raises:
+      TypeError / ValueError naming the field.
+    """
+    slots = fields["verify_slot_indices"].shape
+    cap = capacity if capacity is not None else (slots[0] if len(slots) >= 1 else None)
+    for f in VERIFY_PLAN_FIELDS[:4]:
+        check_array(fields[f], prefix + f, names.i64, names.int64_shape(cap))
+    check_array(fields["verify_num_valid"], prefix + "verify_num_valid", names.i32, (1,))
+    check_array(fields["enable"], prefix + "enable", names.i32, (1,))
+
+
+def check_write_plan(
+    fields: dict[str, ArrayFacts], names: DtypeNames, *, prefix: str = "plan.", offsets_message: bool = True
+) -> int:
+    """A write plan: ``write_offsets`` int64 ``[Cw + 1]``, ``write_seed_slot_indices`` int64 ``[Cw]``,
+    ``write_num_valid_reqs`` int32 ``[1]`` (SPEC 4.3).
+
+    Args:
+      fields: facts per field name of :data:`WRITE_PLAN_FIELDS`.
+      names: the caller's dtype names.
+      prefix: prepended to field names in messages.
+      offsets_message: a wrong offsets length raises SGLang's CUDA message
+        (``canary_write: write_offsets.size(0) must equal write_req_capacity + 1 ...``) rather than the
+        generic shape message.
+
+    Returns:
+      ``Cw``, the write request capacity.
+
+    Raises:
+      TypeError / ValueError naming the field.
+    """
+    seeds, offsets = fields["write_seed_slot_indices"], fields["write_offsets"]
+    check_array(seeds, prefix + "write_seed_slot_indices", names.i64, names.int64_shape(None))
+    cw = seeds.shape[0]
+    if offsets_message and (len(offsets.shape) != len(names.int64_shape(None)) or offsets.shape[0] != cw + 1):
+        raise ValueError(
+            f"canary_write: write_offsets.size(0) must equal write_req_capacity + 1 ({cw + 1}), "
+            f"got {offsets.shape[0] if offsets.shape else 0}"
+        )
+    check_array(offsets, prefix + "write_offsets", names.i64, names.int64_shape(cw + 1))
+    check_array(fields["write_num_valid_reqs"], prefix + "write_num_valid_reqs", names.i32, (1,))
+    return cw
+
+
+def check_ring(facts: ArrayFacts, names: DtypeNames, *, name: str = "violation_ring") -> None:
+    """The violation ring: int64 ``[R, 8]`` with ``R >= 1`` (SPEC 1.2).
+
+    Raises:
+      TypeError / ValueError naming the ring.
+    """
+    check_array(facts, name, names.i64, names.int64_shape(None, constants.VIOLATION_FIELDS))
+    if facts.shape[0] < 1:
+        raise ValueError(f"kv-canary: {name} must have at least one row")

@@ -1,0 +1,142 @@
+"""Torch arguments of the SGLang launchers, turned into what :mod:`canary_jax.validation` checks.
+
+The checks themselves are :mod:`canary_jax.validation`'s, shared with the JAX entry points; this module
+only turns torch tensors into :class:`~canary_jax.validation.ArrayFacts` (:func:`facts`, dtype names as torch
+prints them: ``torch.int64``), gathers the launch's tensors by SGLang's argument names, and adds the checks
+only a torch launch has (DLPack capsules, one device per launch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from canary_jax import constants, validation
+from interop import dlpack
+from interop.buffers import TensorArg
+
+TORCH_DTYPES = validation.DtypeNames(u8="torch.uint8", i32="torch.int32", i64="torch.int64", int64_pairs=False)
+"""SGLang's tensors as torch holds them: int64 as ``torch.int64``."""
+
+CONTEXT_FIELDS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter", "kernel_run_counter")
+"""SGLang's ``VerifyOrWriteContext`` tensors (``enable_chain_position_assert`` follows for write launches)."""
+
+
+def facts(t: torch.Tensor) -> validation.ArrayFacts:
+    """Shape, dtype name (``str(t.dtype)``), itemsize, strides in bytes and contiguity of ``t``."""
+    size = t.element_size()
+    return validation.ArrayFacts(
+        tuple(t.shape), str(t.dtype), size, tuple(s * size for s in t.stride()), t.is_contiguous()
+    )
+
+
+def tensor(x: Any, name: str) -> torch.Tensor:
+    """``x`` as a torch tensor, without a copy (see :func:`interop.dlpack.as_torch_tensor`).
+
+    Raises:
+      TypeError: None or not a tensor / DLPack object.
+      ValueError: a consumed DLPack capsule.
+    """
+    if x is None:
+        raise TypeError(f"kv-canary: {name} must be a torch.Tensor, got None")
+    return dlpack.as_torch_tensor(x, name=name)
+
+
+def tensors(obj: Any, fields: Sequence[str], prefix: str = "") -> dict[str, torch.Tensor]:
+    """``{prefix + f: tensor}`` for each attribute ``f`` of ``obj`` (see :func:`tensor`)."""
+    return {prefix + f: tensor(getattr(obj, f, None), prefix + f) for f in fields}
+
+
+def check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: Sequence[int | None]) -> None:
+    """:func:`canary_jax.validation.check_array` on a torch tensor (messages name torch dtypes)."""
+    validation.check_array(facts(t), name, str(dtype), shape)
+
+
+def check_contiguous(named: dict[str, torch.Tensor], order: Sequence[str] | None = None) -> None:
+    """SGLang's ``kv-canary: {name} must be contiguous`` for each tensor, in ``order`` (default: dict order)."""
+    for n in named if order is None else order:
+        validation.check_contiguous(facts(named[n]), n)
+
+
+def fields_facts(named: dict[str, torch.Tensor], prefix: str) -> dict[str, validation.ArrayFacts]:
+    """Facts keyed by field name (``prefix`` stripped), for the plan checks of :mod:`canary_jax.validation`."""
+    return {n[len(prefix) :]: facts(t) for n, t in named.items() if n.startswith(prefix)}
+
+
+def check_log(ctx: dict[str, torch.Tensor], *, with_flag: bool) -> None:
+    """The ring ``int64[R, 8]`` (``R >= 1``), write index ``int32[1]``, the two ``int64[1]`` counters and, for
+    write launches, ``enable_chain_position_assert`` ``int32[1]``.
+
+    Raises:
+      TypeError / ValueError naming the tensor.
+    """
+    validation.check_ring(facts(ctx["violation_ring"]), TORCH_DTYPES)
+    check(ctx["violation_write_index"], "violation_write_index", torch.int32, (1,))
+    check(ctx["slot_run_counter"], "slot_run_counter", torch.int64, (1,))
+    check(ctx["kernel_run_counter"], "kernel_run_counter", torch.int64, (1,))
+    if with_flag:
+        check(ctx["enable_chain_position_assert"], "enable_chain_position_assert", torch.int32, (1,))
+
+
+def check_devices(named: dict[str, torch.Tensor], ref: str) -> None:
+    """Every tensor on ``named[ref]``'s device.
+
+    Raises:
+      ValueError: a tensor on another device.
+    """
+    dev = named[ref].device
+    for n, t in named.items():
+        if t.device != dev:
+            raise ValueError(
+                f"kv-canary: {n} must be on {ref}'s device {dev}, got {t.device} (a launch cannot mix devices)"
+            )
+
+
+class LaunchSource(NamedTuple):
+    """One real-KV source after its launch checks."""
+
+    owner: torch.Tensor  # the caller's tensor
+    u8: torch.Tensor  # its uint8 2-D view, what the launch imports
+    meta: tuple[int, int, int]  # (page_size, num_bytes_per_token, read_bytes)
+
+
+def check_sources(sources: Sequence[Any], *, checked_type: type) -> list[LaunchSource]:
+    """SGLang's ``_build_real_kv_source_abi`` checks (every hash mode), once per launch.
+
+    Sources of ``checked_type`` (:class:`interop.sglang_types.RealKvSource`, frozen) had their fields
+    checked when they were built; any other object with SGLang's attribute names (SGLang's own dataclasses,
+    duck types) gets :func:`canary_jax.validation.check_source_fields` here. Call
+    :func:`canary_jax.validation.check_source_count` first.
+
+    Raises:
+      ValueError / TypeError: SGLang's field checks, non-contiguous, not 2-D viewed as uint8, not a tensor.
+    """
+    out = []
+    for i, s in enumerate(sources):
+        t = tensor(getattr(s, "tensor", None), f"real_kv_sources[{i}].tensor")
+        meta = (int(s.page_size), int(s.num_bytes_per_token), int(s.read_bytes))
+        f = facts(t)
+        if not isinstance(s, checked_type):
+            validation.check_source_fields(page_size=meta[0], num_bytes_per_token=meta[1], read_bytes=meta[2], tensor=f)
+        validation.check_source_layout(i, f)
+        out.append(LaunchSource(t, t.view(torch.uint8), meta))
+    return out
+
+
+def source_args(sources: Sequence[LaunchSource], mode: int) -> tuple[list[TensorArg], tuple]:
+    """The launch arguments and static ``(page_size, num_bytes_per_token, read_bytes)`` per source.
+
+    With mode NONE (or no sources) nothing is passed: SGLang never dereferences the sources then. Otherwise
+    each row must hold its slots (:func:`canary_jax.validation.check_source_row_width`).
+
+    Raises:
+      ValueError: a row too narrow for its slot layout (PARTIAL / ALL).
+    """
+    if mode == int(constants.RealKvHashMode.NONE) or not sources:
+        return [], ()
+    for s in sources:
+        validation.check_source_row_width(int(s.u8.shape[1]), page_size=s.meta[0], num_bytes_per_token=s.meta[1])
+    args = [TensorArg(f"real_kv_sources[{i}].tensor", s.u8, False, s.owner) for i, s in enumerate(sources)]
+    return args, tuple(s.meta for s in sources)
