@@ -1,6 +1,7 @@
 """``canary-jax`` command line: bad input is one line on stderr with exit status 2; verify-dump decodes
 SGLang-layout rings and canary buffers."""
 
+import io
 import os
 import subprocess
 import sys
@@ -8,9 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from canary_jax import constants
-from canary_jax import hashing
+from canary_jax import constants, hashing
+from canary_jax.cli import args as cli_args
 from canary_jax.cli import main as cli
+from canary_jax.cli import outputs, progress
 
 
 def _run(capsys, argv):
@@ -28,13 +30,19 @@ def _run(capsys, argv):
         (["demo", "--max-context", "40"], "--max-context is 40"),
         (["demo", "--max-running", "100"], "--max-tokens-per-step (64) must be >= --max-running (100)"),
         (["demo", "--kv-heads", "3"], "--q-heads (4) must be a multiple of --kv-heads (3)"),
-        (["demo", "--head-dim", "4", "--inject", "kv_flip_lo,kv_flip_hi"],
-         "--inject kv_flip_hi is impossible here: a slot's K row has only 16 bytes (--kv-heads 2 x --head-dim 4"),
-        (["demo", "--seed", "99999999999999999999999"],
-         "--seed must be between 0 and 4294967295, got 99999999999999999999999"),
+        (
+            ["demo", "--head-dim", "4", "--inject", "kv_flip_lo,kv_flip_hi"],
+            "--inject kv_flip_hi is impossible here: a slot's K row has only 16 bytes (--kv-heads 2 x --head-dim 4",
+        ),
+        (
+            ["demo", "--seed", "99999999999999999999999"],
+            "--seed must be between 0 and 4294967295, got 99999999999999999999999",
+        ),
         (["demo", "--seed", "4294967296"], "--seed must be between 0 and 4294967295"),
-        (["demo", "--requests", "2", "--max-new-tokens", "2", "--trials", "1"],
-         "the workload is too short for page_reuse, orphan_flip: in its 6 forward steps"),
+        (
+            ["demo", "--requests", "2", "--max-new-tokens", "2", "--trials", "1"],
+            "the workload is too short for page_reuse, orphan_flip: in its 6 forward steps",
+        ),
         (["demo", "--requests", "2", "--max-new-tokens", "2"], "raise --requests or --max-new-tokens"),
         (["demo", "--inject", ""], "--inject is empty"),
         (["demo", "--inject", " , "], "--inject is empty"),
@@ -65,33 +73,46 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
 
 
 def test_seed_range_edges_parse():
-    p = cli.build_parser()
+    p = cli_args.build_parser()
     assert p.parse_args(["demo", "--seed", "4294967295"]).seed == 4294967295
     assert p.parse_args(["demo", "--seed", "0"]).seed == 0
 
 
 def test_flagify_names_flags_not_fields():
-    assert cli.flagify("max_tokens_per_step (8) must be >= max_running (10)") == \
-        "--max-tokens-per-step (8) must be >= --max-running (10)"
-    assert cli.flagify("prompt 157 + max_new_tokens 16; num_pages=8") == \
-        "prompt 157 + --max-new-tokens 16; --pool-pages=8"
-    assert cli.flagify("my_num_pages and head_dims stay") == "my_num_pages and head_dims stay"
+    assert (
+        cli_args.flagify("max_tokens_per_step (8) must be >= max_running (10)")
+        == "--max-tokens-per-step (8) must be >= --max-running (10)"
+    )
+    assert (
+        cli_args.flagify("prompt 157 + max_new_tokens 16; num_pages=8")
+        == "prompt 157 + --max-new-tokens 16; --pool-pages=8"
+    )
+    assert cli_args.flagify("my_num_pages and head_dims stay") == "my_num_pages and head_dims stay"
 
 
 def test_output_probe_leaves_no_stray_file_and_keeps_existing_content(tmp_path):
     new = tmp_path / "new.json"
-    cli._check_out_path("--json", str(new))
+    outputs.check_out_path("--json", str(new))
     assert not new.exists()
     old = tmp_path / "old.json"
     old.write_text("keep me")
-    cli._check_out_path("--json", str(old))
+    outputs.check_out_path("--json", str(old))
     assert old.read_text() == "keep me"
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_write_failure_at_write_time_is_one_line_exit_2(capsys, tmp_path):
     ring = np.zeros((2, 8), np.int64)
-    ring[0] = [int(constants.CanaryLaunchTag.HEAD_K_FULL), 3, 1, 5, 5, 0, 0, int(constants.FailReason.VERIFY_POSITION_MISMATCH)]
+    ring[0] = [
+        int(constants.CanaryLaunchTag.HEAD_K_FULL),
+        3,
+        1,
+        5,
+        5,
+        0,
+        0,
+        int(constants.FailReason.VERIFY_POSITION_MISMATCH),
+    ]
     p = tmp_path / "ring.npz"
     np.savez(p, ring=ring, write_index=np.array([1], np.int32))
     rc, out, err = _run(capsys, ["verify-dump", str(p), "--json", "/dev/full"])
@@ -99,15 +120,22 @@ def test_write_failure_at_write_time_is_one_line_exit_2(capsys, tmp_path):
     assert "ring: 1 violations recorded, 1 decoded (ring capacity 2)" in out  # the report still printed
     assert err == "canary-jax: error: --json '/dev/full': cannot write: No space left on device\n"
     errors = []
-    cli._write_output("--plot", "/dev/full", lambda path: open(path, "w").write("x" * 70000), errors)
+    outputs.write_output("--plot", "/dev/full", lambda path: open(path, "w").write("x" * 70000), errors)
     assert errors == ["--plot '/dev/full': cannot write: No space left on device"]
 
 
 def test_help_says_bare_runs_demo_and_lists_exit_codes(capsys):
     for argv, needles in (
         (["--help"], ["With no command, canary-jax runs the demo", "`canary-jax` is `canary-jax demo`"]),
-        (["demo", "--help"], ["exit status:", "2    bad input", "raise --requests / --max-new-tokens",
-                              "1    a fault that should be caught went undetected"]),
+        (
+            ["demo", "--help"],
+            [
+                "exit status:",
+                "2    bad input",
+                "raise --requests / --max-new-tokens",
+                "1    a fault that should be caught went undetected",
+            ],
+        ),
         (["verify-dump", "--help"], ["exit status:", "1    violations found", "0    no violations"]),
     ):
         with pytest.raises(SystemExit) as e:
@@ -139,18 +167,36 @@ def test_verify_dump_rejects_unrecognised_files(capsys, tmp_path):
 def test_verify_dump_sglang_int64_ring(capsys, tmp_path):
     ring = np.zeros((4, 8), np.int64)
     anchor = hashing.splitmix64_python(constants.CANARY_CHAIN_ANCHOR) - (1 << 64)
-    ring[0] = [int(constants.CanaryLaunchTag.TAIL_K_FULL), 17, 5, 42, -1, anchor, anchor,
-               int(constants.FailReason.VERIFY_REAL_KV_HASH_MISMATCH)]
-    ring[1] = [int(constants.CanaryLaunchTag.HEAD_K_FULL), 9, 3, 7, 8, 0, 4,
-               int(constants.FailReason.WRITE_TOKEN_MISMATCH | constants.FailReason.WRITE_POSITION_MISMATCH)]
+    ring[0] = [
+        int(constants.CanaryLaunchTag.TAIL_K_FULL),
+        17,
+        5,
+        42,
+        -1,
+        anchor,
+        anchor,
+        int(constants.FailReason.VERIFY_REAL_KV_HASH_MISMATCH),
+    ]
+    ring[1] = [
+        int(constants.CanaryLaunchTag.HEAD_K_FULL),
+        9,
+        3,
+        7,
+        8,
+        0,
+        4,
+        int(constants.FailReason.WRITE_TOKEN_MISMATCH | constants.FailReason.WRITE_POSITION_MISMATCH),
+    ]
     p = tmp_path / "ring.npy"
     np.save(p, ring)
     rc, out, _ = _run(capsys, ["verify-dump", str(p)])
     assert rc == 1
     assert "ring: 2 violations recorded, 2 decoded (ring capacity 4)" in out
-    assert ("kv_canary violation: launch_tag=TAIL_K_FULL fail_reason=verify_real_kv_hash slot_idx=17 position=5 "
-            "stored_token=42 expected_token=-1 stored_chain_hash=0xde7fae23a9a1b716 "
-            "expected_aux=0xde7fae23a9a1b716") in out
+    assert (
+        "kv_canary violation: launch_tag=TAIL_K_FULL fail_reason=verify_real_kv_hash slot_idx=17 position=5 "
+        "stored_token=42 expected_token=-1 stored_chain_hash=0xde7fae23a9a1b716 "
+        "expected_aux=0xde7fae23a9a1b716"
+    ) in out
     assert "launch_tag=HEAD_K_FULL fail_reason=write_token+write_position slot_idx=9" in out
     # An explicit write index and an npz with SGLang's key names.
     q = tmp_path / "state.npz"
@@ -215,8 +261,57 @@ def test_verify_dump_clean_canary_buffer(capsys, tmp_path):
 
 def test_module_entry_point_bad_kind_no_traceback():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "canary_jax", "demo", "--inject", "nope"], capture_output=True,
-                          text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "canary_jax", "demo", "--inject", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("canary-jax: error: unknown fault kind 'nope'")
     assert "Traceback" not in proc.stderr
+
+
+def test_plot_without_matplotlib_is_one_line_exit_2(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    rc, out, err = _run(capsys, ["demo", "--plot", str(tmp_path / "chart.png")])
+    assert rc == 2 and out == ""
+    assert err == (
+        "canary-jax: error: --plot needs matplotlib, which is not installed: pip install 'canary-jax[demo]'\n"
+    )
+    assert not (tmp_path / "chart.png").exists()
+
+
+def test_progress_without_tqdm_is_a_no_op_with_one_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    err = io.StringIO()
+    bar = progress.open_progress(3, err=err)
+    bar.on_episode("clean")
+    bar.on_step("clean", 8)
+    bar.close()
+    assert err.getvalue() == (
+        "canary-jax: no progress bar: tqdm is not installed (pip install 'canary-jax[demo]' gives one)\n"
+    )
+    quiet = io.StringIO()
+    progress.open_progress(3, enabled=False, err=quiet).close()  # --no-progress: tqdm is not even imported
+    assert quiet.getvalue() == ""
+
+
+def test_layers_runtime_imports_no_tool_kernel_or_bridge():
+    """contract <- runtime <- cli: importing the runtime loads no CLI module, Pallas kernel, bridge or demo
+    dependency, and the CLI loads tqdm / matplotlib only when a run asks for them."""
+    code = (
+        "import sys\n"
+        "import canary_jax.runtime.endpoints, canary_jax.runtime.groups, canary_jax.runtime.report\n"
+        "import canary_jax.runtime.state, canary_jax.runtime.step, canary_jax.runtime.sweep\n"
+        "bad = lambda: sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('pallas_kernels', 'interop', 'torch', 'tqdm', 'matplotlib'))\n"
+        "assert not bad() and not [m for m in sys.modules if m.startswith('canary_jax.cli')], bad()\n"
+        "import canary_jax.cli.main, canary_jax.cli.demo.campaign, canary_jax.cli.demo.summary\n"
+        "import canary_jax.cli.render, canary_jax.cli.verify_dump, canary_jax.cli.progress\n"
+        "assert not bad(), bad()\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr

@@ -6,17 +6,15 @@ import io
 import json
 import os
 import re
+import sys
 
 import numpy as np
 import pytest
 
-from canary_jax.cli.demo import campaign
 from canary_jax.cli import main as cli
 from canary_jax.cli import render
-from canary_jax.cli.demo import engine
-from canary_jax.cli.demo.faults import ALL_FAULTS, FAULTS_BY_KIND, FAULT_KINDS, parse_kinds
-from canary_jax.cli.demo import model
-from canary_jax.cli.demo import workload
+from canary_jax.cli.demo import campaign, engine, model, workload
+from canary_jax.cli.demo.faults import ALL_FAULTS, FAULT_KINDS, FAULTS_BY_KIND, parse_kinds
 from canary_jax.cli.demo.radix import PageAllocator, RadixCache
 
 SHORT = ["--requests", "10", "--max-new-tokens", "8", "--trials", "1", "--no-progress"]
@@ -73,8 +71,11 @@ def test_verify_dump_of_demo_state(short_demo, capsys):
     assert "kv_canary violation: launch_tag=TAIL_K_FULL fail_reason=verify_real_kv_hash" in out
     # A re-verified buffer reports the entries it checked, not a "ring capacity".
     line = next(x for x in out.splitlines() if x.startswith("verify of tail_buf:"))
-    m = re.fullmatch(r"verify of tail_buf: (\d+) violations in (\d+) verified entries \(the live requests' slots\), "
-                     r"(\d+) decoded", line)
+    m = re.fullmatch(
+        r"verify of tail_buf: (\d+) violations in (\d+) verified entries \(the live requests' slots\), "
+        r"(\d+) decoded",
+        line,
+    )
     assert m and int(m.group(1)) >= 1 and int(m.group(2)) > int(m.group(1)), line
 
 
@@ -89,8 +90,12 @@ def test_report_fits_120_columns_with_footnote(short_demo):
     # A failing run's long verdicts wrap too.
     bad = copy.deepcopy(summary)
     for f in bad["faults"]:
-        f.update(ok=False, status="not_injected", verdict="NOT INJECTED in 3 of 3 trials (the workload ended before "
-                                                         "the fault could act; serve more --requests)")
+        f.update(
+            ok=False,
+            status="not_injected",
+            verdict="NOT INJECTED in 3 of 3 trials (the workload ended before "
+            "the fault could act; serve more --requests)",
+        )
     bad["ok"] = False
     buf = io.StringIO()
     render.render_text(bad, out=buf)
@@ -124,8 +129,25 @@ def test_small_workload_16_byte_rows_all_kinds(tmp_path, capsys):
         plot = str(tmp_path / "full.png")
         os.symlink("/dev/full", plot)
     capsys.readouterr()
-    rc = cli.main(["demo", "--requests", "4", "--max-new-tokens", "3", "--trials", "1", "--layers", "1",
-                   "--head-dim", "4", "--no-progress", "--json", out] + (["--plot", plot] if plot else []))
+    rc = cli.main(
+        [
+            "demo",
+            "--requests",
+            "4",
+            "--max-new-tokens",
+            "3",
+            "--trials",
+            "1",
+            "--layers",
+            "1",
+            "--head-dim",
+            "4",
+            "--no-progress",
+            "--json",
+            out,
+        ]
+        + (["--plot", plot] if plot else [])
+    )
     cap = capsys.readouterr()
     with open(out) as f:
         s = json.load(f)
@@ -148,8 +170,9 @@ def test_small_workload_16_byte_rows_all_kinds(tmp_path, capsys):
 
 
 def test_injection_steps_fit_the_workload():
-    small = campaign.CampaignConfig(engine=engine.EngineConfig(), model=model.ModelConfig(num_layers=1), num_requests=4,
-                             max_new_tokens=3, trials=1)
+    small = campaign.CampaignConfig(
+        engine=engine.EngineConfig(), model=model.ModelConfig(num_layers=1), num_requests=4, max_new_tokens=3, trials=1
+    )
     trace = campaign.dry_run(small, list(ALL_FAULTS))
     assert trace.num_steps == 10
     assert trace.sweep_steps == (3, 7)
@@ -169,34 +192,63 @@ def test_injection_steps_fit_the_workload():
         rng_a, rng_b = np.random.default_rng([0, 1, 2]), np.random.default_rng([0, 1, 2])
         assert camp.inject_step(f, rng_a) == 6 + int(rng_b.integers(0, 8)), f.kind
     # A workload that never offers a kind its preconditions is refused up front.
-    with pytest.raises(engine.ConfigError, match="too short for orphan_flip: in its 12 forward steps orphan_flip never"):
-        campaign.Campaign(campaign.CampaignConfig(engine=engine.EngineConfig(), model=model.ModelConfig(num_layers=1), num_requests=2,
-                                    max_new_tokens=8, trials=1), [FAULTS_BY_KIND["orphan_flip"]])
+    with pytest.raises(
+        engine.ConfigError, match="too short for orphan_flip: in its 12 forward steps orphan_flip never"
+    ):
+        campaign.Campaign(
+            campaign.CampaignConfig(
+                engine=engine.EngineConfig(),
+                model=model.ModelConfig(num_layers=1),
+                num_requests=2,
+                max_new_tokens=8,
+                trials=1,
+            ),
+            [FAULTS_BY_KIND["orphan_flip"]],
+        )
     with pytest.raises(engine.ConfigError, match=r"seed must be an integer in \[0, 4294967295\]"):
         campaign.CampaignConfig(engine=engine.EngineConfig(), model=model.ModelConfig(), seed=2**32)
 
 
 def _fault(kind, trials, inj, det, lat, status, exp=True):
-    return dict(kind=kind, trials=trials, injected=inj, detected=det, steps_to_detect=lat,
-                mean_steps_to_detect=round(sum(lat) / len(lat), 2) if lat else None,
-                max_steps_to_detect=max(lat) if lat else None, status=status, expected_detect=exp,
-                ok=status != "missed")
+    return dict(
+        kind=kind,
+        trials=trials,
+        injected=inj,
+        detected=det,
+        steps_to_detect=lat,
+        mean_steps_to_detect=round(sum(lat) / len(lat), 2) if lat else None,
+        max_steps_to_detect=max(lat) if lat else None,
+        status=status,
+        expected_detect=exp,
+        ok=status != "missed",
+    )
 
 
 def test_plot_is_honest():
-    from matplotlib.colors import to_rgba
     import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
 
-    faults = [_fault("r2t_remap", 3, 3, 2, [0, 1], "missed"), _fault("kv_flip_lo", 3, 3, 3, [0, 0, 0], "ok"),
-              _fault("kv_flip_hi", 0, 0, 0, [], "not_applicable", False),
-              _fault("page_reuse", 3, 3, 3, [1, 1, 2], "ok"), _fault("pos_shift", 3, 2, 2, [0, 0], "not_injected"),
-              _fault("token_swap", 3, 3, 0, [], "expected_miss", False), _fault("orphan_flip", 3, 3, 0, [], "missed")]
+    faults = [
+        _fault("r2t_remap", 3, 3, 2, [0, 1], "missed"),
+        _fault("kv_flip_lo", 3, 3, 3, [0, 0, 0], "ok"),
+        _fault("kv_flip_hi", 0, 0, 0, [], "not_applicable", False),
+        _fault("page_reuse", 3, 3, 3, [1, 1, 2], "ok"),
+        _fault("pos_shift", 3, 2, 2, [0, 0], "not_injected"),
+        _fault("token_swap", 3, 3, 0, [], "expected_miss", False),
+        _fault("orphan_flip", 3, 3, 0, [], "missed"),
+    ]
     fig = render.plot_figure(dict(faults=faults, canary=dict(real_kv_hash_mode="ALL"), false_positives=0))
     ax1, ax2 = fig.axes
     leg = ax1.get_legend()
     labels = [t.get_text() for t in leg.get_texts()]
-    assert labels == ["injected", "detected", "missed (should be caught)", "expected miss", "not injected",
-                      "not applicable"]
+    assert labels == [
+        "injected",
+        "detected",
+        "missed (should be caught)",
+        "expected miss",
+        "not injected",
+        "not applicable",
+    ]
     # The legend's colours are fixed, not the first bar's (the first kind here was missed).
     assert leg.legend_handles[1].get_facecolor() == to_rgba(render.C_DETECTED)
     assert leg.legend_handles[2].get_hatch() == "xx"
@@ -214,13 +266,17 @@ def test_plot_is_honest():
     assert ax2.get_ylim()[0] == 0 and ax2.get_ylim()[1] > 2
     plt.close(fig)
     # Nothing detected: no bars of height 0 and no negative axis.
-    fig = render.plot_figure(dict(faults=[_fault("kv_flip_lo", 1, 1, 0, [], "missed")],
-                                  canary=dict(real_kv_hash_mode="ALL"), false_positives=2))
+    fig = render.plot_figure(
+        dict(
+            faults=[_fault("kv_flip_lo", 1, 1, 0, [], "missed")],
+            canary=dict(real_kv_hash_mode="ALL"),
+            false_positives=2,
+        )
+    )
     ax1, ax2 = fig.axes
     assert ax2.get_ylim()[0] == 0 and ax2.get_ylim()[1] >= 1
     assert ax2.get_title() == "detection latency: no fault kind was detected"
-    assert [t.get_text() for t in ax1.get_legend().get_texts()] == ["injected", "detected",
-                                                                   "missed (should be caught)"]
+    assert [t.get_text() for t in ax1.get_legend().get_texts()] == ["injected", "detected", "missed (should be caught)"]
     plt.close(fig)
 
 
@@ -310,10 +366,27 @@ def test_kv_flip_hi_applicability():
 def test_health_check_flags_a_canary_path_that_stops_launching():
     prompts = workload.load_prompts()
     reqs = workload.build_requests(prompts, num_requests=6, max_new_tokens=12, seed=2)
-    eng = engine.Engine(engine.EngineConfig(num_pages=80, max_running=3, sweep_interval=4), model.ModelConfig(num_layers=1), reqs)
+    eng = engine.Engine(
+        engine.EngineConfig(num_pages=80, max_running=3, sweep_interval=4), model.ModelConfig(num_layers=1), reqs
+    )
     eng.canary.sweep = lambda *a, **k: 0  # the sweep silently stops running
     for _ in range(17):
         if eng.step() is None:
             break
     assert eng.health_errors and "SWEEP_K_FULL" in eng.health_errors[0]
     assert "canary path is not executing" in eng.health_errors[0]
+
+
+def test_demo_without_tqdm_runs_with_one_hint_line(capsys, monkeypatch):
+    """tqdm comes with the ``demo`` extra: without it the demo still runs, with no bar and one line on stderr."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    capsys.readouterr()
+    rc = cli.main(
+        ["demo", "--requests", "4", "--max-new-tokens", "3", "--layers", "1", "--head-dim", "4", "--inject", "none"]
+    )
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out
+    assert cap.err == (
+        "canary-jax: no progress bar: tqdm is not installed (pip install 'canary-jax[demo]' gives one)\n"
+    )
+    assert "false positives (clean phase + before injections): 0" in cap.out

@@ -8,12 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from canary_jax import constants
-from canary_jax import decode
-from canary_jax.runtime.endpoints import (CanaryBufferGroup, ExpectedInputs, PoolKind, build_endpoints_from_group,
-                                  dispatch, launch_group, select_endpoints)
+from canary_jax import constants, decode
 from canary_jax.layout import ViolationLog, read_slot
 from canary_jax.plans import VerifyPlan, WritePlan
+from canary_jax.runtime.endpoints import (
+    ExpectedInputs,
+    build_endpoints_from_group,
+    dispatch,
+    launch_group,
+    select_endpoints,
+)
+from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.sources import RealKvSource
 
 T = constants.CanaryLaunchTag
@@ -27,20 +32,29 @@ def source(rows=N):
 
 
 def full_group(has_v=True):
-    return CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=N, has_v_half=has_v,
-                                      real_kv_sources_k=(source(),), real_kv_sources_v=(source(),) if has_v else ())
+    return CanaryBufferGroup.allocate(
+        kind=PoolKind.FULL,
+        num_slots=N,
+        has_v_half=has_v,
+        real_kv_sources_k=(source(),),
+        real_kv_sources_v=(source(),) if has_v else (),
+    )
 
 
 def swa_group(lut, has_v=False):
-    return CanaryBufferGroup.allocate(kind=PoolKind.SWA, num_slots=N, has_v_half=has_v, swa_index_lut=lut,
-                                      swa_window_size=4)
+    return CanaryBufferGroup.allocate(
+        kind=PoolKind.SWA, num_slots=N, has_v_half=has_v, swa_index_lut=lut, swa_window_size=4
+    )
 
 
 def write_args(slots, ids, positions):
     """One request writing ``slots`` from the anchor."""
-    return dict(write_plan=WritePlan.from_requests(counts=[len(slots)], seed_slots=[-1], write_req_capacity=2),
-                input_ids=np.asarray(ids, np.int64), positions=np.asarray(positions, np.int64),
-                out_cache_loc=np.asarray(slots, np.int64))
+    return dict(
+        write_plan=WritePlan.from_requests(counts=[len(slots)], seed_slots=[-1], write_req_capacity=2),
+        input_ids=np.asarray(ids, np.int64),
+        positions=np.asarray(positions, np.int64),
+        out_cache_loc=np.asarray(slots, np.int64),
+    )
 
 
 EMPTY_VERIFY = dict(slots=[], positions=[], prev_slots=[], verify_capacity=4)
@@ -50,8 +64,10 @@ class LayoutTest(absltest.TestCase):
     def test_full_group_with_v_half(self):
         g = full_group()
         eps = build_endpoints_from_group(g)
-        self.assertEqual([e.kernel_kind for e in eps], [T.HEAD_K_FULL, T.HEAD_V_FULL, T.TAIL_K_FULL, T.TAIL_V_FULL,
-                                                       T.SWEEP_K_FULL, T.SWEEP_V_FULL])
+        self.assertEqual(
+            [e.kernel_kind for e in eps],
+            [T.HEAD_K_FULL, T.HEAD_V_FULL, T.TAIL_K_FULL, T.TAIL_V_FULL, T.SWEEP_K_FULL, T.SWEEP_V_FULL],
+        )
         by = {e.kernel_kind: e for e in eps}
         self.assertIs(by[T.HEAD_K_FULL].canary_buf, g.k_head)
         self.assertIs(by[T.HEAD_V_FULL].canary_buf, g.v_head)
@@ -86,8 +102,9 @@ class LayoutTest(absltest.TestCase):
         self.assertEqual(g.swa_index_lut.shape, (N + 1, 2))  # stored as int64 pairs
 
     def test_up_to_twelve_endpoints_for_an_swa_pool(self):
-        eps = build_endpoints_from_group(full_group()) + build_endpoints_from_group(swa_group(np.arange(N + 1),
-                                                                                               has_v=True))
+        eps = build_endpoints_from_group(full_group()) + build_endpoints_from_group(
+            swa_group(np.arange(N + 1), has_v=True)
+        )
         self.assertEqual(sorted(int(e.kernel_kind) for e in eps), list(range(12)))
 
     def test_select_endpoints(self):
@@ -119,12 +136,15 @@ class LaunchTest(absltest.TestCase):
         eps = {e.kernel_kind: e for e in build_endpoints_from_group(full_group())}
         log = ViolationLog.allocate(ring_capacity=4)
         plan = VerifyPlan.from_entries(**EMPTY_VERIFY)
-        with self.assertRaisesRegex(NotImplementedError,
-                                    r"^kv-canary: launch_per_forward not supported on sweep endpoint SWEEP_K_FULL$"):
-            eps[T.SWEEP_K_FULL].launch_per_forward(verify_plan=plan, violation_log=log, backend=BACKEND,
-                                                   **write_args([1], [5], [0]))
-        with self.assertRaisesRegex(NotImplementedError,
-                                    r"^kv-canary: launch_sweep not supported on non-sweep endpoint HEAD_K_FULL$"):
+        with self.assertRaisesRegex(
+            NotImplementedError, r"^kv-canary: launch_per_forward not supported on sweep endpoint SWEEP_K_FULL$"
+        ):
+            eps[T.SWEEP_K_FULL].launch_per_forward(
+                verify_plan=plan, violation_log=log, backend=BACKEND, **write_args([1], [5], [0])
+            )
+        with self.assertRaisesRegex(
+            NotImplementedError, r"^kv-canary: launch_sweep not supported on non-sweep endpoint HEAD_K_FULL$"
+        ):
             eps[T.HEAD_K_FULL].launch_sweep(verify_plan=plan, violation_log=log, backend=BACKEND)
         with self.assertRaisesRegex(NotImplementedError, "non-sweep endpoint TAIL_V_FULL$"):
             eps[T.TAIL_V_FULL].launch_sweep(verify_plan=plan, violation_log=log, backend=BACKEND)
@@ -138,8 +158,9 @@ class LaunchTest(absltest.TestCase):
         before = np.asarray(g.k_tail).copy()
         plan = VerifyPlan.from_entries(slots=[3], positions=[7], prev_slots=[0], verify_capacity=4)
         # Write arguments are ignored for a sweep endpoint: dispatch never raises the seed error.
-        ep, log = dispatch(eps[T.SWEEP_K_FULL], verify_plan=plan, violation_log=log, backend=BACKEND,
-                           **write_args([1], [5], [0]))
+        ep, log = dispatch(
+            eps[T.SWEEP_K_FULL], verify_plan=plan, violation_log=log, backend=BACKEND, **write_args([1], [5], [0])
+        )
         np.testing.assert_array_equal(np.asarray(ep.canary_buf), before)
         self.assertEqual(log.kernel_run_counter(T.SWEEP_K_FULL), 1)
         self.assertEqual(log.slot_run_counter(T.SWEEP_K_FULL), 1)
@@ -154,13 +175,19 @@ class LaunchTest(absltest.TestCase):
         log = ViolationLog.allocate(ring_capacity=8)
         # Verify slot 2 expecting position 9 (stored 0) -> verify row; write token 5 where 6 is expected.
         plan = VerifyPlan.from_entries(slots=[2], positions=[9], prev_slots=[0], verify_capacity=4)
-        ep, log = dispatch(ep, verify_plan=plan, violation_log=log, backend=BACKEND, enable_write_input_assert=True,
-                           expected_inputs=ExpectedInputs(tokens=np.array([6], np.int64),
-                                                          positions=np.array([0], np.int64)),
-                           **write_args([1], [5], [0]))
+        ep, log = dispatch(
+            ep,
+            verify_plan=plan,
+            violation_log=log,
+            backend=BACKEND,
+            enable_write_input_assert=True,
+            expected_inputs=ExpectedInputs(tokens=np.array([6], np.int64), positions=np.array([0], np.int64)),
+            **write_args([1], [5], [0]),
+        )
         rec = decode.decode_violations(log)
-        self.assertEqual([(r.tag, r.reasons) for r in rec],
-                         [("HEAD_K_FULL", ["verify_position"]), ("HEAD_K_FULL", ["write_token"])])
+        self.assertEqual(
+            [(r.tag, r.reasons) for r in rec], [("HEAD_K_FULL", ["verify_position"]), ("HEAD_K_FULL", ["write_token"])]
+        )
         self.assertEqual(log.kernel_run_counter(T.HEAD_K_FULL), 2)
         self.assertEqual(read_slot(ep.canary_buf, 1), (5, 0, H_S, 0))  # HEAD: real_kv_hash 0 (no sources)
         g = g.with_endpoint(ep)
@@ -169,12 +196,18 @@ class LaunchTest(absltest.TestCase):
     def test_dispatch_per_forward_requires_write_inputs(self):
         ep = build_endpoints_from_group(full_group(has_v=False))[1]
         with self.assertRaisesRegex(ValueError, "per-forward endpoint TAIL_K_FULL needs write_plan, input_ids"):
-            dispatch(ep, verify_plan=VerifyPlan.from_entries(**EMPTY_VERIFY),
-                     violation_log=ViolationLog.allocate(ring_capacity=4))
+            dispatch(
+                ep,
+                verify_plan=VerifyPlan.from_entries(**EMPTY_VERIFY),
+                violation_log=ViolationLog.allocate(ring_capacity=4),
+            )
         with self.assertRaisesRegex(ValueError, "expected input tensors are required"):
-            ep.launch_per_forward(verify_plan=VerifyPlan.from_entries(**EMPTY_VERIFY),
-                                  violation_log=ViolationLog.allocate(ring_capacity=4),
-                                  enable_write_input_assert=True, **write_args([1], [5], [0]))
+            ep.launch_per_forward(
+                verify_plan=VerifyPlan.from_entries(**EMPTY_VERIFY),
+                violation_log=ViolationLog.allocate(ring_capacity=4),
+                enable_write_input_assert=True,
+                **write_args([1], [5], [0]),
+            )
 
     def test_swa_pretranslation_with_sentinel_row(self):
         # Full slots 1, 2, 3 -> SWA slots 9, evicted sentinel -1 (write skipped), 4.
@@ -183,8 +216,12 @@ class LaunchTest(absltest.TestCase):
         ep = build_endpoints_from_group(g)[0]
         self.assertEqual(ep.kernel_kind, T.HEAD_K_SWA)
         log = ViolationLog.allocate(ring_capacity=4)
-        ep, log = ep.launch_per_forward(verify_plan=VerifyPlan.from_entries(**EMPTY_VERIFY), violation_log=log,
-                                        backend=BACKEND, **write_args([1, 2, 3], [11, 22, 33], [0, 1, 2]))
+        ep, log = ep.launch_per_forward(
+            verify_plan=VerifyPlan.from_entries(**EMPTY_VERIFY),
+            violation_log=log,
+            backend=BACKEND,
+            **write_args([1, 2, 3], [11, 22, 33], [0, 1, 2]),
+        )
         self.assertEqual(read_slot(ep.canary_buf, 9)[:2], (11, 0))
         self.assertEqual(read_slot(ep.canary_buf, 4)[:2], (33, 2))
         # Slots 1, 2, 3 of the SWA buffer are untouched; the skipped entry did not advance the chain or count.
@@ -198,8 +235,14 @@ class LaunchTest(absltest.TestCase):
 
         def run():
             g = swa_group(lut)
-            g, log = launch_group(g, "head", verify_plan=plan, violation_log=ViolationLog.allocate(ring_capacity=4),
-                                  backend=BACKEND, **write_args([1, 2, 3], [11, 22, 33], [0, 1, 2]))
+            g, log = launch_group(
+                g,
+                "head",
+                verify_plan=plan,
+                violation_log=ViolationLog.allocate(ring_capacity=4),
+                backend=BACKEND,
+                **write_args([1, 2, 3], [11, 22, 33], [0, 1, 2]),
+            )
             return np.asarray(g.k_head), np.asarray(log.ring), np.asarray(log.write_index), log.counters()
 
         off = run()
@@ -214,10 +257,16 @@ class LaunchTest(absltest.TestCase):
         g = full_group(has_v=True)
         log = ViolationLog.allocate(ring_capacity=8)
         plan = VerifyPlan.from_entries(slots=[2], positions=[9], prev_slots=[0], verify_capacity=4)
-        g, log = launch_group(g, "tail", verify_plan=plan, violation_log=log, enable_v_half=True, backend=BACKEND,
-                              **write_args([1], [5], [0]))
-        g, log = launch_group(g, "sweep", verify_plan=plan, violation_log=log, enable_v_half=False,
-                              backend=BACKEND)
+        g, log = launch_group(
+            g,
+            "tail",
+            verify_plan=plan,
+            violation_log=log,
+            enable_v_half=True,
+            backend=BACKEND,
+            **write_args([1], [5], [0]),
+        )
+        g, log = launch_group(g, "sweep", verify_plan=plan, violation_log=log, enable_v_half=False, backend=BACKEND)
         rec = decode.decode_violations(log)
         self.assertEqual([r.tag for r in rec], ["TAIL_K_FULL", "TAIL_V_FULL", "SWEEP_K_FULL"])
         self.assertEqual(log.num_violations(), 3)

@@ -1,12 +1,22 @@
-"""The shared verify / write suite (``tests/backend_suite.py``) against the pure-jnp reference backend."""
+"""The shared backend suites (``tests/helpers/*_suite.py``) against the pure-jnp reference implementation."""
 
 from absl.testing import absltest
 
-import backend_suite
+from canary_jax import backends
+from helpers import pipeline_suite, public_suite, verify_suite, write_suite
 
 
-class ReferenceBackendTest(backend_suite.BackendSuite):
+class ReferenceBackendTest(
+    verify_suite.VerifySuite,
+    write_suite.WriteSuite,
+    pipeline_suite.PipelineSuite,
+    public_suite.PublicEntrySuite,
+    absltest.TestCase,
+):
     BACKEND = "reference"
+    VERIFY_IMPL = staticmethod(backends.implementation("verify", "reference"))
+    WRITE_IMPL = staticmethod(backends.implementation("write", "reference"))
+    CONFIG = None  # the reference takes no configuration
 
 
 if __name__ == "__main__":

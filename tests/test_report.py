@@ -10,11 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from canary_jax import constants
-from canary_jax import ints
+from canary_jax import constants, ints
 from canary_jax.layout import ViolationLog
-from canary_jax.runtime.report import (HealthChecker, validate_mode, StatsLogger, ViolationMonitor, ViolationReporter,
-                               canary_stats, expected_health_tags)
+from canary_jax.runtime.report import (
+    HealthChecker,
+    StatsLogger,
+    ViolationMonitor,
+    ViolationReporter,
+    canary_stats,
+    expected_health_tags,
+    validate_mode,
+)
 
 T = constants.CanaryLaunchTag
 F = constants.FailReason
@@ -29,8 +35,10 @@ def make_log(rows, *, capacity=8, write_index=None, kernel_runs=None, slot_runs=
     if n:
         ring[:n] = np.asarray(rows[:n], np.int64)
     log = ViolationLog.allocate(ring_capacity=capacity)
-    repl = dict(ring=jnp.asarray(ints.int64_to_pairs_np(ring)),
-                write_index=jnp.asarray(np.array([len(rows) if write_index is None else write_index], np.int32)))
+    repl = dict(
+        ring=jnp.asarray(ints.int64_to_pairs_np(ring)),
+        write_index=jnp.asarray(np.array([len(rows) if write_index is None else write_index], np.int32)),
+    )
     if kernel_runs is not None:
         repl["kernel_run_counters"] = jnp.asarray(ints.int64_to_pairs_np(np.asarray(kernel_runs, np.int64)))
     if slot_runs is not None:
@@ -82,11 +90,13 @@ class TextTest(absltest.TestCase):
             (msg,) = ViolationReporter("log").messages(make_log([row]), step=1)
             lines = msg.split("\n")
             self.assertEqual(len(lines), 7, msg)
-            self.assertTrue(lines[0].startswith(f"kv_canary violation: launch_tag={tag.name} fail_reason={label} "),
-                            msg)
+            self.assertTrue(
+                lines[0].startswith(f"kv_canary violation: launch_tag={tag.name} fail_reason={label} "), msg
+            )
             self.assertEqual(lines[3], f"  fail_reasons: {label}")
-            self.assertTrue(lines[4].startswith(f"  {body}:   token_id=76   position=4 prev_hash=0xde7fae23a9a1b716"),
-                            msg)
+            self.assertTrue(
+                lines[4].startswith(f"  {body}:   token_id=76   position=4 prev_hash=0xde7fae23a9a1b716"), msg
+            )
             self.assertTrue(lines[5].startswith(expected_line), msg)
             kind = tag.name.lower() if tag.is_sweep else f"per_forward_{tag.name.lower()}"
             self.assertEqual(lines[2], f"canary_kind:       {kind}")
@@ -156,13 +166,14 @@ class StatsTest(absltest.TestCase):
     def test_canary_stats(self):
         slot_runs = np.zeros(12, np.int64)
         slot_runs[[0, 2]] = [10, 2**33]
-        log = make_log([VERIFY_CHAIN_ROW], capacity=1, write_index=3, slot_runs=slot_runs,
-                       kernel_runs=np.arange(12))
+        log = make_log([VERIFY_CHAIN_ROW], capacity=1, write_index=3, slot_runs=slot_runs, kernel_runs=np.arange(12))
         stats = canary_stats(log, step=200, sweep_passes=4, active_tags=[0, 2])
         self.assertEqual(stats.protected_tokens, 10 + 2**33)
         self.assertTrue(stats.ring_overflow)
-        self.assertEqual(stats.line(), f"[canary] step=200 protected_tokens={10 + 2**33} sweep_passes=4 violations=3 "
-                                       "launch_tags_active=2/12")
+        self.assertEqual(
+            stats.line(),
+            f"[canary] step=200 protected_tokens={10 + 2**33} sweep_passes=4 violations=3 launch_tags_active=2/12",
+        )
         np.testing.assert_array_equal(stats.kernel_runs, np.arange(12))
 
     def test_stats_logger_period_and_delay(self):
@@ -170,10 +181,16 @@ class StatsTest(absltest.TestCase):
         sl = StatsLogger(active_tags=[0], every_n_steps=2)
         with self.assertLogs("canary_jax", level=logging.INFO) as cm:
             lines = [sl.step(log, step=s) for s in range(5)]
-        self.assertEqual(lines, [None, None, "[canary] step=2 protected_tokens=12 sweep_passes=0 violations=0 "
-                                             "launch_tags_active=1/12", None,
-                                 "[canary] step=4 protected_tokens=12 sweep_passes=0 violations=0 "
-                                 "launch_tags_active=1/12"])
+        self.assertEqual(
+            lines,
+            [
+                None,
+                None,
+                "[canary] step=2 protected_tokens=12 sweep_passes=0 violations=0 launch_tags_active=1/12",
+                None,
+                "[canary] step=4 protected_tokens=12 sweep_passes=0 violations=0 launch_tags_active=1/12",
+            ],
+        )
         self.assertLen(cm.records, 2)
         delayed = StatsLogger(every_n_steps=2, delayed=True)
         with self.assertLogs("canary_jax", level=logging.INFO):
@@ -200,9 +217,10 @@ class HealthTest(absltest.TestCase):
         hc = HealthChecker(self.ACTIVE)
         hc.check(self.counters(HEAD_K_FULL=5, TAIL_K_FULL=5, HEAD_K_SWA=5), step=100)
         with self.assertRaisesRegex(
-                RuntimeError,
-                r"^kv-canary: kernel_run_counter did not increase since previous check for "
-                r"tags=\[TAIL_K_FULL, HEAD_K_SWA\] at step=200; canary path is not executing$"):
+            RuntimeError,
+            r"^kv-canary: kernel_run_counter did not increase since previous check for "
+            r"tags=\[TAIL_K_FULL, HEAD_K_SWA\] at step=200; canary path is not executing$",
+        ):
             hc.check(self.counters(HEAD_K_FULL=9, TAIL_K_FULL=5, HEAD_K_SWA=5), step=200)
 
     def test_schedule_and_log_input(self):

@@ -18,15 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from canary_jax import constants
-from canary_jax import decode
-from canary_jax.runtime.endpoints import CanaryBufferGroup, ExpectedInputs, PoolKind
+from canary_jax import constants, decode
 from canary_jax.plan_builder import scatter_req_token_ids
+from canary_jax.runtime.endpoints import ExpectedInputs
+from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.report import HealthChecker, ViolationMonitor, ViolationReporter, canary_stats
-from canary_jax.sources import RealKvSource
-from canary_jax.runtime.step import (CanaryBatch, CanaryState, CanaryStepConfig, active_tags, canary_head, canary_step,
-                             canary_sweep, canary_tail)
+from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig, active_tags
+from canary_jax.runtime.step import canary_head, canary_step, canary_sweep, canary_tail
 from canary_jax.runtime.sweep import RadixNode, build_sweep_plan_from_radix
+from canary_jax.sources import RealKvSource
 
 T = constants.CanaryLaunchTag
 NUM_SLOTS = 256  # full pool slots; slot 0 is the padding slot
@@ -37,8 +37,14 @@ BS, NUM_TOKENS = 4, 32
 CHUNK = 12
 SWA_WINDOW = 6
 RING = 64
-CONFIG = CanaryStepConfig(verify_capacity=160, write_req_capacity=BS, real_kv_hash_mode=constants.RealKvHashMode.PARTIAL,
-                          enable_write_input_assert=True, enable_verify_token_assert=True, backend="reference")
+CONFIG = CanaryStepConfig(
+    verify_capacity=160,
+    write_req_capacity=BS,
+    real_kv_hash_mode=constants.RealKvHashMode.PARTIAL,
+    enable_write_input_assert=True,
+    enable_verify_token_assert=True,
+    backend="reference",
+)
 SWEEP_CAPACITY = 256
 # Full slot s lives at SWA slot LUT[s] (a permutation; 0 stays the padding slot).
 LUT = np.array([0] + [NUM_SLOTS - s for s in range(1, NUM_SLOTS)], np.int64)
@@ -52,9 +58,10 @@ def kv_bytes(token, position):
 
 def sources(kv):
     k_full, k_swa = kv
-    return (((RealKvSource(tensor=k_full, page_size=PAGE, num_bytes_per_token=KV_BYTES, read_bytes=KV_BYTES),),
-             None),
-            ((RealKvSource(tensor=k_swa, page_size=1, num_bytes_per_token=KV_BYTES, read_bytes=KV_BYTES),), None))
+    return (
+        ((RealKvSource(tensor=k_full, page_size=PAGE, num_bytes_per_token=KV_BYTES, read_bytes=KV_BYTES),), None),
+        ((RealKvSource(tensor=k_swa, page_size=1, num_bytes_per_token=KV_BYTES, read_bytes=KV_BYTES),), None),
+    )
 
 
 def kv_write_fn(kv, batch):
@@ -222,8 +229,9 @@ class Sim:
 
 def new_state():
     full = CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=NUM_SLOTS, has_v_half=False)
-    swa = CanaryBufferGroup.allocate(kind=PoolKind.SWA, num_slots=NUM_SLOTS, has_v_half=False, swa_index_lut=LUT,
-                                     swa_window_size=SWA_WINDOW)
+    swa = CanaryBufferGroup.allocate(
+        kind=PoolKind.SWA, num_slots=NUM_SLOTS, has_v_half=False, swa_index_lut=LUT, swa_window_size=SWA_WINDOW
+    )
     kv = (jnp.zeros((NUM_SLOTS // PAGE, PAGE * KV_BYTES), jnp.uint8), jnp.zeros((NUM_SLOTS, KV_BYTES), jnp.uint8))
     state = CanaryState.create([full, swa], ring_capacity=RING)
     srcs = sources(kv)
@@ -234,8 +242,12 @@ def new_state():
 def make_batch(sim, token_pool, *, mutate=None):
     h, plan = sim.batch()
     flat, offsets, rows, valid = sim.token_pool_inputs()
-    token_pool = scatter_req_token_ids(flat_in=np.asarray(flat, np.int64), offsets=np.asarray(offsets, np.int64),
-                                       req_pool_indices=np.asarray(rows, np.int64), pool_out=token_pool)
+    token_pool = scatter_req_token_ids(
+        flat_in=np.asarray(flat, np.int64),
+        offsets=np.asarray(offsets, np.int64),
+        req_pool_indices=np.asarray(rows, np.int64),
+        pool_out=token_pool,
+    )
     h["exp_ids"], h["exp_pos"] = list(h["ids"]), list(h["pos"])
     h["r2t"] = sim.req_to_token.copy()
     h["pool"] = np.array(token_pool)
@@ -243,8 +255,12 @@ def make_batch(sim, token_pool, *, mutate=None):
         mutate(h)
     i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))  # noqa: E731
     batch = CanaryBatch(
-        req_pool_indices=i32(h["rpi"]), prefix_lens=i32(h["prefix"]), extend_seq_lens=i32(h["extend"]),
-        input_ids=i32(h["ids"]), positions=i32(h["pos"]), out_cache_loc=i32(h["loc"]),
+        req_pool_indices=i32(h["rpi"]),
+        prefix_lens=i32(h["prefix"]),
+        extend_seq_lens=i32(h["extend"]),
+        input_ids=i32(h["ids"]),
+        positions=i32(h["pos"]),
+        out_cache_loc=i32(h["loc"]),
         req_to_token=i32(h["r2t"]),
         expected_inputs=ExpectedInputs(tokens=i32(h["exp_ids"]), positions=i32(h["exp_pos"])),
         req_to_verify_expected_tokens=i32(h["pool"]),
@@ -306,8 +322,11 @@ class MultiStepTest(absltest.TestCase):
         stats = canary_stats(state.log, step=20, active_tags=active_tags(state))
         self.assertEqual(stats.violations, 0)
         self.assertEqual(stats.protected_tokens, int(slot_runs.sum()))
-        self.assertRegex(stats.line(), r"^\[canary\] step=20 protected_tokens=\d+ sweep_passes=0 violations=0 "
-                                        r"launch_tags_active=4/12$")
+        self.assertRegex(
+            stats.line(),
+            r"^\[canary\] step=20 protected_tokens=\d+ sweep_passes=0 violations=0 "
+            r"launch_tags_active=4/12$",
+        )
         HealthChecker(active_tags(state), warmup_steps=0, every_n_steps=1).check(state.log, step=20)
         self.assertEqual(ViolationMonitor(ViolationReporter("raise"), delayed=False).step(state.log, step=20), [])
 
@@ -334,8 +353,10 @@ class MultiStepTest(absltest.TestCase):
     # --- faults ---------------------------------------------------------------------------------------------
     def sweep_plans(self, sim):
         root = sim.radix_tree()
-        return (build_sweep_plan_from_radix(root, verify_capacity=SWEEP_CAPACITY),
-                build_sweep_plan_from_radix(root, verify_capacity=SWEEP_CAPACITY, full_to_swa_index_mapping=LUT))
+        return (
+            build_sweep_plan_from_radix(root, verify_capacity=SWEEP_CAPACITY),
+            build_sweep_plan_from_radix(root, verify_capacity=SWEEP_CAPACITY, full_to_swa_index_mapping=LUT),
+        )
 
     def step_with(self, mutate=None, *, before=None, fresh=None):
         state, kv, sim, pool = fresh if fresh is not None else self.fresh()
@@ -370,6 +391,7 @@ class MultiStepTest(absltest.TestCase):
 
         def mutate(h):
             h["r2t"][req.row, 2] = wrong
+
         state, _ = self.step_with(mutate, fresh=fresh)
         hits = self.assert_reported(state, T.HEAD_K_FULL, "verify_position", slot=wrong)
         self.assertEqual(hits[0].position, 0)  # stored position of the wrong slot
@@ -383,8 +405,11 @@ class MultiStepTest(absltest.TestCase):
 
         def before(state, kv, sim):
             k_full, k_swa = kv
-            k_full = k_full.at[slot // PAGE, (slot % PAGE) * KV_BYTES].set(k_full[slot // PAGE, (slot % PAGE) * KV_BYTES] ^ 0xFF)
+            k_full = k_full.at[slot // PAGE, (slot % PAGE) * KV_BYTES].set(
+                k_full[slot // PAGE, (slot % PAGE) * KV_BYTES] ^ 0xFF
+            )
             return state, (k_full, k_swa)
+
         state, _ = self.step_with(before=before, fresh=fresh)
         self.assert_reported(state, T.TAIL_K_FULL, "verify_real_kv_hash", slot=slot)
         self.assertFalse([r for r in records(state) if r.tag.startswith("HEAD")])  # HEAD has no real KV
@@ -392,6 +417,7 @@ class MultiStepTest(absltest.TestCase):
     def test_fault_input_token_mismatch_caught_by_write_assert(self):
         def mutate(h):
             h["exp_ids"][0] += 1
+
         state, _ = self.step_with(mutate)
         hits = self.assert_reported(state, T.HEAD_K_FULL, "write_token")
         self.assertTrue(hits[0].is_write)
@@ -405,6 +431,7 @@ class MultiStepTest(absltest.TestCase):
             i = h["loc"].index(req.slots[req.computed])
             h["pos"][i] += 1  # EAGLE-style off-by-one that the expected inputs share
             h["exp_pos"][i] += 1
+
         state, _ = self.step_with(mutate, fresh=fresh)
         hits = self.assert_reported(state, T.HEAD_K_FULL, "write_position")
         self.assertEqual(hits[0].position, req.computed + 1)
@@ -416,6 +443,7 @@ class MultiStepTest(absltest.TestCase):
 
         def mutate(h):
             h["pool"][req.row, req.computed - 1] += 5
+
         state, _ = self.step_with(mutate, fresh=fresh)
         self.assert_reported(state, T.HEAD_K_FULL, "verify_token", slot=req.slots[req.computed - 1])
         self.assert_reported(state, T.TAIL_K_SWA, "verify_token", slot=int(LUT[req.slots[req.computed - 1]]))
@@ -438,6 +466,7 @@ class MultiStepTest(absltest.TestCase):
     def test_log_mode_keeps_running(self):
         def mutate(h):
             h["exp_ids"][0] += 1
+
         state, _ = self.step_with(mutate)
         monitor = ViolationMonitor(ViolationReporter("log"), delayed=True)
         self.assertEqual(monitor.step(state.log, step=21), [])  # first pump only stages the snapshot

@@ -11,16 +11,25 @@ from absl.testing import absltest
 
 from canary_jax import ints
 from canary_jax.plan_builder import build_plans
-from canary_jax.runtime.sweep import (RadixNode, SweepSchedule, build_sweep_plan_from_radix, build_sweep_plan_from_requests,
-                              sweep_entries_to_plan, walk_radix_tree)
+from canary_jax.runtime.sweep import (
+    RadixNode,
+    SweepSchedule,
+    build_sweep_plan_from_radix,
+    build_sweep_plan_from_requests,
+    sweep_entries_to_plan,
+    walk_radix_tree,
+)
 
 I64 = ints.pairs_to_int64_np
 
 
 def entries(plan):
     n = int(plan.verify_num_valid[0])
-    return (I64(plan.verify_slot_indices)[:n].tolist(), I64(plan.verify_expected_positions)[:n].tolist(),
-            I64(plan.verify_prev_slot_indices)[:n].tolist())
+    return (
+        I64(plan.verify_slot_indices)[:n].tolist(),
+        I64(plan.verify_expected_positions)[:n].tolist(),
+        I64(plan.verify_prev_slot_indices)[:n].tolist(),
+    )
 
 
 class RadixTest(absltest.TestCase):
@@ -86,15 +95,18 @@ class RadixTest(absltest.TestCase):
         locked.add([3])
         root.add([4], swa_tombstone=True)
         got = walk_radix_tree(root, unlocked_only=True)
-        self.assertEqual((got.slots.tolist(), got.positions.tolist(), got.prev_slots.tolist()), ([3, 4], [2, 0], [2, -1]))
+        self.assertEqual(
+            (got.slots.tolist(), got.positions.tolist(), got.prev_slots.tolist()), ([3, 4], [2, 0], [2, -1])
+        )
         got = walk_radix_tree(root, swa_resident_only=True)
         self.assertEqual(got.slots.tolist(), [1, 2, 3])
 
     def test_capacity_exceeded_raises(self):
         root = RadixNode()
         root.add(list(range(1, 6)))
-        with self.assertRaisesRegex(RuntimeError, "radix-walker emitted 5 sweep verify entries, exceeding "
-                                                  "pre-allocated sweep_verify_capacity=4"):
+        with self.assertRaisesRegex(
+            RuntimeError, "radix-walker emitted 5 sweep verify entries, exceeding pre-allocated sweep_verify_capacity=4"
+        ):
             build_sweep_plan_from_radix(root, verify_capacity=4)
 
     def test_deep_tree_does_not_recurse(self):
@@ -123,14 +135,28 @@ class RequestSweepTest(absltest.TestCase):
         r2t[1, :6] = [3, 4, 5, 6, 7, 8]
         r2t[2, :3] = [9, 10, 11]
         lut = np.arange(20, dtype=np.int64) + 100
-        kw = dict(req_to_token=jnp.asarray(r2t), req_pool_indices=np.array([1, 2, 0]), verify_capacity=16,
-                  swa_window_size=4, full_to_swa_index_mapping=lut)
+        kw = dict(
+            req_to_token=jnp.asarray(r2t),
+            req_pool_indices=np.array([1, 2, 0]),
+            verify_capacity=16,
+            swa_window_size=4,
+            full_to_swa_index_mapping=lut,
+        )
         plan = build_sweep_plan_from_requests(seq_lens=np.array([6, 3, 0]), **kw)
-        self.assertEqual(entries(plan), ([105, 106, 107, 108, 109, 110, 111], [2, 3, 4, 5, 0, 1, 2],
-                                         [104, 105, 106, 107, -1, 109, 110]))
-        vp, _ = build_plans(req_pool_indices=kw["req_pool_indices"], prefix_lens=np.array([6, 3, 0]),
-                            extend_seq_lens=np.array([0, 0, 0]), req_to_token=kw["req_to_token"], verify_capacity=16,
-                            write_req_capacity=3, swa_window_size=4, full_to_swa_index_mapping=lut)
+        self.assertEqual(
+            entries(plan),
+            ([105, 106, 107, 108, 109, 110, 111], [2, 3, 4, 5, 0, 1, 2], [104, 105, 106, 107, -1, 109, 110]),
+        )
+        vp, _ = build_plans(
+            req_pool_indices=kw["req_pool_indices"],
+            prefix_lens=np.array([6, 3, 0]),
+            extend_seq_lens=np.array([0, 0, 0]),
+            req_to_token=kw["req_to_token"],
+            verify_capacity=16,
+            write_req_capacity=3,
+            swa_window_size=4,
+            full_to_swa_index_mapping=lut,
+        )
         for a, b in zip(jax.tree_util.tree_leaves(plan), jax.tree_util.tree_leaves(vp)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -139,8 +165,9 @@ class RequestSweepTest(absltest.TestCase):
 
         @jax.jit
         def f(seq):
-            return build_sweep_plan_from_requests(req_to_token=r2t, req_pool_indices=jnp.array([1, 2], jnp.int32),
-                                                  seq_lens=seq, verify_capacity=8)
+            return build_sweep_plan_from_requests(
+                req_to_token=r2t, req_pool_indices=jnp.array([1, 2], jnp.int32), seq_lens=seq, verify_capacity=8
+            )
 
         ok = f(jnp.array([3, 5], jnp.int32))
         self.assertEqual((int(ok.enable[0]), int(ok.verify_num_valid[0])), (1, 8))

@@ -24,15 +24,18 @@ KEYS = ("buf", "ring", "wi", "slot", "kernel", "trace")
 
 
 class X64ModesTest(absltest.TestCase):
-
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
         cls.tmp = tempfile.TemporaryDirectory()
         procs = {}
         for x64 in ("0", "1"):
-            env = dict(os.environ, JAX_ENABLE_X64=x64, JAX_PLATFORMS="cpu",
-                       PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
+            env = dict(
+                os.environ,
+                JAX_ENABLE_X64=x64,
+                JAX_PLATFORMS="cpu",
+                PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
+            )
             out = os.path.join(cls.tmp.name, f"x64_{x64}.npz")
             args = [sys.executable, os.path.join(HERE, "helpers", "x64_scenarios.py"), out]
             if x64 == "1":

@@ -26,7 +26,7 @@ Decisions where SGLang is undefined (the documented canary-jax choices, SPEC 13 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -101,7 +101,7 @@ class Source:
     read_bytes: int
 
     @classmethod
-    def of(cls, tensor, page_size: int, num_bytes_per_token: int, read_bytes: int) -> "Source":
+    def of(cls, tensor, page_size: int, num_bytes_per_token: int, read_bytes: int) -> Source:
         arr = np.ascontiguousarray(np.asarray(tensor))
         u8 = arr.view(np.uint8).reshape(arr.shape[0], -1)
         return cls(u8, page_size, num_bytes_per_token, read_bytes)
@@ -161,12 +161,21 @@ class State:
 
     @classmethod
     def fresh(cls, num_slots: int, stride: int = 32, ring_capacity: int = 64, chain_position_assert: int = 1):
-        return cls(np.zeros((num_slots, stride), np.uint8), np.zeros((ring_capacity, 8), np.int64),
-                   chain_position_assert=chain_position_assert)
+        return cls(
+            np.zeros((num_slots, stride), np.uint8),
+            np.zeros((ring_capacity, 8), np.int64),
+            chain_position_assert=chain_position_assert,
+        )
 
-    def copy(self) -> "State":
-        return State(self.buf.copy(), self.ring.copy(), self.write_index, self.slot_counters.copy(),
-                     self.kernel_counters.copy(), self.chain_position_assert)
+    def copy(self) -> State:
+        return State(
+            self.buf.copy(),
+            self.ring.copy(),
+            self.write_index,
+            self.slot_counters.copy(),
+            self.kernel_counters.copy(),
+            self.chain_position_assert,
+        )
 
     def append(self, row: Sequence[int]) -> None:
         """Fill-once ring: stored only while the index is below capacity; the index always grows."""
@@ -285,6 +294,6 @@ def write(
 def chain_prev_hashes(tokens: Sequence[int], positions: Sequence[int], seed_hash: int = ANCHOR_HASH) -> list[int]:
     """prev_hash each slot of a linear chain stores (uint64), plus the next running value at the end."""
     out = [seed_hash]
-    for tok, pos in zip(tokens, positions):
+    for tok, pos in zip(tokens, positions, strict=True):
         out.append(mix3(out[-1], tok, pos))
     return out

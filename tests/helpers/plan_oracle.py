@@ -15,7 +15,7 @@ outside the LUT, ``IndexError`` for reads outside ``req_to_token`` or the expect
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -35,7 +35,7 @@ class PlanResult:
         self.num_valid_reqs = num_valid_reqs
 
 
-def _translate(x: int, lut: Optional[Sequence[int]], strict: bool) -> int:
+def _translate(x: int, lut: Sequence[int] | None, strict: bool) -> int:
     if lut is None or x < 0:
         return x
     n = len(lut)
@@ -64,9 +64,9 @@ def plan_oracle(
     verify_capacity: int,
     write_req_capacity: int,
     swa_window_size: int = 0,
-    lut: Optional[Sequence[int]] = None,
-    pool: Optional[np.ndarray] = None,
-    valid_lens: Optional[Sequence[int]] = None,
+    lut: Sequence[int] | None = None,
+    pool: np.ndarray | None = None,
+    valid_lens: Sequence[int] | None = None,
     k: int = 0,
     strict: bool = False,
 ) -> PlanResult:
@@ -121,12 +121,22 @@ def plan_oracle(
             continue
         col = min(prefixes[r] - 1, max(max_seq_len - 1, 0))
         seeds.append(_translate(_read(r2t, rpis[r], col, 0, strict), lut, strict))
-    return PlanResult(num_valid=num_valid, enable=enable, slots=slots, tokens=tokens, positions=positions,
-                      prevs=prevs, write_offsets=offsets, seeds=seeds, num_valid_reqs=bs)
+    return PlanResult(
+        num_valid=num_valid,
+        enable=enable,
+        slots=slots,
+        tokens=tokens,
+        positions=positions,
+        prevs=prevs,
+        write_offsets=offsets,
+        seeds=seeds,
+        num_valid_reqs=bs,
+    )
 
 
-def scatter_oracle(*, flat_in: Sequence[int], offsets: Sequence[int], req_pool_indices: Sequence[int],
-                   pool_out: np.ndarray) -> np.ndarray:
+def scatter_oracle(
+    *, flat_in: Sequence[int], offsets: Sequence[int], req_pool_indices: Sequence[int], pool_out: np.ndarray
+) -> np.ndarray:
     """SPEC 7.4 with masked loads; rows outside the pool write nothing; later requests win."""
     pool = np.array(pool_out, dtype=np.int32, copy=True)
     rows, width = pool.shape

@@ -67,8 +67,21 @@ def _fuzz_ops(rnd: random.Random, launches: int, flags: bool | None = None) -> l
         epos += [0] * pad
         offsets += [0] * (WCAP + 1 - len(offsets))
         seeds += [-1] * (WCAP - len(seeds))
-        ops.append(dict(kind="write", offsets=offsets, seeds=seeds, nvr=len(chains), ids=ids, pos=pos, loc=loc,
-                        input_assert=rnd.random() < 0.5 if flags is None else flags, etok=etok, epos=epos, tag=TAIL_K_FULL))
+        ops.append(
+            dict(
+                kind="write",
+                offsets=offsets,
+                seeds=seeds,
+                nvr=len(chains),
+                ids=ids,
+                pos=pos,
+                loc=loc,
+                input_assert=rnd.random() < 0.5 if flags is None else flags,
+                etok=etok,
+                epos=epos,
+                tag=TAIL_K_FULL,
+            )
+        )
         if rnd.random() < 0.5:
             ops.append(dict(kind="poke", slot=rnd.randrange(1, n), field=rnd.randrange(4), bit=rnd.randrange(64)))
         ents = []
@@ -82,10 +95,19 @@ def _fuzz_ops(rnd: random.Random, launches: int, flags: bool | None = None) -> l
         ents = ents[:VCAP]
         nv = len(ents)
         ents += [(rnd.randrange(n), 1, 0, 2)] * (VCAP - len(ents))
-        ops.append(dict(kind="verify", slots=[e[0] for e in ents], positions=[e[1] for e in ents],
-                        prevs=[e[2] for e in ents], tokens=[e[3] for e in ents], num_valid=nv,
-                        enable=int(rnd.random() < 0.9), check=rnd.random() < 0.5 if flags is None else flags,
-                        tag=TAIL_K_FULL))
+        ops.append(
+            dict(
+                kind="verify",
+                slots=[e[0] for e in ents],
+                positions=[e[1] for e in ents],
+                prevs=[e[2] for e in ents],
+                tokens=[e[3] for e in ents],
+                num_valid=nv,
+                enable=int(rnd.random() < 0.9),
+                check=rnd.random() < 0.5 if flags is None else flags,
+                tag=TAIL_K_FULL,
+            )
+        )
     return ops
 
 
@@ -97,18 +119,45 @@ def scenarios() -> list[dict]:
     ids = chain + [0, 1, 0xFFFFFFFF, -1, 2**31, 2**31 - 1, 2**63 - 1] + [0] * (NTOK - 12)
     pos = list(range(5)) + [0, 1, 2**31 - 1, 2**31, 2**32, 2**62, 2**63 - 1] + [0] * (NTOK - 12)
     loc = [3, 4, 5, 6, 7] + list(range(20, 27)) + [-1] * (NTOK - 12)
-    out.append(dict(mode=0, sources=[], ops=[
-        dict(kind="write", offsets=[0, 5, 12, 12, 12], seeds=[-1, -1, -1, -1], nvr=2, ids=ids, pos=pos, loc=loc,
-             input_assert=False, etok=ids, epos=pos, tag=TAIL_K_FULL),
-        dict(kind="verify", slots=[3, 4, 5, 6, 7, 20, 21] + [0] * (VCAP - 7),
-             positions=[0, 1, 2, 3, 9, 0, 1] + [0] * (VCAP - 7), prevs=[-1, 3, 4, 5, 6, -1, 20] + [0] * (VCAP - 7),
-             tokens=[101, 202, 300, -1, 505, 0, 1] + [-1] * (VCAP - 7), num_valid=7, enable=1, check=True, tag=2),
-    ]))
+    out.append(
+        dict(
+            mode=0,
+            sources=[],
+            ops=[
+                dict(
+                    kind="write",
+                    offsets=[0, 5, 12, 12, 12],
+                    seeds=[-1, -1, -1, -1],
+                    nvr=2,
+                    ids=ids,
+                    pos=pos,
+                    loc=loc,
+                    input_assert=False,
+                    etok=ids,
+                    epos=pos,
+                    tag=TAIL_K_FULL,
+                ),
+                dict(
+                    kind="verify",
+                    slots=[3, 4, 5, 6, 7, 20, 21] + [0] * (VCAP - 7),
+                    positions=[0, 1, 2, 3, 9, 0, 1] + [0] * (VCAP - 7),
+                    prevs=[-1, 3, 4, 5, 6, -1, 20] + [0] * (VCAP - 7),
+                    tokens=[101, 202, 300, -1, 505, 0, 1] + [-1] * (VCAP - 7),
+                    num_valid=7,
+                    enable=1,
+                    check=True,
+                    tag=2,
+                ),
+            ],
+        )
+    )
     # 2..: seeded fuzz pipelines, without and with real-KV sources.
     for seed in range(4):
         out.append(dict(mode=0, sources=[], ops=_fuzz_ops(random.Random(seed), 5)))
-    srcs = [dict(seed=11, rows=NUM_SLOTS // 4, width=4 * 32 + 16, page=4, nbpt=32, read=32),
-            dict(seed=12, rows=NUM_SLOTS, width=16, page=1, nbpt=16, read=16)]
+    srcs = [
+        dict(seed=11, rows=NUM_SLOTS // 4, width=4 * 32 + 16, page=4, nbpt=32, read=32),
+        dict(seed=12, rows=NUM_SLOTS, width=16, page=1, nbpt=16, read=16),
+    ]
     out.append(dict(mode=2, sources=srcs, ops=_fuzz_ops(random.Random(50), 5, flags=True)))
     return out
 
@@ -122,7 +171,10 @@ def run_oracle(sc: dict) -> dict:
     from helpers import oracle
 
     st = oracle.State.fresh(NUM_SLOTS, STRIDE, RING)
-    osrcs = [oracle.Source.of(a, s["page"], s["nbpt"], s["read"]) for a, s in zip(source_arrays(sc), sc["sources"])]
+    osrcs = [
+        oracle.Source.of(a, s["page"], s["nbpt"], s["read"])
+        for a, s in zip(source_arrays(sc), sc["sources"], strict=True)
+    ]
     trace = []
     for op in sc["ops"]:
         if op["kind"] == "poke":
@@ -131,17 +183,44 @@ def run_oracle(sc: dict) -> dict:
             oracle.write_record(st.buf, op["slot"], rec)
             continue
         if op["kind"] == "write":
-            oracle.write(st, tag=op["tag"], offsets=op["offsets"], seeds=op["seeds"], input_ids=op["ids"],
-                    positions=op["pos"], out_cache_loc=op["loc"], num_valid_reqs=op["nvr"],
-                    input_assert=op["input_assert"], expected_tokens=op["etok"], expected_positions=op["epos"],
-                    sources=osrcs, mode=sc["mode"])
+            oracle.write(
+                st,
+                tag=op["tag"],
+                offsets=op["offsets"],
+                seeds=op["seeds"],
+                input_ids=op["ids"],
+                positions=op["pos"],
+                out_cache_loc=op["loc"],
+                num_valid_reqs=op["nvr"],
+                input_assert=op["input_assert"],
+                expected_tokens=op["etok"],
+                expected_positions=op["epos"],
+                sources=osrcs,
+                mode=sc["mode"],
+            )
         else:
-            oracle.verify(st, tag=op["tag"], slots=op["slots"], positions=op["positions"], prev_slots=op["prevs"],
-                     expected_tokens=op["tokens"], num_valid=op["num_valid"], enable=op["enable"],
-                     check_token=op["check"], sources=osrcs, mode=sc["mode"])
+            oracle.verify(
+                st,
+                tag=op["tag"],
+                slots=op["slots"],
+                positions=op["positions"],
+                prev_slots=op["prevs"],
+                expected_tokens=op["tokens"],
+                num_valid=op["num_valid"],
+                enable=op["enable"],
+                check_token=op["check"],
+                sources=osrcs,
+                mode=sc["mode"],
+            )
         trace.append(st.write_index)
-    return dict(buf=st.buf, ring=st.ring, wi=np.array([st.write_index]), slot=st.slot_counters,
-                kernel=st.kernel_counters, trace=np.array(trace, np.int64))
+    return dict(
+        buf=st.buf,
+        ring=st.ring,
+        wi=np.array([st.write_index]),
+        slot=st.slot_counters,
+        kernel=st.kernel_counters,
+        trace=np.array(trace, np.int64),
+    )
 
 
 # --- canary_jax side -----------------------------------------------------------------------------------------
@@ -160,13 +239,18 @@ def run_jax(sc: dict, *, int64_inputs: bool = False) -> dict:
         return jnp.asarray(a, jnp.int64) if int64_inputs else a
 
     srcs = []
-    for a, s in zip(source_arrays(sc), sc["sources"]):
+    for a, s in zip(source_arrays(sc), sc["sources"], strict=True):
         t = jnp.asarray(a.view(np.int64), jnp.int64) if int64_inputs else jnp.asarray(a)
-        srcs.append(canary_jax.RealKvSource(tensor=t, page_size=s["page"], num_bytes_per_token=s["nbpt"],
-                                    read_bytes=s["read"]))
-    ctx = canary_jax.VerifyOrWriteContext(canary_buf=canary_jax.allocate_canary_buffer(NUM_SLOTS, STRIDE), kernel_kind=TAIL_K_FULL,
-                                  log=canary_jax.ViolationLog.allocate(ring_capacity=RING), real_kv_sources=tuple(srcs),
-                                  real_kv_hash_mode=sc["mode"])
+        srcs.append(
+            canary_jax.RealKvSource(tensor=t, page_size=s["page"], num_bytes_per_token=s["nbpt"], read_bytes=s["read"])
+        )
+    ctx = canary_jax.VerifyOrWriteContext(
+        canary_buf=canary_jax.allocate_canary_buffer(NUM_SLOTS, STRIDE),
+        kernel_kind=TAIL_K_FULL,
+        log=canary_jax.ViolationLog.allocate(ring_capacity=RING),
+        real_kv_sources=tuple(srcs),
+        real_kv_hash_mode=sc["mode"],
+    )
     trace = []
     for op in sc["ops"]:
         if op["kind"] == "poke":
@@ -178,19 +262,33 @@ def run_jax(sc: dict, *, int64_inputs: bool = False) -> dict:
             continue
         ctx = ctx.replace(kernel_kind=op["tag"])
         if op["kind"] == "write":
-            plan = canary_jax.WritePlan(write_offsets=pairs(op["offsets"]), write_seed_slot_indices=pairs(op["seeds"]),
-                                write_num_valid_reqs=jnp.asarray(np.array([op["nvr"]], np.int32)))
+            plan = canary_jax.WritePlan(
+                write_offsets=pairs(op["offsets"]),
+                write_seed_slot_indices=pairs(op["seeds"]),
+                write_num_valid_reqs=jnp.asarray(np.array([op["nvr"]], np.int32)),
+            )
             kw = {}
             if op["input_assert"]:
                 kw = dict(expected_input_tokens=arr64(op["etok"]), expected_input_positions=arr64(op["epos"]))
-            ctx = canary_jax.write(ctx, plan, arr64(op["ids"]), arr64(op["pos"]), arr64(op["loc"]),
-                           enable_write_input_assert=op["input_assert"], backend="reference", **kw)
+            ctx = canary_jax.write(
+                ctx,
+                plan,
+                arr64(op["ids"]),
+                arr64(op["pos"]),
+                arr64(op["loc"]),
+                enable_write_input_assert=op["input_assert"],
+                backend="reference",
+                **kw,
+            )
         else:
-            plan = canary_jax.VerifyPlan(verify_slot_indices=pairs(op["slots"]), verify_expected_tokens=pairs(op["tokens"]),
-                                 verify_expected_positions=pairs(op["positions"]),
-                                 verify_prev_slot_indices=pairs(op["prevs"]),
-                                 verify_num_valid=jnp.asarray(np.array([op["num_valid"]], np.int32)),
-                                 enable=jnp.asarray(np.array([op["enable"]], np.int32)))
+            plan = canary_jax.VerifyPlan(
+                verify_slot_indices=pairs(op["slots"]),
+                verify_expected_tokens=pairs(op["tokens"]),
+                verify_expected_positions=pairs(op["positions"]),
+                verify_prev_slot_indices=pairs(op["prevs"]),
+                verify_num_valid=jnp.asarray(np.array([op["num_valid"]], np.int32)),
+                enable=jnp.asarray(np.array([op["enable"]], np.int32)),
+            )
             ctx = canary_jax.verify(ctx, plan, check_verify_expected_token=op["check"], backend="reference")
         trace.append(int(np.asarray(ctx.log.write_index)[0]))
 
@@ -198,9 +296,15 @@ def run_jax(sc: dict, *, int64_inputs: bool = False) -> dict:
         a = np.ascontiguousarray(np.asarray(x), dtype="<u4")
         return a.view("<i8").reshape(a.shape[:-1])
 
-    return dict(buf=np.asarray(ctx.canary_buf), ring=i64(ctx.log.ring), wi=np.asarray(ctx.log.write_index),
-                slot=i64(ctx.log.slot_run_counters), kernel=i64(ctx.log.kernel_run_counters),
-                trace=np.array(trace, np.int64), x64=np.array([bool(jax.config.read("jax_enable_x64"))]))
+    return dict(
+        buf=np.asarray(ctx.canary_buf),
+        ring=i64(ctx.log.ring),
+        wi=np.asarray(ctx.log.write_index),
+        slot=i64(ctx.log.slot_run_counters),
+        kernel=i64(ctx.log.kernel_run_counters),
+        trace=np.array(trace, np.int64),
+        x64=np.array([bool(jax.config.read("jax_enable_x64"))]),
+    )
 
 
 def main(argv: list[str]) -> int:
