@@ -1,12 +1,17 @@
-"""Text tables and the PNG chart of a campaign summary (see :func:`canary_jax.cli.demo.campaign.summarize`)."""
+"""Text tables and the PNG chart of a campaign summary (see :func:`canary_jax.cli.demo.summary.summarize`),
+and the plain :func:`table` that ``verify-dump`` prints its per-reason counts with.
+
+The chart needs matplotlib (the ``demo`` extra), imported only by :func:`plot` / :func:`plot_figure`; the
+tables use rich when it is installed and the output is a terminal, plain text otherwise.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 import textwrap
-from typing import Sequence, TextIO
-
+from collections.abc import Sequence
+from typing import TextIO
 
 WIDTH = 120  # the report's lines stay within this many columns (SGLang's violation texts excepted)
 
@@ -34,15 +39,20 @@ def _fit_widths(natural: list[int], minimum: list[int], limit: int) -> list[int]
     return widths
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, title: str | None = None,
-          width: int | None = None, min_widths: Sequence[int] | None = None) -> str:
+def table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    title: str | None = None,
+    width: int | None = None,
+    min_widths: Sequence[int] | None = None,
+) -> str:
     """A plain monospace table. With ``width``, columns wider than their ``min_widths`` entry wrap (at
     spaces where possible) so every line fits in ``width`` columns."""
     rows = [[str(c) for c in r] for r in rows]
     natural = [max([len(str(h))] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     if width is not None:  # headers may wrap at spaces: a column need not be wider than its longest header word
-        natural = [max([len(x) for x in str(h).split()] + [len(r[i]) for r in rows])
-                   for i, h in enumerate(headers)]
+        natural = [max([len(x) for x in str(h).split()] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
         mins = list(min_widths) if min_widths is not None else natural
         widths = _fit_widths(natural, [min(m, n) for m, n in zip(mins, natural)], width)
     else:
@@ -54,8 +64,10 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, title: str |
     def lines(cells) -> list[str]:
         wrapped = [cell_lines(str(c), w) for c, w in zip(cells, widths)]
         height = max(len(x) for x in wrapped)
-        return ["|".join(f" {(x[k] if k < len(x) else ''):<{w}} " for x, w in zip(wrapped, widths)).rstrip()
-                for k in range(height)]
+        return [
+            "|".join(f" {(x[k] if k < len(x) else ''):<{w}} " for x, w in zip(wrapped, widths)).rstrip()
+            for k in range(height)
+        ]
 
     sep = "+".join("-" * (w + 2) for w in widths)
     out = [title] if title else []
@@ -76,21 +88,38 @@ def fault_rows(summary: dict, *, verbose: bool = False) -> list[list[str]]:
     rows = []
     for f in summary["faults"]:
         counts = "-" if f.get("status") == "not_applicable" else f"{f['detected']}/{f['injected']}"
-        rows.append([f["kind"], f["caught_by"], counts, _steps_cell(f),
-                     _short_reasons(f["fail_reasons"], None if verbose else 4), f["verdict"]])
+        rows.append(
+            [
+                f["kind"],
+                f["caught_by"],
+                counts,
+                _steps_cell(f),
+                _short_reasons(f["fail_reasons"], None if verbose else 4),
+                f["verdict"],
+            ]
+        )
     return rows
 
 
-FAULT_HEADERS = ["fault kind", "should be caught by", "detected/ injected", "steps to detect*",
-                 "fail reasons fired (launch:reason)", "verdict"]
+FAULT_HEADERS = [
+    "fault kind",
+    "should be caught by",
+    "detected/ injected",
+    "steps to detect*",
+    "fail reasons fired (launch:reason)",
+    "verdict",
+]
 FAULT_MIN_WIDTHS = [14, 18, 9, 9, 25, 20]
-STEPS_FOOTNOTE = ("* steps to detect: forward steps from injection to first violation (mean, max over trials); "
-                  "0 = caught in the same step")
+STEPS_FOOTNOTE = (
+    "* steps to detect: forward steps from injection to first violation (mean, max over trials); "
+    "0 = caught in the same step"
+)
 
 
 def _wrap(text: str, indent: str = "  ") -> str:
-    return "\n".join(textwrap.fill(line, WIDTH, subsequent_indent=indent, break_on_hyphens=False)
-                     for line in text.split("\n"))
+    return "\n".join(
+        textwrap.fill(line, WIDTH, subsequent_indent=indent, break_on_hyphens=False) for line in text.split("\n")
+    )
 
 
 def timing_rows(summary: dict) -> list[list[str]]:
@@ -98,8 +127,11 @@ def timing_rows(summary: dict) -> list[list[str]]:
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     return [
         ["model forward (per step)", fmt(t["model_ms_per_step_median"]), fmt(t["model_ms_per_step_mean"])],
-        ["canary HEAD+TAIL incl. plan (per step)", fmt(t["canary_ms_per_step_median"]),
-         fmt(t["canary_ms_per_step_mean"])],
+        [
+            "canary HEAD+TAIL incl. plan (per step)",
+            fmt(t["canary_ms_per_step_median"]),
+            fmt(t["canary_ms_per_step_mean"]),
+        ],
         [f"canary SWEEP (per pass, {t['sweep_passes']} passes)", fmt(t["sweep_ms_per_pass_median"]), "-"],
         ["canary SWEEP amortized (per step)", "-", fmt(t["sweep_ms_per_step_amortized"])],
     ]
@@ -115,18 +147,24 @@ def render_text(summary: dict, *, out: TextIO | None = None, verbose: bool = Fal
     c = summary["canary"]
     t = summary["timing"]
     w = summary["workload"]
-    head = [f"canary: real-KV hash {c['real_kv_hash_mode']}, sweep every {c['sweep_interval']} steps, "
-            f"token oracle {'on' if c['token_oracle'] else 'off'}; backend {t['backend']} on {t['device']}",
-            f"workload: {w['num_requests']} requests x {w['max_new_tokens']} new tokens, "
-            f"{w['prefix_hit_tokens']}/{w['prompt_tokens']} prompt tokens from the prefix cache, "
-            f"{w['pages_allocated']} page allocations from a {summary['engine']['num_pages'] - 1}-page pool, "
-            f"{w['pages_evicted']} pages evicted from the prefix cache (clean phase)"]
-    fp_line = (f"false positives (clean phase + before injections): {summary['false_positives']}"
-               + ("" if not summary["false_positives"] else f"  {summary['false_positive_reasons']}"))
+    head = [
+        f"canary: real-KV hash {c['real_kv_hash_mode']}, sweep every {c['sweep_interval']} steps, "
+        f"token oracle {'on' if c['token_oracle'] else 'off'}; backend {t['backend']} on {t['device']}",
+        f"workload: {w['num_requests']} requests x {w['max_new_tokens']} new tokens, "
+        f"{w['prefix_hit_tokens']}/{w['prompt_tokens']} prompt tokens from the prefix cache, "
+        f"{w['pages_allocated']} page allocations from a {summary['engine']['num_pages'] - 1}-page pool, "
+        f"{w['pages_evicted']} pages evicted from the prefix cache (clean phase)",
+    ]
+    fp_line = f"false positives (clean phase + before injections): {summary['false_positives']}" + (
+        "" if not summary["false_positives"] else f"  {summary['false_positive_reasons']}"
+    )
     overhead = f"canary overhead vs model: {t['canary_overhead_pct']}% (mean, sweep amortized)"
     if t["device"].startswith("cpu"):
-        where = ("CPU figures: jnp reference kernels on the CPU" if t["backend"] == "reference"
-                 else "CPU figures: Pallas kernels in interpret mode on the CPU")
+        where = (
+            "CPU figures: jnp reference kernels on the CPU"
+            if t["backend"] == "reference"
+            else "CPU figures: Pallas kernels in interpret mode on the CPU"
+        )
     else:
         where = f"{t['device']}, {t['backend']} kernels"
     timing_title = f"time per step, ms ({t['clean_steps']} clean steps, compile excluded; {where})"
@@ -137,11 +175,15 @@ def render_text(summary: dict, *, out: TextIO | None = None, verbose: bool = Fal
         elif not f["expected_detect"]:
             notes.append(f"- {f['kind']}: {f['expected_miss_reason']} -> a miss is expected in this configuration")
     verdict = (
-        "OK: every fault the configuration should catch was caught, no false positives" if summary["ok"]
-        else "FAIL: " + "; ".join(
+        "OK: every fault the configuration should catch was caught, no false positives"
+        if summary["ok"]
+        else "FAIL: "
+        + "; ".join(
             [f"{f['kind']} {f['verdict']}" for f in summary["faults"] if not f["ok"]]
             + ([f"{summary['false_positives']} false positives"] if summary["false_positives"] else [])
-            + [f"health check: {e}" for e in summary.get("health_errors", [])]))
+            + [f"health check: {e}" for e in summary.get("health_errors", [])]
+        )
+    )
     rows = fault_rows(summary, verbose=verbose)
     use_rich = False
     if hasattr(out, "isatty") and out.isatty() and not os.environ.get("NO_COLOR"):
@@ -162,8 +204,7 @@ def render_text(summary: dict, *, out: TextIO | None = None, verbose: bool = Fal
         tab = Table(title="fault campaign")
         for h in FAULT_HEADERS:
             h = h.replace("detected/ ", "detected/\n").replace("steps to ", "steps to\n")
-            tab.add_column(h, overflow="fold", min_width=14 if h == "fault kind" else None,
-                           no_wrap=h == "fault kind")
+            tab.add_column(h, overflow="fold", min_width=14 if h == "fault kind" else None, no_wrap=h == "fault kind")
         for r in rows:
             style = "green" if r[-1] == "ok" else ("yellow" if r[-1].startswith(("expected", "ok", "n/a")) else "red")
             tab.add_row(*r, style=style)
@@ -198,7 +239,13 @@ def render_text(summary: dict, *, out: TextIO | None = None, verbose: bool = Fal
 
 # Fixed colours per outcome (the legend uses explicit handles, never a bar's colour).
 C_INJECTED, C_DETECTED, C_MISSED, C_EXPECTED_MISS, C_NOT_INJECTED, C_LATENCY = (
-    "#9aa5b1", "#2e7d32", "#c62828", "#f9a825", "#616161", "#1565c0")
+    "#9aa5b1",
+    "#2e7d32",
+    "#c62828",
+    "#f9a825",
+    "#616161",
+    "#1565c0",
+)
 _NO_LATENCY = {  # status -> (label in the latency panel, edge colour)
     "missed": ("MISSED", C_MISSED),
     "expected_miss": ("expected miss", C_EXPECTED_MISS),
@@ -217,7 +264,12 @@ def _pyplot():
 
 
 def plot(summary: dict, path: str) -> None:
-    """Writes :func:`plot_figure` as a PNG (raises OSError when ``path`` cannot be written)."""
+    """Writes :func:`plot_figure` as a PNG.
+
+    Raises:
+      OSError: ``path`` cannot be written.
+      ImportError: matplotlib is not installed (the CLI checks for it before a run).
+    """
     plt = _pyplot()
     fig = plot_figure(summary)
     try:
@@ -248,14 +300,23 @@ def plot_figure(summary: dict):
         status = f.get("status", "ok")
         if status == "not_applicable":
             ax1.bar(i, top, width=0.8, facecolor="white", edgecolor=C_NOT_INJECTED, hatch="..", alpha=0.5)
-            ax1.text(i, 0.5 * top, "n/a", ha="center", va="center", fontsize=8, color=C_NOT_INJECTED,
-                     bbox=dict(facecolor="white", edgecolor="none", pad=1))
+            ax1.text(
+                i,
+                0.5 * top,
+                "n/a",
+                ha="center",
+                va="center",
+                fontsize=8,
+                color=C_NOT_INJECTED,
+                bbox=dict(facecolor="white", edgecolor="none", pad=1),
+            )
             seen.add("na")
             continue
         ax1.bar(i - 0.2, inj, width=0.4, color=C_INJECTED)
         if trials > inj:
-            ax1.bar(i - 0.2, trials - inj, width=0.4, bottom=inj, facecolor="white", edgecolor=C_NOT_INJECTED,
-                    hatch="//")
+            ax1.bar(
+                i - 0.2, trials - inj, width=0.4, bottom=inj, facecolor="white", edgecolor=C_NOT_INJECTED, hatch="//"
+            )
             seen.add("not_injected")
         ax1.bar(i + 0.2, det, width=0.4, color=C_DETECTED)
         if inj > det:
@@ -277,10 +338,12 @@ def plot_figure(summary: dict):
     wide = len(kinds) >= 6  # legends in 3 columns; else one column, which needs more headroom
     ax1.set_ylim(0, top * (1.45 if wide else 1.25 + 0.12 * len(handles)))
     ax1.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax1.set_title(f"detection per fault kind (real-KV {summary['canary']['real_kv_hash_mode']}), "
-                  f"false positives: {summary['false_positives']}", fontsize=9)
-    ax1.legend(handles=handles, loc="upper right", ncol=min(3, len(handles)) if wide else 1,
-               fontsize=7)
+    ax1.set_title(
+        f"detection per fault kind (real-KV {summary['canary']['real_kv_hash_mode']}), "
+        f"false positives: {summary['false_positives']}",
+        fontsize=9,
+    )
+    ax1.legend(handles=handles, loc="upper right", ncol=min(3, len(handles)) if wide else 1, fontsize=7)
 
     # --- panel 2: latency of the detected kinds -------------------------------------------------------------
     lat_max = max([f["max_steps_to_detect"] for f in faults if f["max_steps_to_detect"] is not None] + [1])
@@ -291,17 +354,31 @@ def plot_figure(summary: dict):
         if mean is None:
             label, col = _NO_LATENCY.get(f.get("status"), ("no detection", C_NOT_INJECTED))
             ax2.bar(i, content, width=0.6, facecolor="white", edgecolor=col, hatch="//", alpha=0.5)
-            ax2.text(i, content * 0.5, label, ha="center", va="center", rotation=90, fontsize=8, color=col,
-                     bbox=dict(facecolor="white", edgecolor="none", pad=1))
+            ax2.text(
+                i,
+                content * 0.5,
+                label,
+                ha="center",
+                va="center",
+                rotation=90,
+                fontsize=8,
+                color=col,
+                bbox=dict(facecolor="white", edgecolor="none", pad=1),
+            )
             continue
         ax2.bar(i, mean, width=0.6, color=C_LATENCY)
         if f["max_steps_to_detect"] != mean:
             ax2.plot([i - 0.2, i + 0.2], [f["max_steps_to_detect"]] * 2, color="black", lw=1.5)
         if mean == 0:
             ax2.plot([i], [0], marker="D", markersize=8, color=C_LATENCY, clip_on=False, zorder=5)
-        ax2.text(i, max(mean, f["max_steps_to_detect"]) + 0.04 * ymax,
-                 "same step" if f["max_steps_to_detect"] == 0 else f"{round(mean, 2):g}", ha="center", va="bottom",
-                 fontsize=7)
+        ax2.text(
+            i,
+            max(mean, f["max_steps_to_detect"]) + 0.04 * ymax,
+            "same step" if f["max_steps_to_detect"] == 0 else f"{round(mean, 2):g}",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
     ax2.set_xticks(x, kinds, rotation=35, ha="right")
     ax2.set_xlim(-0.7, len(kinds) - 0.3)
     ax2.set_ylim(0, ymax)
@@ -328,6 +405,9 @@ def render_violation_samples(summary: dict, *, out: TextIO | None = None) -> Non
     for f in summary["faults"]:
         for ep in f["episodes"]:
             if ep.get("first_violation_text"):
-                print(f"--- {f['kind']} trial {ep['trial']}: injected at step {ep['inject_step']} "
-                      f"{ep['details']}, first violation at step {ep['detect_step']}", file=out)
+                print(
+                    f"--- {f['kind']} trial {ep['trial']}: injected at step {ep['inject_step']} "
+                    f"{ep['details']}, first violation at step {ep['detect_step']}",
+                    file=out,
+                )
                 print(ep["first_violation_text"], file=out)

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from canary_jax import constants
-from canary_jax import hashing
+from canary_jax import constants, hashing
 from canary_jax.decode import decode_violations, format_violations, recorded_rows
+
 
 class DumpError(ValueError):
     """A dump file that cannot be read or holds nothing the decoder recognises."""
@@ -37,8 +37,19 @@ _INDEX_KEYS = ("write_index", "violation_write_index")
 _BUF_KEYS = ("canary_buf", "head_buf", "tail_buf", "k_head", "k_tail", "v_head", "v_tail")
 
 
-def save_dump(path: str, *, log, head_buf, tail_buf, req_to_token, req_pool_indices, seq_lens, k_pool_layer0,
-              page_size: int, real_kv_hash_mode: int) -> None:
+def save_dump(
+    path: str,
+    *,
+    log,
+    head_buf,
+    tail_buf,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    k_pool_layer0,
+    page_size: int,
+    real_kv_hash_mode: int,
+) -> None:
     """Writes an ``.npz`` that :func:`load_and_report` understands."""
     k = np.asarray(k_pool_layer0)
     np.savez(
@@ -88,8 +99,14 @@ def _load(path: str) -> dict[str, np.ndarray]:
 
 
 def _is_ring(a: np.ndarray) -> bool:
-    return (a.ndim == 2 and a.shape[1] == constants.VIOLATION_FIELDS and a.dtype.kind in "iu" and a.dtype.itemsize == 8) or (
-        a.ndim == 3 and a.shape[1:] == (constants.VIOLATION_FIELDS, 2) and a.dtype.itemsize == 4 and a.dtype.kind in "iu")
+    return (
+        a.ndim == 2 and a.shape[1] == constants.VIOLATION_FIELDS and a.dtype.kind in "iu" and a.dtype.itemsize == 8
+    ) or (
+        a.ndim == 3
+        and a.shape[1:] == (constants.VIOLATION_FIELDS, 2)
+        and a.dtype.itemsize == 4
+        and a.dtype.kind in "iu"
+    )
 
 
 def _is_canary_buf(a: np.ndarray) -> bool:
@@ -164,16 +181,23 @@ def _verify_buffer(buf: np.ndarray, tag: constants.CanaryLaunchTag, meta: dict, 
     keep = rpi != 0
     rpi, lens = rpi[keep], lens[keep]
     cap = max(1, int(lens.sum()))
-    vplan, _ = build_plans(req_pool_indices=rpi, prefix_lens=lens, extend_seq_lens=np.zeros_like(lens),
-                           req_to_token=r2t, verify_capacity=cap, write_req_capacity=max(1, rpi.size))
+    vplan, _ = build_plans(
+        req_pool_indices=rpi,
+        prefix_lens=lens,
+        extend_seq_lens=np.zeros_like(lens),
+        req_to_token=r2t,
+        verify_capacity=cap,
+        write_req_capacity=max(1, rpi.size),
+    )
     buf = np.array(buf)
     sources = ()
     mode = constants.RealKvHashMode(mode)
     if tag.is_tail and k_buffer is not None and mode != constants.RealKvHashMode.NONE:
         nbpt = k_buffer.shape[1] // page_size
         read = constants.PARTIAL_READ_BYTES if mode == constants.RealKvHashMode.PARTIAL else nbpt
-        sources = (RealKvSource(tensor=jnp.asarray(k_buffer), page_size=page_size, num_bytes_per_token=nbpt,
-                                read_bytes=read),)
+        sources = (
+            RealKvSource(tensor=jnp.asarray(k_buffer), page_size=page_size, num_bytes_per_token=nbpt, read_bytes=read),
+        )
         checked_rkv = True
     else:
         # Without the K bytes the stored fingerprints cannot be recomputed: blank them (NONE compares with 0).
@@ -182,8 +206,13 @@ def _verify_buffer(buf: np.ndarray, tag: constants.CanaryLaunchTag, meta: dict, 
         buf[:, : constants.CANARY_SLOT_BYTES] = rec
         mode = constants.RealKvHashMode.NONE
         checked_rkv = False
-    ctx = VerifyOrWriteContext(canary_buf=jnp.asarray(buf), kernel_kind=tag, log=ViolationLog.allocate(
-        ring_capacity=max(1, cap)), real_kv_sources=sources, real_kv_hash_mode=mode)
+    ctx = VerifyOrWriteContext(
+        canary_buf=jnp.asarray(buf),
+        kernel_kind=tag,
+        log=ViolationLog.allocate(ring_capacity=max(1, cap)),
+        real_kv_sources=sources,
+        real_kv_hash_mode=mode,
+    )
     ctx = launch.verify(ctx, vplan, backend="reference")
     return ctx.log, checked_rkv, int(lens.sum())
 
@@ -202,8 +231,10 @@ def load_and_report(path: str, *, write_index: int | None = None, start: int = 0
     if ring_key is not None:
         ring = data[ring_key]
         if not _is_ring(ring):
-            raise DumpError(f"{ring_key or 'array'} has shape {ring.shape} dtype {ring.dtype}; a violation ring is "
-                            "int64[R, 8] or uint32[R, 8, 2]")
+            raise DumpError(
+                f"{ring_key or 'array'} has shape {ring.shape} dtype {ring.dtype}; a violation ring is "
+                "int64[R, 8] or uint32[R, 8, 2]"
+            )
         ring = _ring_as_int64(ring)
         name = ring_key or "ring"
         wi_key = next((k for k in _INDEX_KEYS if k in data), None)
@@ -212,20 +243,25 @@ def load_and_report(path: str, *, write_index: int | None = None, start: int = 0
         elif wi_key is not None:
             wi_arr = np.asarray(data[wi_key]).reshape(-1)
             if wi_arr.size != 1 or wi_arr.dtype.kind not in "iu":
-                raise DumpError(f"{wi_key} has shape {data[wi_key].shape} dtype {data[wi_key].dtype}; a write index "
-                                "is one integer")
+                raise DumpError(
+                    f"{wi_key} has shape {data[wi_key].shape} dtype {data[wi_key].dtype}; a write index is one integer"
+                )
             wi, source = int(wi_arr[0]), wi_key
         else:
             wi, source = _infer_write_index(ring), "inferred"
             full = " (every row is used, so the ring may also have overflowed)" if wi == ring.shape[0] else ""
             out["warnings"].append(
                 f"{name}: the file holds no write index; assuming {wi} violations, the rows up to the last "
-                f"non-zero row{full}; pass --write-index N if you know the count")
+                f"non-zero row{full}; pass --write-index N if you know the count"
+            )
         rep = _ring_report(name, ring, wi, start)
         rep["write_index_source"] = source
         if start > 0 and start >= rep["recorded_rows"]:
-            past = (f"the {wi} recorded violations" if not rep["ring_overflow"]
-                    else f"the ring's {ring.shape[0]} rows (it overflowed: {wi} violations recorded)")
+            past = (
+                f"the {wi} recorded violations"
+                if not rep["ring_overflow"]
+                else f"the ring's {ring.shape[0]} rows (it overflowed: {wi} violations recorded)"
+            )
             out["warnings"].append(f"{name}: --start {start} is at or past {past}; nothing to decode")
         out["rings"].append(rep)
     bufs = [(k, data[k]) for k in _BUF_KEYS if k in data]
@@ -237,8 +273,10 @@ def load_and_report(path: str, *, write_index: int | None = None, start: int = 0
     k_buffer = data.get("k_buffer")
     for name, buf in bufs:
         if not _is_canary_buf(buf):
-            raise DumpError(f"{name} has shape {buf.shape} dtype {buf.dtype}; a canary buffer is "
-                            "uint8[num_slots, stride >= 32] with stride a multiple of 8")
+            raise DumpError(
+                f"{name} has shape {buf.shape} dtype {buf.dtype}; a canary buffer is "
+                "uint8[num_slots, stride >= 32] with stride a multiple of 8"
+            )
         entry: dict[str, Any] = dict(name=name, num_slots=int(buf.shape[0]), census=chain_census(buf))
         if meta_ok:
             tag = constants.CanaryLaunchTag.TAIL_K_FULL if "tail" in name else constants.CanaryLaunchTag.HEAD_K_FULL
@@ -250,8 +288,10 @@ def load_and_report(path: str, *, write_index: int | None = None, start: int = 0
             entry["verify"] = rep
         out["buffers"].append(entry)
     if not out["rings"] and not out["buffers"]:
-        raise DumpError(f"{path} holds no violation ring (int64[R, 8]) and no canary buffer (uint8[N, >=32]); "
-                        "found: " + ", ".join(f"{k or 'array'} {v.shape} {v.dtype}" for k, v in data.items()))
+        raise DumpError(
+            f"{path} holds no violation ring (int64[R, 8]) and no canary buffer (uint8[N, >=32]); "
+            "found: " + ", ".join(f"{k or 'array'} {v.shape} {v.dtype}" for k, v in data.items())
+        )
     return out
 
 
@@ -262,8 +302,15 @@ def _ring_report(name: str, ring: np.ndarray, wi: int, start: int) -> dict[str, 
     counts = collections.Counter()
     for r in recs:
         counts[f"{r.tag}:{'+'.join(r.reasons) or 'none'}"] += 1
-    return dict(name=name, ring_capacity=int(ring.shape[0]), write_index=int(wi), start=int(start),
-                recorded_rows=recorded_rows(int(wi), ring.shape[0]),
-                ring_overflow=bool(wi > ring.shape[0] or wi < 0), decoded=len(recs), by_reason=dict(counts),
-                violations=[r.as_dict() for r in recs],
-                messages=format_violations(ring, np.array([wi]), start=start))
+    return dict(
+        name=name,
+        ring_capacity=int(ring.shape[0]),
+        write_index=int(wi),
+        start=int(start),
+        recorded_rows=recorded_rows(int(wi), ring.shape[0]),
+        ring_overflow=bool(wi > ring.shape[0] or wi < 0),
+        decoded=len(recs),
+        by_reason=dict(counts),
+        violations=[r.as_dict() for r in recs],
+        messages=format_violations(ring, np.array([wi]), start=start),
+    )

@@ -1,7 +1,16 @@
 """The serving-step runtime around the kernels (SGLang ``python/sglang/srt/kv_canary/``).
 
-Modules: :mod:`endpoints` (canary buffer groups, HEAD / TAIL / SWEEP endpoints and their dispatch),
-:mod:`step` (the jit-able per-forward step API: plan, HEAD, TAIL, sweep), :mod:`sweep` (sweep plans over
-cached prefixes) and :mod:`report` (violation reporting, stats, health checks). The runtime builds on the
-contract modules of :mod:`canary_jax` and never imports the Pallas kernels or torch at import time.
+Modules:
+
+* :mod:`~canary_jax.runtime.groups`: canary buffer groups (HEAD / TAIL buffers, real-KV sources and LUT of
+  one pool) and :class:`~canary_jax.runtime.groups.PoolKind`.
+* :mod:`~canary_jax.runtime.endpoints`: HEAD / TAIL / SWEEP endpoints built from a group, and their dispatch.
+* :mod:`~canary_jax.runtime.state`: the per-forward step's types (config, batch, state, plans, summary).
+* :mod:`~canary_jax.runtime.step`: the jit-able per-forward step API (plan, HEAD, TAIL, sweep).
+* :mod:`~canary_jax.runtime.sweep`: sweep plans over cached prefixes.
+* :mod:`~canary_jax.runtime.report`: violation reporting, stats, health checks (host side).
+
+The runtime builds on the contract modules of :mod:`canary_jax` only: it never imports the command-line
+tools (:mod:`canary_jax.cli`), the Pallas kernels, :mod:`interop` or torch at import time (the Pallas
+backend is loaded by :func:`canary_jax.launch.verify` / :func:`canary_jax.launch.write` when chosen).
 """

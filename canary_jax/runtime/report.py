@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
-from canary_jax import constants
-from canary_jax import decode
-from canary_jax import ints
-from canary_jax import layout
+from canary_jax import constants, decode, ints, layout
 
 logger = logging.getLogger("canary_jax")
 
@@ -175,7 +173,8 @@ class CanaryStats:
     Fields:
       step: the outer step.
       protected_tokens: sum over tags of slot_run_counters (entries verified + slots written).
-      sweep_passes: completed sweep passes (host count, e.g. :attr:`canary_jax.runtime.sweep.SweepSchedule.sweep_passes`).
+      sweep_passes: completed sweep passes (host count, e.g.
+        :attr:`canary_jax.runtime.sweep.SweepSchedule.sweep_passes`).
       violations: the ring's write index (all violations ever recorded).
       ring_overflow: violations beyond the ring capacity were dropped.
       launch_tags_active: tags the manager launches; ``num_tags`` = 12.
@@ -197,22 +196,32 @@ class CanaryStats:
         return format_stats(self)
 
 
-def canary_stats(log: layout.ViolationLog, *, step: int = 0, sweep_passes: int = 0,
-                 active_tags: Sequence[int] = ()) -> CanaryStats:
+def canary_stats(
+    log: layout.ViolationLog, *, step: int = 0, sweep_passes: int = 0, active_tags: Sequence[int] = ()
+) -> CanaryStats:
     """Reads the log's counters back and summarises them (one device-to-host copy)."""
     slot_runs, kernel_runs = log.counters()
     wi = log.num_violations()
-    return CanaryStats(step=int(step), protected_tokens=int(slot_runs.sum()), sweep_passes=int(sweep_passes),
-                       violations=wi, ring_overflow=wi > log.ring_capacity,
-                       launch_tags_active=len(tuple(active_tags)), num_tags=constants.NUM_LAUNCH_TAGS,
-                       kernel_runs=kernel_runs, slot_runs=slot_runs)
+    return CanaryStats(
+        step=int(step),
+        protected_tokens=int(slot_runs.sum()),
+        sweep_passes=int(sweep_passes),
+        violations=wi,
+        ring_overflow=wi > log.ring_capacity,
+        launch_tags_active=len(tuple(active_tags)),
+        num_tags=constants.NUM_LAUNCH_TAGS,
+        kernel_runs=kernel_runs,
+        slot_runs=slot_runs,
+    )
 
 
 def format_stats(stats: CanaryStats) -> str:
     """``[canary] step=%d protected_tokens=%d sweep_passes=%d violations=%d launch_tags_active=%d/%d``."""
-    return (f"[canary] step={stats.step} protected_tokens={stats.protected_tokens} "
-            f"sweep_passes={stats.sweep_passes} violations={stats.violations} "
-            f"launch_tags_active={stats.launch_tags_active}/{stats.num_tags}")
+    return (
+        f"[canary] step={stats.step} protected_tokens={stats.protected_tokens} "
+        f"sweep_passes={stats.sweep_passes} violations={stats.violations} "
+        f"launch_tags_active={stats.launch_tags_active}/{stats.num_tags}"
+    )
 
 
 class StatsLogger:
@@ -221,8 +230,14 @@ class StatsLogger:
     earlier when ``delayed``.
     """
 
-    def __init__(self, *, active_tags: Sequence[int] = (), every_n_steps: int = DEFAULT_STATS_EVERY_N_STEPS,
-                 delayed: bool = False, log: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        active_tags: Sequence[int] = (),
+        every_n_steps: int = DEFAULT_STATS_EVERY_N_STEPS,
+        delayed: bool = False,
+        log: logging.Logger | None = None,
+    ) -> None:
         self.active_tags = tuple(active_tags)
         self.every_n_steps = int(every_n_steps)
         self.delayed = bool(delayed)
@@ -232,8 +247,17 @@ class StatsLogger:
     def step(self, log: layout.ViolationLog, *, step: int, sweep_passes: int = 0) -> str | None:
         """Returns the logged line, if any."""
         due = self.every_n_steps > 0 and step != 0 and step % self.every_n_steps == 0
-        snap = (int(step), _snapshot(log.slot_run_counters), _snapshot(log.write_index),
-                _snapshot(log.kernel_run_counters), log.ring_capacity) if due else None
+        snap = (
+            (
+                int(step),
+                _snapshot(log.slot_run_counters),
+                _snapshot(log.write_index),
+                _snapshot(log.kernel_run_counters),
+                log.ring_capacity,
+            )
+            if due
+            else None
+        )
         if self.delayed:
             snap, self._pending = self._pending, snap
         if snap is None:
@@ -241,17 +265,25 @@ class StatsLogger:
         s, slot_p, wi, krc, cap = snap
         slot_runs = ints.pairs_to_int64_np(np.asarray(slot_p))
         nviol = int(np.asarray(wi).reshape(-1)[0])
-        stats = CanaryStats(step=s, protected_tokens=int(slot_runs.sum()), sweep_passes=int(sweep_passes),
-                            violations=nviol, ring_overflow=nviol > cap, launch_tags_active=len(self.active_tags),
-                            num_tags=constants.NUM_LAUNCH_TAGS, kernel_runs=ints.pairs_to_int64_np(np.asarray(krc)),
-                            slot_runs=slot_runs)
+        stats = CanaryStats(
+            step=s,
+            protected_tokens=int(slot_runs.sum()),
+            sweep_passes=int(sweep_passes),
+            violations=nviol,
+            ring_overflow=nviol > cap,
+            launch_tags_active=len(self.active_tags),
+            num_tags=constants.NUM_LAUNCH_TAGS,
+            kernel_runs=ints.pairs_to_int64_np(np.asarray(krc)),
+            slot_runs=slot_runs,
+        )
         line = format_stats(stats)
         self._logger.info(line)
         return line
 
 
-def expected_health_tags(active_tags: Iterable[int], *, sweep_interval: int = 0,
-                         enable_v_half: bool = False) -> tuple[constants.CanaryLaunchTag, ...]:
+def expected_health_tags(
+    active_tags: Iterable[int], *, sweep_interval: int = 0, enable_v_half: bool = False
+) -> tuple[constants.CanaryLaunchTag, ...]:
     """Active tags minus SWEEP tags when ``sweep_interval <= 0`` and minus V-half tags unless
     ``enable_v_half`` (SGLang's ``_expected_active_tags_for_health_check``)."""
     out = []
@@ -270,19 +302,27 @@ class HealthChecker:
     ``KernelRunCounterHealthChecker``): a silently skipped canary path must not look like a clean run.
 
     Args:
-      active_tags: tags the manager launches (e.g. :func:`canary_jax.runtime.step.active_tags`).
+      active_tags: tags the manager launches (e.g. :func:`canary_jax.runtime.state.active_tags`).
       sweep_interval: 0 = no sweeps (SWEEP tags are not expected).
       enable_v_half: V-half tags are expected only when on.
       every_n_steps, warmup_steps: check at steps ``s >= warmup_steps`` with ``s % every_n_steps == 0``.
       delayed: compare a snapshot taken at the previous call (SGLang's delayed D2H) instead of now.
     """
 
-    def __init__(self, active_tags: Iterable[int], *, sweep_interval: int = 0, enable_v_half: bool = False,
-                 every_n_steps: int = HEALTH_CHECK_EVERY_N_STEPS, warmup_steps: int = HEALTH_CHECK_WARMUP_STEPS,
-                 delayed: bool = False) -> None:
+    def __init__(
+        self,
+        active_tags: Iterable[int],
+        *,
+        sweep_interval: int = 0,
+        enable_v_half: bool = False,
+        every_n_steps: int = HEALTH_CHECK_EVERY_N_STEPS,
+        warmup_steps: int = HEALTH_CHECK_WARMUP_STEPS,
+        delayed: bool = False,
+    ) -> None:
         self.active_tags = tuple(constants.CanaryLaunchTag(int(t)) for t in active_tags)
-        self.expected_tags = expected_health_tags(self.active_tags, sweep_interval=sweep_interval,
-                                                  enable_v_half=enable_v_half)
+        self.expected_tags = expected_health_tags(
+            self.active_tags, sweep_interval=sweep_interval, enable_v_half=enable_v_half
+        )
         self.every_n_steps = int(every_n_steps)
         self.warmup_steps = int(warmup_steps)
         self.delayed = bool(delayed)
@@ -290,8 +330,12 @@ class HealthChecker:
         self._pending = None
 
     def due(self, step: int) -> bool:
-        return (bool(self.active_tags) and self.every_n_steps > 0 and step >= self.warmup_steps
-                and step % self.every_n_steps == 0)
+        return (
+            bool(self.active_tags)
+            and self.every_n_steps > 0
+            and step >= self.warmup_steps
+            and step % self.every_n_steps == 0
+        )
 
     def step(self, log: layout.ViolationLog, *, step: int) -> None:
         """Call once per outer step.

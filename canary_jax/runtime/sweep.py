@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -65,7 +66,7 @@ class RadixNode:
     lock_ref: int = 0
     swa_tombstone: bool = False
 
-    def add(self, slots: Sequence[int], **kw) -> "RadixNode":
+    def add(self, slots: Sequence[int], **kw) -> RadixNode:
         """Appends a child holding ``slots`` and returns it."""
         child = RadixNode(value=list(slots), **kw)
         if isinstance(self.children, dict):
@@ -165,8 +166,9 @@ def sweep_entries_to_plan(
     prevs = np.asarray(entries.prev_slots, np.int64).reshape(-1)
     n = slots.shape[0]
     if full_to_swa_index_mapping is not None:
-        lut = ints.pairs_to_int64_np(ints.as_int64_pairs(full_to_swa_index_mapping, name="full_to_swa_index_mapping",
-                                                         shape=(None,)))
+        lut = ints.pairs_to_int64_np(
+            ints.as_int64_pairs(full_to_swa_index_mapping, name="full_to_swa_index_mapping", shape=(None,))
+        )
         if lut.shape[0] < 1:
             raise ValueError("kv-canary: full_to_swa_index_mapping must not be empty")
         slots = _translate_host(slots, lut)
@@ -179,8 +181,7 @@ def sweep_entries_to_plan(
             f"kv-canary: radix-walker emitted {n} sweep verify entries, exceeding pre-allocated "
             f"sweep_verify_capacity={cap}; raise the sweep capacity in CanaryLaunchCapacities.from_args"
         )
-    return VerifyPlan.from_entries(slots=slots, positions=entries.positions, prev_slots=prevs,
-                                   verify_capacity=cap)
+    return VerifyPlan.from_entries(slots=slots, positions=entries.positions, prev_slots=prevs, verify_capacity=cap)
 
 
 def build_sweep_plan_from_radix(
@@ -193,8 +194,9 @@ def build_sweep_plan_from_radix(
 ) -> VerifyPlan:
     """:func:`walk_radix_tree` then :func:`sweep_entries_to_plan` (host side; see both)."""
     entries = walk_radix_tree(root, unlocked_only=unlocked_only, swa_resident_only=swa_resident_only)
-    return sweep_entries_to_plan(entries, verify_capacity=verify_capacity,
-                                 full_to_swa_index_mapping=full_to_swa_index_mapping)
+    return sweep_entries_to_plan(
+        entries, verify_capacity=verify_capacity, full_to_swa_index_mapping=full_to_swa_index_mapping
+    )
 
 
 def build_sweep_plan_from_requests(
@@ -222,9 +224,14 @@ def build_sweep_plan_from_requests(
     rpi = ints.as_int64_pairs(req_pool_indices, name="req_pool_indices", shape=(None,))
     bs = int(rpi.shape[0])
     vp, _ = build_plans(
-        req_pool_indices=rpi, prefix_lens=seq_lens, extend_seq_lens=np.zeros((bs,), np.int32),
-        req_to_token=req_to_token, verify_capacity=verify_capacity, write_req_capacity=max(1, bs),
-        swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
+        req_pool_indices=rpi,
+        prefix_lens=seq_lens,
+        extend_seq_lens=np.zeros((bs,), np.int32),
+        req_to_token=req_to_token,
+        verify_capacity=verify_capacity,
+        write_req_capacity=max(1, bs),
+        swa_window_size=swa_window_size,
+        full_to_swa_index_mapping=full_to_swa_index_mapping,
     )
     return vp
 

@@ -1,8 +1,12 @@
 """``canary-jax demo``: a small paged-KV serving engine under the KV canary, with fault injection.
 
-Modules: :mod:`model` (the transformer and its bf16 paged KV pools), :mod:`radix` (page allocator and prefix
-cache), :mod:`engine` (scheduler and the per-forward canary flow), :mod:`canary_ops` (HEAD / TAIL / SWEEP
-launches), :mod:`faults` (fault kinds), :mod:`campaign` (clean phase + fault episodes, summary),
-:mod:`workload` (prompts and sizes). Tables and the chart are drawn by :mod:`canary_jax.cli.render`, saved
-state is decoded by :mod:`canary_jax.cli.verify_dump`, and :mod:`canary_jax.cli.main` parses the command line.
+Modules: :mod:`~canary_jax.cli.demo.model` (the transformer and its bf16 paged KV pools),
+:mod:`~canary_jax.cli.demo.radix` (page allocator and prefix cache), :mod:`~canary_jax.cli.demo.scheduler`
+(admission, batching, page lifetime), :mod:`~canary_jax.cli.demo.engine` (engine config and the per-forward
+flow), :mod:`~canary_jax.cli.demo.canary_ops` (HEAD / TAIL / SWEEP launches on the runtime's step API),
+:mod:`~canary_jax.cli.demo.faults` (fault kinds), :mod:`~canary_jax.cli.demo.campaign` (clean phase + fault
+episodes), :mod:`~canary_jax.cli.demo.summary` (the report as plain data) and
+:mod:`~canary_jax.cli.demo.workload` (prompts and requests). Tables and the chart are drawn by
+:mod:`canary_jax.cli.render`, saved state is decoded by :mod:`canary_jax.cli.verify_dump`, and
+:mod:`canary_jax.cli.main` runs the command.
 """

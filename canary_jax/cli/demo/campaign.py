@@ -6,10 +6,11 @@ request); the episode then runs until the canary reports a violation (plus one s
 fail reasons) or until ``detect_window`` steps have passed. A violation before the injection is a false
 positive. The clean phase serves the whole workload with no fault; every violation there is a false
 positive. Jitted functions are shared by all episodes (fixed shapes), so only the first step compiles.
+:func:`canary_jax.cli.demo.summary.summarize` turns the :class:`CampaignResult` into the report.
 
 ``inject_at`` is ``inject_after`` plus a per-trial offset in ``[0, 8)``, capped at the last step where the
 fault can still act and be seen before the workload ends. Those steps come from a scheduler-only dry run of
-the workload (no model, no canary: milliseconds), which also refuses up front (``ConfigError``) a workload
+the workload (no model, no canary), which also refuses up front (``ConfigError``) a workload
 too short for a fault kind. A kind the model cannot host at all (``kv_flip_hi`` with 16-byte K rows) runs
 no episodes and is reported as not applicable.
 """
@@ -18,18 +19,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
-from canary_jax import constants
-from canary_jax.decode import format_violation
-from canary_jax.cli.demo.engine import ConfigError, Engine, EngineConfig, Request, Scheduler
-from canary_jax.cli.demo.faults import FAULT_KINDS, Fault, WorkloadTrace
-from canary_jax.cli.demo.model import ModelConfig, PAD_TOKEN, init_params
 from canary_jax.cli.demo import workload
+from canary_jax.cli.demo.engine import ConfigError, Engine, EngineConfig
+from canary_jax.cli.demo.faults import FAULT_KINDS, Fault, WorkloadTrace
+from canary_jax.cli.demo.model import PAD_TOKEN, ModelConfig, init_params
+from canary_jax.cli.demo.scheduler import Request, Scheduler
+from canary_jax.decode import format_violation
 
 # jax.random.PRNGKey keeps 32 bits of a seed with x64 off (2**32 would silently equal seed 0).
 MAX_SEED = 2**32 - 1
@@ -49,14 +49,18 @@ class CampaignConfig:
     prompt_path: str | None = None
 
     def __post_init__(self) -> None:
-        for name, lo in (("num_requests", 1), ("max_new_tokens", 1), ("trials", 1), ("inject_after", 0),
-                         ("detect_window", 1)):
+        for name, lo in (
+            ("num_requests", 1),
+            ("max_new_tokens", 1),
+            ("trials", 1),
+            ("inject_after", 0),
+            ("detect_window", 1),
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
         if not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
-
 
 
 @dataclasses.dataclass
@@ -111,8 +115,12 @@ def dry_run(cfg: CampaignConfig, kinds: list[Fault], requests=None) -> WorkloadT
     prompt prefixes only) is the one a fault-free episode runs.
     """
     if requests is None:
-        requests = workload.build_requests(workload.load_prompts(cfg.prompt_path), num_requests=cfg.num_requests,
-                                    max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+        requests = workload.build_requests(
+            workload.load_prompts(cfg.prompt_path),
+            num_requests=cfg.num_requests,
+            max_new_tokens=cfg.max_new_tokens,
+            seed=cfg.seed,
+        )
     reqs = [Request(rid=r.rid, prompt=list(r.prompt), max_new_tokens=r.max_new_tokens) for r in requests]
     sched = Scheduler(cfg.engine, reqs)
     ready = {f.kind: [] for f in kinds}
@@ -133,8 +141,12 @@ def dry_run(cfg: CampaignConfig, kinds: list[Fault], requests=None) -> WorkloadT
         if cfg.engine.sweep_interval > 0 and (step + 1) % cfg.engine.sweep_interval == 0:
             sweeps.append(step)
         step += 1
-    return WorkloadTrace(num_steps=step, ready={k: tuple(v) for k, v in ready.items()},
-                           alloc_steps=tuple(allocs), sweep_steps=tuple(sweeps))
+    return WorkloadTrace(
+        num_steps=step,
+        ready={k: tuple(v) for k, v in ready.items()},
+        alloc_steps=tuple(allocs),
+        sweep_steps=tuple(sweeps),
+    )
 
 
 def _reason_keys(records) -> collections.Counter:
@@ -148,16 +160,23 @@ def _reason_keys(records) -> collections.Counter:
 class Campaign:
     """Runs the clean phase and the fault episodes; ``on_step(label, step)`` feeds a progress bar."""
 
-    def __init__(self, cfg: CampaignConfig, kinds: list[Fault], *,
-                 on_step: Callable[[str, int], None] | None = None,
-                 on_episode: Callable[[str], None] | None = None, dump_path: str | None = None):
+    def __init__(
+        self,
+        cfg: CampaignConfig,
+        kinds: list[Fault],
+        *,
+        on_step: Callable[[str, int], None] | None = None,
+        on_episode: Callable[[str], None] | None = None,
+        dump_path: str | None = None,
+    ):
         self.cfg = cfg
         self.kinds = kinds
         self.on_step = on_step or (lambda label, step: None)
         self.on_episode = on_episode or (lambda label: None)
         self.prompts = workload.load_prompts(cfg.prompt_path)
-        probe = workload.build_requests(self.prompts, num_requests=cfg.num_requests, max_new_tokens=cfg.max_new_tokens,
-                                 seed=cfg.seed)
+        probe = workload.build_requests(
+            self.prompts, num_requests=cfg.num_requests, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed
+        )
         cfg.engine.check_workload([len(r.prompt) for r in probe], cfg.max_new_tokens)
         self.not_applicable = {f.kind: f.not_applicable(cfg.model) for f in kinds if f.not_applicable(cfg.model)}
         self.trace = dry_run(cfg, kinds, probe)
@@ -183,8 +202,10 @@ class Campaign:
         if short:
             raise ConfigError(
                 f"the workload is too short for {', '.join(f.kind for f in short)}: in its {self.trace.num_steps} "
-                "forward steps " + "; ".join(f"{f.kind} never finds {f.needs}" for f in short)
-                + "; raise --requests or --max-new-tokens, or leave these kinds out of --inject")
+                "forward steps "
+                + "; ".join(f"{f.kind} never finds {f.needs}" for f in short)
+                + "; raise --requests or --max-new-tokens, or leave these kinds out of --inject"
+            )
         return out
 
     def inject_step(self, fault: Fault, rng: np.random.Generator) -> int:
@@ -192,8 +213,9 @@ class Campaign:
         return min(self.cfg.inject_after + int(rng.integers(0, INJECT_SPREAD)), self.latest_inject[fault.kind])
 
     def _engine(self) -> Engine:
-        reqs = workload.build_requests(self.prompts, num_requests=self.cfg.num_requests,
-                                max_new_tokens=self.cfg.max_new_tokens, seed=self.cfg.seed)
+        reqs = workload.build_requests(
+            self.prompts, num_requests=self.cfg.num_requests, max_new_tokens=self.cfg.max_new_tokens, seed=self.cfg.seed
+        )
         eng = Engine(self.cfg.engine, self.cfg.model, reqs, params=self.params, sample_seed=self.cfg.seed)
         self.last_engine = eng
         return eng
@@ -263,11 +285,11 @@ class Campaign:
                         out.detect_step = res.step
                         out.steps_to_detect = res.step - out.inject_step
                         r = res.new_violations[0]
-                        out.first_violation = (f"{r.tag} {'+'.join(r.reasons)} slot={r.slot_idx} "
-                                               f"position={r.position}")
+                        out.first_violation = f"{r.tag} {'+'.join(r.reasons)} slot={r.slot_idx} position={r.position}"
                         n = eng.canary.log.num_violations()
                         out.first_violation_text = format_violation(
-                            r, total=n, ring_overflow=n > eng.canary.log.ring_capacity, step_when_pumped=res.step)
+                            r, total=n, ring_overflow=n > eng.canary.log.ring_capacity, step_when_pumped=res.step
+                        )
             if out.detected and res.step >= out.detect_step + 1:
                 break
             if out.injected and res.step - out.inject_step >= window:
@@ -283,11 +305,18 @@ class Campaign:
 
         running = eng.scheduler.running
         try:
-            save_dump(self.dump_path, log=eng.canary.log, head_buf=eng.canary.buffer("k_head"),
-                      tail_buf=eng.canary.buffer("k_tail"),
-                      req_to_token=eng.scheduler.req_to_token, req_pool_indices=[r.row for r in running],
-                      seq_lens=[r.kv_len for r in running], k_pool_layer0=eng.k_pool[0],
-                      page_size=self.cfg.engine.page_size, real_kv_hash_mode=self.cfg.engine.real_kv_hash_mode)
+            save_dump(
+                self.dump_path,
+                log=eng.canary.log,
+                head_buf=eng.canary.buffer("k_head"),
+                tail_buf=eng.canary.buffer("k_tail"),
+                req_to_token=eng.scheduler.req_to_token,
+                req_pool_indices=[r.row for r in running],
+                seq_lens=[r.kv_len for r in running],
+                k_pool_layer0=eng.k_pool[0],
+                page_size=self.cfg.engine.page_size,
+                real_kv_hash_mode=self.cfg.engine.real_kv_hash_mode,
+            )
         except OSError as e:  # disk full, /dev/full, permissions: reported by the CLI after the run
             self.dump_error = e.strerror or str(e)
             return
@@ -306,111 +335,16 @@ class Campaign:
                 trials.append(tr)
         fps += sum(t.false_positives for t in trials)
         return CampaignResult(
-            config=self.cfg, backend=self.last_engine.canary.backend if self.last_engine else "?",
-            device=f"{jax.default_backend()} ({jax.devices()[0].device_kind})", clean_false_positives=fps,
-            clean_reasons=clean_reasons, clean_health_errors=self.clean_health_errors, clean=clean, trials=trials,
-            total_steps=total, scheduler_stats=sched_stats, kinds=self.kinds, not_applicable=dict(self.not_applicable))
-
-
-# --- summaries ------------------------------------------------------------------------------------------
-def _ms(xs) -> float | None:
-    return round(1e3 * statistics.median(xs), 3) if xs else None
-
-
-def _mean_ms(xs) -> float | None:
-    return round(1e3 * statistics.fmean(xs), 3) if xs else None
-
-
-def summarize(result: CampaignResult) -> dict:
-    """The report as plain data (also the ``--json`` payload)."""
-    ecfg = result.config.engine
-    faults = []
-    for fault in result.kinds:
-        trs = [t for t in result.trials if t.kind == fault.kind]
-        exp = fault.expected(ecfg)
-        na = result.not_applicable.get(fault.kind, "")
-        injected = sum(t.injected for t in trs)
-        detected = sum(t.detected for t in trs)
-        lat = [t.steps_to_detect for t in trs if t.steps_to_detect is not None]
-        reasons = collections.Counter()
-        for t in trs:
-            reasons.update(t.reasons)
-        # status: a fixed vocabulary for tables and charts; verdict: the words shown to people.
-        if na:
-            status, verdict = "not_applicable", f"n/a: {na}"
-        elif injected < len(trs):
-            status = "not_injected"
-            verdict = (f"NOT INJECTED in {len(trs) - injected} of {len(trs)} trials (the workload ended before the "
-                       "fault could act; serve more --requests)")
-        elif exp.detect:
-            status = "ok" if detected == injected else "missed"
-            verdict = "ok" if detected == injected else "MISSED"
-        elif detected < injected:
-            status, verdict = "expected_miss", f"expected miss: {exp.why_not}"
-        else:
-            status, verdict = "ok_anyway", "ok (detected anyway)"
-        faults.append(dict(
-            kind=fault.kind,
-            summary=fault.summary,
-            caught_by=fault.caught_by,
-            trials=len(trs),
-            injected=injected,
-            detected=detected,
-            applicable=not na,
-            not_applicable_reason=na or None,
-            expected_detect=exp.detect and not na,
-            expected_miss_reason=(na or exp.why_not) or None,
-            steps_to_detect=lat,
-            mean_steps_to_detect=round(statistics.fmean(lat), 2) if lat else None,
-            max_steps_to_detect=max(lat) if lat else None,
-            fail_reasons=dict(sorted(reasons.items())),
-            status=status,
-            verdict=verdict,
-            ok=status in ("ok", "expected_miss", "ok_anyway", "not_applicable"),
-            episodes=[dataclasses.asdict(t) for t in trs],
-        ))
-    c = result.clean
-    model_med, canary_med = _ms(c.model_s), _ms(c.canary_s)
-    sweep_interval = result.config.engine.sweep_interval
-    sweep_per_step = (statistics.fmean(c.sweep_s) / sweep_interval) if c.sweep_s and sweep_interval else 0.0
-    timing = dict(
-        device=result.device,
-        backend=result.backend,
-        note=("wall-clock per forward step of the clean phase (first step and first sweep, which compile, left "
-              "out), measured with block_until_ready around each part; on a CPU these are CPU figures of the "
-              f"{result.backend} kernels, not GPU figures"),
-        clean_steps=c.steps,
-        model_ms_per_step_median=model_med,
-        model_ms_per_step_mean=_mean_ms(c.model_s),
-        canary_ms_per_step_median=canary_med,
-        canary_ms_per_step_mean=_mean_ms(c.canary_s),
-        sweep_ms_per_pass_median=_ms(c.sweep_s),
-        sweep_passes=len(c.sweep_s),
-        sweep_ms_per_step_amortized=round(1e3 * sweep_per_step, 3),
-        canary_overhead_pct=(round(100.0 * (statistics.fmean(c.canary_s) + sweep_per_step)
-                                   / statistics.fmean(c.model_s), 1) if c.model_s else None),
-        tokens_per_step_mean=round(statistics.fmean(c.tokens), 2) if c.tokens else None,
-    )
-    health = list(result.clean_health_errors) + [e for t in result.trials for e in t.health_errors]
-    ok = result.clean_false_positives == 0 and all(f["ok"] for f in faults) and not health
-    mode = constants.RealKvHashMode(int(ecfg.real_kv_hash_mode)).name
-    return dict(
-        ok=ok,
-        faults=faults,
-        false_positives=result.clean_false_positives,
-        false_positive_reasons=result.clean_reasons,
-        health_errors=health,
-        steps=result.total_steps,
-        timing=timing,
-        canary=dict(real_kv_hash_mode=mode, sweep_interval=ecfg.sweep_interval, token_oracle=ecfg.token_oracle,
-                    mha_v=ecfg.enable_v_half,
-                    tags=[constants.CanaryLaunchTag(t).name for t in sorted(
-                        t for t in constants.CanaryLaunchTag if t.group == "FULL"
-                        and (ecfg.sweep_interval > 0 or not t.is_sweep) and (ecfg.enable_v_half or not t.is_v_half))]),
-        workload=dict(num_requests=result.config.num_requests, max_new_tokens=result.config.max_new_tokens,
-                      trials=result.config.trials, seed=result.config.seed, **result.scheduler_stats),
-        engine=dict(page_size=ecfg.page_size, num_pages=ecfg.num_pages, max_running=ecfg.max_running,
-                    max_tokens_per_step=ecfg.max_tokens_per_step, chunk_size=ecfg.chunk_size,
-                    max_context=ecfg.max_context),
-        model=dataclasses.asdict(result.config.model),
-    )
+            config=self.cfg,
+            backend=self.last_engine.canary.backend if self.last_engine else "?",
+            device=f"{jax.default_backend()} ({jax.devices()[0].device_kind})",
+            clean_false_positives=fps,
+            clean_reasons=clean_reasons,
+            clean_health_errors=self.clean_health_errors,
+            clean=clean,
+            trials=trials,
+            total_steps=total,
+            scheduler_stats=sched_stats,
+            kinds=self.kinds,
+            not_applicable=dict(self.not_applicable),
+        )

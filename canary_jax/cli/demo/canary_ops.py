@@ -1,7 +1,7 @@
 """The demo engine's canary, on the runtime's per-forward step API (:mod:`canary_jax.runtime.step`).
 
-One FULL :class:`~canary_jax.runtime.endpoints.CanaryBufferGroup` (the demo pool has no SWA part) with HEAD and TAIL
-buffers for the K half and, with ``enable_v_half``, the V half (SGLang launches only K halves by default).
+One FULL :class:`~canary_jax.runtime.groups.CanaryBufferGroup` (the demo pool has no SWA part) with HEAD and
+TAIL buffers for the K half and, with ``enable_v_half``, the V half (SGLang launches only K halves by default).
 TAIL and SWEEP launches fingerprint layer 0 of the K (and V) pool: the pool is
 ``bf16[layers, pages, page_size * kv_dim]``, so ``pool[0]`` is a :class:`~canary_jax.sources.RealKvSource`
 with ``page_size`` slots per row (SGLang's packed-page layout; page size 1 is its MHA layout).
@@ -9,10 +9,10 @@ with ``page_size`` slots per row (SGLang's packed-page layout; page size 1 is it
 Per forward (SPEC 8.3): :func:`canary_jax.runtime.step.canary_head` plans the batch
 (:func:`canary_jax.plan_builder.build_plans`) and runs HEAD verify + write; the model writes its KV;
 :func:`canary_jax.runtime.step.canary_tail` runs TAIL verify + write with the same plans and the new KV. Every
-``sweep_interval`` steps :func:`canary_jax.runtime.step.canary_sweep` verifies every slot of the prefix cache against
-the TAIL buffer (:func:`canary_jax.runtime.sweep.build_sweep_plan_from_radix`, fixed capacity, SPEC 9 "Sweep"). All shapes are fixed, so each
-function compiles once; the backend is picked by :func:`canary_jax.backends.resolve_backend` (Pallas on GPU,
-the jnp reference elsewhere).
+``sweep_interval`` steps :func:`canary_jax.runtime.step.canary_sweep` verifies every slot of the prefix cache
+against the TAIL buffer (:func:`canary_jax.runtime.sweep.build_sweep_plan_from_radix`, fixed capacity, SPEC 9
+"Sweep"). All shapes are fixed, so each function compiles once; the backend is picked by
+:func:`canary_jax.backends.resolve_backend` (Pallas on GPU, the jnp reference elsewhere).
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ import functools
 import jax
 import numpy as np
 
-from canary_jax import constants
-from canary_jax import backends
-from canary_jax.runtime.endpoints import CanaryBufferGroup, ExpectedInputs, PoolKind
-from canary_jax.sources import RealKvSource
+from canary_jax import backends, constants
+from canary_jax.runtime.endpoints import ExpectedInputs
+from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
+from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
+from canary_jax.runtime.step import canary_head, canary_sweep, canary_tail
 from canary_jax.runtime.sweep import build_sweep_plan_from_radix
-from canary_jax.runtime.step import CanaryBatch, CanaryState, CanaryStepConfig, canary_head, canary_sweep, canary_tail
+from canary_jax.sources import RealKvSource
 
 
 def _pool_sources(pool, *, page_size: int, kv_bytes: int, mode: constants.RealKvHashMode) -> tuple:
@@ -68,18 +69,34 @@ def _sweep(state, plan, k_pool, v_pool, *, config, page_size, kv_bytes):
 class CanaryRuntime:
     """Canary state of the demo engine and its three phases (HEAD, TAIL, SWEEP)."""
 
-    def __init__(self, *, num_slots: int, page_size: int, kv_bytes_per_token: int, verify_capacity: int,
-                 write_req_capacity: int, sweep_capacity: int, real_kv_hash_mode: constants.RealKvHashMode,
-                 token_oracle: bool, ring_capacity: int, backend: str | None, enable_v_half: bool = False):
+    def __init__(
+        self,
+        *,
+        num_slots: int,
+        page_size: int,
+        kv_bytes_per_token: int,
+        verify_capacity: int,
+        write_req_capacity: int,
+        sweep_capacity: int,
+        real_kv_hash_mode: constants.RealKvHashMode,
+        token_oracle: bool,
+        ring_capacity: int,
+        backend: str | None,
+        enable_v_half: bool = False,
+    ):
         self.page_size = page_size
         self.kv_bytes = kv_bytes_per_token
         self.sweep_capacity = sweep_capacity
         self.backend = backends.resolve_backend(backend)
         self.config = CanaryStepConfig(
-            verify_capacity=verify_capacity, write_req_capacity=write_req_capacity,
+            verify_capacity=verify_capacity,
+            write_req_capacity=write_req_capacity,
             real_kv_hash_mode=constants.RealKvHashMode(int(real_kv_hash_mode)),
-            enable_write_input_assert=bool(token_oracle), enable_verify_token_assert=bool(token_oracle),
-            enable_v_half=bool(enable_v_half), backend=self.backend)
+            enable_write_input_assert=bool(token_oracle),
+            enable_verify_token_assert=bool(token_oracle),
+            enable_v_half=bool(enable_v_half),
+            backend=self.backend,
+        )
         group = CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=num_slots, has_v_half=bool(enable_v_half))
         self.state = CanaryState.create((group,), ring_capacity=ring_capacity)
         self._plans = None
@@ -108,13 +125,17 @@ class CanaryRuntime:
             req_pool_indices=batch.req_pool_indices.astype(np.int32),
             prefix_lens=batch.prefix_lens.astype(np.int32),
             extend_seq_lens=batch.extend_seq_lens.astype(np.int32),
-            input_ids=batch.input_ids, positions=batch.positions, out_cache_loc=batch.out_cache_loc,
+            input_ids=batch.input_ids,
+            positions=batch.positions,
+            out_cache_loc=batch.out_cache_loc,
             req_to_token=req_to_token,
-            expected_inputs=(ExpectedInputs(tokens=batch.expected_input_ids, positions=batch.expected_positions)
-                             if oracle else None),
+            expected_inputs=(
+                ExpectedInputs(tokens=batch.expected_input_ids, positions=batch.expected_positions) if oracle else None
+            ),
             req_to_verify_expected_tokens=expected_pool if self.config.enable_verify_token_assert else None,
-            req_to_verify_expected_tokens_valid_lens=(batch.valid_lens.astype(np.int32)
-                                                      if self.config.enable_verify_token_assert else None),
+            req_to_verify_expected_tokens_valid_lens=(
+                batch.valid_lens.astype(np.int32) if self.config.enable_verify_token_assert else None
+            ),
         )
 
     def head(self, batch, req_to_token: np.ndarray, expected_pool: np.ndarray) -> None:
@@ -124,14 +145,23 @@ class CanaryRuntime:
 
     def tail(self, k_pool, v_pool) -> None:
         """TAIL verify + write with this step's plans and the freshly written pools."""
-        self.state, self.summary = _tail(self.state, self._plans, self._batch, k_pool, v_pool, config=self.config,
-                                         page_size=self.page_size, kv_bytes=self.kv_bytes)
+        self.state, self.summary = _tail(
+            self.state,
+            self._plans,
+            self._batch,
+            k_pool,
+            v_pool,
+            config=self.config,
+            page_size=self.page_size,
+            kv_bytes=self.kv_bytes,
+        )
 
     def sweep(self, tree, k_pool, v_pool) -> int:
         """SWEEP verify of every cached prefix slot; returns the number of entries."""
         plan = build_sweep_plan_from_radix(tree.root_node, verify_capacity=self.sweep_capacity)
-        self.state = _sweep(self.state, plan, k_pool, v_pool, config=self.config, page_size=self.page_size,
-                            kv_bytes=self.kv_bytes)
+        self.state = _sweep(
+            self.state, plan, k_pool, v_pool, config=self.config, page_size=self.page_size, kv_bytes=self.kv_bytes
+        )
         self.sweep_passes += 1
         return int(np.asarray(plan.verify_num_valid)[0])
 

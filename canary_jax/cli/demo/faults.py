@@ -66,7 +66,7 @@ class Fault:
     def ready(self, sched, batch) -> bool:
         return bool(_verified_prefix_candidates(batch))
 
-    def detectable_after(self, trace: "WorkloadTrace", step: int) -> bool:
+    def detectable_after(self, trace: WorkloadTrace, step: int) -> bool:
         """Default: the step's own canary launches see the fault."""
         return step < trace.num_steps
 
@@ -142,8 +142,10 @@ class KvFlip(Fault):
 
     def not_applicable(self, model_cfg) -> str:
         if self._hi is None and model_cfg.kv_bytes_per_token <= self._lo:
-            return (f"a slot's K row has only {model_cfg.kv_bytes_per_token} bytes (--kv-heads "
-                    f"{model_cfg.num_kv_heads} x --head-dim {model_cfg.head_dim} x 2), none beyond byte {self._lo}")
+            return (
+                f"a slot's K row has only {model_cfg.kv_bytes_per_token} bytes (--kv-heads "
+                f"{model_cfg.num_kv_heads} x --head-dim {model_cfg.head_dim} x 2), none beyond byte {self._lo}"
+            )
         return ""
 
     def try_inject(self, engine, batch, rng, trial):
@@ -305,8 +307,11 @@ class CanaryFieldCorruption(Fault):
     def ready(self, sched, batch) -> bool:
         return bool(_verified_prefix_candidates(batch, min_prefix=2))
 
-    FIELDS = ((constants.CANARY_FIELD_TOKEN, "token"), (constants.CANARY_FIELD_POSITION, "position"),
-              (constants.CANARY_FIELD_PREV_HASH, "prev_hash"))
+    FIELDS = (
+        (constants.CANARY_FIELD_TOKEN, "token"),
+        (constants.CANARY_FIELD_POSITION, "position"),
+        (constants.CANARY_FIELD_PREV_HASH, "prev_hash"),
+    )
 
     def try_inject(self, engine, batch, rng, trial):
         rows = _verified_prefix_candidates(batch, min_prefix=2)

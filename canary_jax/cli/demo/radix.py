@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -56,7 +56,7 @@ class TreeNode:
 
     key: tuple = ()
     value: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0,), np.int64))
-    parent: "TreeNode | None" = None
+    parent: TreeNode | None = None
     children: dict = dataclasses.field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
@@ -86,8 +86,13 @@ class RadixCache:
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Splits ``node`` so its first ``at`` tokens become a new parent; returns that parent."""
-        new = TreeNode(key=node.key[:at], value=node.value[:at], parent=node.parent, lock_ref=node.lock_ref,
-                       last_access=node.last_access)
+        new = TreeNode(
+            key=node.key[:at],
+            value=node.value[:at],
+            parent=node.parent,
+            lock_ref=node.lock_ref,
+            last_access=node.last_access,
+        )
         new.parent.children[self._child_key(new.key)] = new
         node.key, node.value = node.key[at:], node.value[at:]
         node.parent = new

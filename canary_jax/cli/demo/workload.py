@@ -9,6 +9,7 @@ import os
 import numpy as np
 
 from canary_jax.cli.demo import model
+from canary_jax.cli.demo.scheduler import Request
 
 
 class PromptFileError(ValueError):
@@ -45,7 +46,7 @@ def load_prompts(path: str | None = None) -> PromptSet:
         if not s or s.startswith("#"):
             continue
         if s.startswith("system:"):
-            pre.append(s[len("system:"):].strip().replace("\\n", "\n") + " ")
+            pre.append(s[len("system:") :].strip().replace("\\n", "\n") + " ")
         else:
             prompts.append(s)
     if not prompts:
@@ -53,14 +54,12 @@ def load_prompts(path: str | None = None) -> PromptSet:
     return PromptSet(tuple(pre) or ("",), tuple(prompts))
 
 
-def build_requests(prompts: PromptSet, *, num_requests: int, max_new_tokens: int, seed: int = 0):
+def build_requests(prompts: PromptSet, *, num_requests: int, max_new_tokens: int, seed: int = 0) -> list[Request]:
     """``num_requests`` requests: ``preamble[i % P] + prompt[perm[i % N]]``, bytewise tokens with a BOS.
 
     Shared preambles and near-duplicate prompts give the radix cache real prefixes to share; request order
     is a seeded shuffle so shared prefixes are sometimes still running and sometimes already cached.
     """
-    from canary_jax.cli.demo.engine import Request  # local: engine imports this module's users
-
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(prompts.prompts))
     out = []

@@ -1,0 +1,147 @@
+"""The campaign's report as plain data: per fault kind, detection, latency and verdict; false positives;
+timing of the clean phase. The same dict is printed by :mod:`canary_jax.cli.render` and written by ``--json``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+
+from canary_jax import constants
+
+
+def _ms(xs) -> float | None:
+    return round(1e3 * statistics.median(xs), 3) if xs else None
+
+
+def _mean_ms(xs) -> float | None:
+    return round(1e3 * statistics.fmean(xs), 3) if xs else None
+
+
+def summarize(result) -> dict:
+    """The report of a :class:`~canary_jax.cli.demo.campaign.CampaignResult` as plain data (also the
+    ``--json`` payload): keys ``ok``, ``faults``, ``false_positives``, ``false_positive_reasons``,
+    ``health_errors``, ``steps``, ``timing`` (milliseconds per step), ``canary``, ``workload``, ``engine`` and
+    ``model``."""
+    ecfg = result.config.engine
+    faults = []
+    for fault in result.kinds:
+        trs = [t for t in result.trials if t.kind == fault.kind]
+        exp = fault.expected(ecfg)
+        na = result.not_applicable.get(fault.kind, "")
+        injected = sum(t.injected for t in trs)
+        detected = sum(t.detected for t in trs)
+        lat = [t.steps_to_detect for t in trs if t.steps_to_detect is not None]
+        reasons = collections.Counter()
+        for t in trs:
+            reasons.update(t.reasons)
+        # status: a fixed vocabulary for tables and charts; verdict: the words shown to people.
+        if na:
+            status, verdict = "not_applicable", f"n/a: {na}"
+        elif injected < len(trs):
+            status = "not_injected"
+            verdict = (
+                f"NOT INJECTED in {len(trs) - injected} of {len(trs)} trials (the workload ended before the "
+                "fault could act; serve more --requests)"
+            )
+        elif exp.detect:
+            status = "ok" if detected == injected else "missed"
+            verdict = "ok" if detected == injected else "MISSED"
+        elif detected < injected:
+            status, verdict = "expected_miss", f"expected miss: {exp.why_not}"
+        else:
+            status, verdict = "ok_anyway", "ok (detected anyway)"
+        faults.append(
+            dict(
+                kind=fault.kind,
+                summary=fault.summary,
+                caught_by=fault.caught_by,
+                trials=len(trs),
+                injected=injected,
+                detected=detected,
+                applicable=not na,
+                not_applicable_reason=na or None,
+                expected_detect=exp.detect and not na,
+                expected_miss_reason=(na or exp.why_not) or None,
+                steps_to_detect=lat,
+                mean_steps_to_detect=round(statistics.fmean(lat), 2) if lat else None,
+                max_steps_to_detect=max(lat) if lat else None,
+                fail_reasons=dict(sorted(reasons.items())),
+                status=status,
+                verdict=verdict,
+                ok=status in ("ok", "expected_miss", "ok_anyway", "not_applicable"),
+                episodes=[dataclasses.asdict(t) for t in trs],
+            )
+        )
+    c = result.clean
+    model_med, canary_med = _ms(c.model_s), _ms(c.canary_s)
+    sweep_interval = result.config.engine.sweep_interval
+    sweep_per_step = (statistics.fmean(c.sweep_s) / sweep_interval) if c.sweep_s and sweep_interval else 0.0
+    timing = dict(
+        device=result.device,
+        backend=result.backend,
+        note=(
+            "wall-clock per forward step of the clean phase (first step and first sweep, which compile, left "
+            "out), measured with block_until_ready around each part; on a CPU these are CPU figures of the "
+            f"{result.backend} kernels, not GPU figures"
+        ),
+        clean_steps=c.steps,
+        model_ms_per_step_median=model_med,
+        model_ms_per_step_mean=_mean_ms(c.model_s),
+        canary_ms_per_step_median=canary_med,
+        canary_ms_per_step_mean=_mean_ms(c.canary_s),
+        sweep_ms_per_pass_median=_ms(c.sweep_s),
+        sweep_passes=len(c.sweep_s),
+        sweep_ms_per_step_amortized=round(1e3 * sweep_per_step, 3),
+        canary_overhead_pct=(
+            round(100.0 * (statistics.fmean(c.canary_s) + sweep_per_step) / statistics.fmean(c.model_s), 1)
+            if c.model_s
+            else None
+        ),
+        tokens_per_step_mean=round(statistics.fmean(c.tokens), 2) if c.tokens else None,
+    )
+    health = list(result.clean_health_errors) + [e for t in result.trials for e in t.health_errors]
+    ok = result.clean_false_positives == 0 and all(f["ok"] for f in faults) and not health
+    mode = constants.RealKvHashMode(int(ecfg.real_kv_hash_mode)).name
+    return dict(
+        ok=ok,
+        faults=faults,
+        false_positives=result.clean_false_positives,
+        false_positive_reasons=result.clean_reasons,
+        health_errors=health,
+        steps=result.total_steps,
+        timing=timing,
+        canary=dict(
+            real_kv_hash_mode=mode,
+            sweep_interval=ecfg.sweep_interval,
+            token_oracle=ecfg.token_oracle,
+            mha_v=ecfg.enable_v_half,
+            tags=[
+                constants.CanaryLaunchTag(t).name
+                for t in sorted(
+                    t
+                    for t in constants.CanaryLaunchTag
+                    if t.group == "FULL"
+                    and (ecfg.sweep_interval > 0 or not t.is_sweep)
+                    and (ecfg.enable_v_half or not t.is_v_half)
+                )
+            ],
+        ),
+        workload=dict(
+            num_requests=result.config.num_requests,
+            max_new_tokens=result.config.max_new_tokens,
+            trials=result.config.trials,
+            seed=result.config.seed,
+            **result.scheduler_stats,
+        ),
+        engine=dict(
+            page_size=ecfg.page_size,
+            num_pages=ecfg.num_pages,
+            max_running=ecfg.max_running,
+            max_tokens_per_step=ecfg.max_tokens_per_step,
+            chunk_size=ecfg.chunk_size,
+            max_context=ecfg.max_context,
+        ),
+        model=dataclasses.asdict(result.config.model),
+    )
