@@ -2,8 +2,9 @@
 """Compile the Pallas kernels' Triton IR for the H100/H200 (sm_90) on a machine without a GPU, and report
 compile time per Triton pass stage, registers, spills and memory instructions.
 
-Why: on the H200 a write program took 17 to 30 s to compile (``benchmarks/results/``), which kept the shared
-suite from running compiled there. This probe finds out offline where that time goes, without device time.
+Why: on the H200 a write program took tens of seconds to compile (``benchmarks/results/2026-11-30_h200_pallas.md``,
+"Compile time"), which kept the shared suite from running compiled there. This probe finds out offline where
+that time goes, without device time.
 
 How:
 
@@ -20,8 +21,8 @@ The triton package is not a dependency of canary-jax; install it in a separate e
 XLA on the GPU compiles the same TTIR with its own bundled Triton, so absolute times differ from the GPU
 host's; compare variants within one run.
 
-Usage:
-  python benchmarks/compile_probe.py --triton-python ENV/bin/python --op write --sources 0 \\
+Usage (from the repository root):
+  python -m benchmarks.compile_probe --triton-python ENV/bin/python --op write --sources 0 \\
       --config '{"write_prefetch": 8}' --kernel canary_write_chain --out DIR
 """
 
@@ -35,12 +36,9 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-_COMPILE = r'''
+_COMPILE = r"""
 import json, sys, time, triton
 from triton.backends.compiler import GPUTarget
 path, warps = sys.argv[1], int(sys.argv[2])
@@ -49,7 +47,7 @@ k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps":
 dt = time.perf_counter() - t
 open(path + ".ptx", "w").write(k.asm["ptx"])
 print(json.dumps({"compile_s": dt, "shared_bytes": k.metadata.shared}))
-'''
+"""
 
 
 def lower_ttir(op: str, sources: int, config: dict, write_reqs: int = 64, write_tokens: int = 64) -> dict[str, str]:
@@ -60,21 +58,24 @@ def lower_ttir(op: str, sources: int, config: dict, write_reqs: int = 64, write_
 
     import canary_jax
     from canary_jax import ints
-    from pallas_kernels import verify
-    from pallas_kernels import write
+    from pallas_kernels import verify, write
     from pallas_kernels.config import PallasConfig
 
     orig = pl.pallas_call
     pl.pallas_call = functools.partial(orig, debug=True)
     try:
         n = 4096
-        src = canary_jax.RealKvSource(tensor=jnp.zeros((n, 256), jnp.uint8), page_size=1, num_bytes_per_token=256,
-                              read_bytes=256)
+        src = canary_jax.RealKvSource(
+            tensor=jnp.zeros((n, 256), jnp.uint8), page_size=1, num_bytes_per_token=256, read_bytes=256
+        )
         mode = canary_jax.RealKvHashMode.ALL if sources else canary_jax.RealKvHashMode.NONE
-        ctx = canary_jax.VerifyOrWriteContext(canary_buf=jnp.zeros((n, 32), jnp.uint8),
-                                      kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
-                                      log=canary_jax.ViolationLog.allocate(ring_capacity=64),
-                                      real_kv_sources=(src,) * sources, real_kv_hash_mode=mode)
+        ctx = canary_jax.VerifyOrWriteContext(
+            canary_buf=jnp.zeros((n, 32), jnp.uint8),
+            kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+            log=canary_jax.ViolationLog.allocate(ring_capacity=64),
+            real_kv_sources=(src,) * sources,
+            real_kv_hash_mode=mode,
+        )
         cfg = PallasConfig(**config)
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
@@ -82,13 +83,16 @@ def lower_ttir(op: str, sources: int, config: dict, write_reqs: int = 64, write_
                 per = write_tokens // write_reqs
                 plan = canary_jax.WritePlan.from_requests(counts=[per] * write_reqs, seed_slots=[-1] * write_reqs)
                 ids = jnp.asarray(ints.int64_to_pairs_np(np.arange(write_tokens, dtype=np.int64)))
-                write._write_jit.trace(ctx, plan, ids, ids, ids, None, None, assert_inputs=False, interpret=False,
-                                   config=cfg).lower(lowering_platforms=("cuda",))
+                write._write_jit.trace(
+                    ctx, plan, ids, ids, ids, None, None, assert_inputs=False, interpret=False, config=cfg
+                ).lower(lowering_platforms=("cuda",))
             else:
-                plan = canary_jax.VerifyPlan.from_entries(slots=np.arange(1, 65), positions=np.arange(64),
-                                                  prev_slots=np.arange(64) - 1)
-                verify._verify_jit.trace(ctx, plan, check=False, interpret=False,
-                                    config=cfg).lower(lowering_platforms=("cuda",))
+                plan = canary_jax.VerifyPlan.from_entries(
+                    slots=np.arange(1, 65), positions=np.arange(64), prev_slots=np.arange(64) - 1
+                )
+                verify._verify_jit.trace(ctx, plan, check=False, interpret=False, config=cfg).lower(
+                    lowering_platforms=("cuda",)
+                )
     finally:
         pl.pallas_call = orig
     out = {}
@@ -142,10 +146,15 @@ def sass_loops(nvdisasm: str, cubin: str) -> list[dict]:
             for t, _ in body:
                 op = (t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0]
                 ops[op] = ops.get(op, 0) + 1
-            loops.append({"start": hex(lo), "instructions": len(body),
-                          "stall_cycles": sum((c >> 41) & 0xF for _, c in body),
-                          "scoreboard_waits": sum(1 for _, c in body if (c >> 52) & 0x3F),
-                          "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:10])})
+            loops.append(
+                {
+                    "start": hex(lo),
+                    "instructions": len(body),
+                    "stall_cycles": sum((c >> 41) & 0xF for _, c in body),
+                    "scoreboard_waits": sum(1 for _, c in body if (c >> 52) & 0x3F),
+                    "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:10]),
+                }
+            )
     return loops
 
 
@@ -155,12 +164,18 @@ def main():
     ap.add_argument("--op", choices=("write", "verify"), default="write")
     ap.add_argument("--sources", type=int, default=0, help="real-KV sources (ALL mode, 256-byte rows)")
     ap.add_argument("--config", default="{}", help="JSON PallasConfig overrides")
-    ap.add_argument("--write-shape", default="64x1", help="write launch shape REQUESTSxTOKENS_EACH (the "
-                    "long-request role is compiled in for e.g. 1x4096)")
+    ap.add_argument(
+        "--write-shape",
+        default="64x1",
+        help="write launch shape REQUESTSxTOKENS_EACH (the long-request role is compiled in for e.g. 1x4096)",
+    )
     ap.add_argument("--kernel", default="", help="only this pallas_call name (default: all)")
     ap.add_argument("--timing", action="store_true", help="MLIR_ENABLE_TIMING=1: per-pass times in the log")
-    ap.add_argument("--sass", action="store_true",
-                    help="disassemble (nvdisasm -hex) and report each loop's instructions and static stall cycles")
+    ap.add_argument(
+        "--sass",
+        action="store_true",
+        help="disassemble (nvdisasm -hex) and report each loop's instructions and static stall cycles",
+    )
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -170,11 +185,23 @@ def main():
     from pallas_kernels.config import PallasConfig
 
     cfg = PallasConfig(**config)
-    warps = {"canary_write_chain": cfg.write_num_warps, "canary_verify": cfg.verify_num_warps,
-             "canary_verify_rows": cfg.verify_num_warps, "canary_write_long": cfg.write_num_warps}
-    ptxas = subprocess.run([a.triton_python, "-c", "import triton, os; print(os.path.join(os.path.dirname("
-                            "triton.__file__), 'backends', 'nvidia', 'bin', 'ptxas'))"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    warps = {
+        "canary_write_chain": cfg.write_num_warps,
+        "canary_verify": cfg.verify_num_warps,
+        "canary_verify_rows": cfg.verify_num_warps,
+        "canary_write_long": cfg.write_num_warps,
+    }
+    ptxas = subprocess.run(
+        [
+            a.triton_python,
+            "-c",
+            "import triton, os; print(os.path.join(os.path.dirname("
+            "triton.__file__), 'backends', 'nvidia', 'bin', 'ptxas'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     rows = []
     for name, text in ttir.items():
         if a.kernel and name != a.kernel:
@@ -184,20 +211,27 @@ def main():
             f.write(text)
         env = dict(os.environ, TRITON_ALWAYS_COMPILE="1", MLIR_ENABLE_TIMING="1" if a.timing else "0")
         t = time.perf_counter()
-        res = subprocess.run([a.triton_python, "-c", _COMPILE, path, str(warps.get(name, 4))], capture_output=True,
-                             text=True, env=env)
+        res = subprocess.run(
+            [a.triton_python, "-c", _COMPILE, path, str(warps.get(name, 4))], capture_output=True, text=True, env=env
+        )
         wall = time.perf_counter() - t
         with open(path + ".log", "w") as f:
             f.write(res.stdout + res.stderr)
-        row = {"kernel": name, "ttir_ops": text.count(" = ") + text.count("tt.store"),
-               "tt_load": text.count("tt.load"), "tt_store": text.count("tt.store"), "wall_s": round(wall, 1)}
+        row = {
+            "kernel": name,
+            "ttir_ops": text.count(" = ") + text.count("tt.store"),
+            "tt_load": text.count("tt.load"),
+            "tt_store": text.count("tt.store"),
+            "wall_s": round(wall, 1),
+        }
         if res.returncode != 0:
             row["error"] = (res.stderr.strip().splitlines() or ["?"])[-1][:200]
         else:
             row.update(json.loads(res.stdout.strip().splitlines()[-1]))
             row["compile_s"] = round(row["compile_s"], 1)
-            v = subprocess.run([ptxas, "-arch=sm_90a", "-v", path + ".ptx", "-o", path + ".cubin"],
-                               capture_output=True, text=True).stderr
+            v = subprocess.run(
+                [ptxas, "-arch=sm_90a", "-v", path + ".ptx", "-o", path + ".cubin"], capture_output=True, text=True
+            ).stderr
             m = re.search(r"Used (\d+) registers", v)
             sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)
             row["registers"] = int(m.group(1)) if m else None

@@ -174,7 +174,8 @@ extern "C" __global__ void peer_write(
     const i64 pos = positions[i];
     const u64 rk = real_kv_hash(src, slot);
     if (gate) {
-      if (pos != run_pos + 1) put_row(ring, ring_cap, write_index, tag, slot, pos, tok, tok, (i64)running, run_pos + 1, 16);
+      if (pos != run_pos + 1)
+        put_row(ring, ring_cap, write_index, tag, slot, pos, tok, tok, (i64)running, run_pos + 1, 16);
       run_pos = pos;
     }
     i64* rec = reinterpret_cast<i64*>(canary + slot * stride);
@@ -215,20 +216,84 @@ class CudaPeer:
             ptrs.append(dummy)
         return tuple(ptrs) + (cp.asarray(params.reshape(-1)), np.int32(len(srcs)), np.int32(int(mode)))
 
-    def verify(self, canary, slots, exp_tok, exp_pos, prev, num_valid, enable, ring, write_index, slot_counter,
-               kernel_counter, *, tag: int, check: bool, sources, stream=None):
-        cp = self.cp
-        args = (canary, np.int64(canary.shape[1]), slots, exp_tok, exp_pos, prev, num_valid, enable,
-                np.int64(slots.shape[0]), ring, np.int32(ring.shape[0]), write_index, slot_counter,
-                kernel_counter, np.int32(tag), np.int32(int(check))) + tuple(sources)
+    def verify(
+        self,
+        canary,
+        slots,
+        exp_tok,
+        exp_pos,
+        prev,
+        num_valid,
+        enable,
+        ring,
+        write_index,
+        slot_counter,
+        kernel_counter,
+        *,
+        tag: int,
+        check: bool,
+        sources,
+        stream=None,
+    ):
+        args = (
+            canary,
+            np.int64(canary.shape[1]),
+            slots,
+            exp_tok,
+            exp_pos,
+            prev,
+            num_valid,
+            enable,
+            np.int64(slots.shape[0]),
+            ring,
+            np.int32(ring.shape[0]),
+            write_index,
+            slot_counter,
+            kernel_counter,
+            np.int32(tag),
+            np.int32(int(check)),
+        ) + tuple(sources)
         self._launch(self._verify, (self.VERIFY_GRID,), (self.VERIFY_BLOCK,), args, stream)
 
-    def write(self, canary, offsets, seeds, num_reqs, ids, positions, loc, ring, write_index, slot_counter,
-              kernel_counter, chain_assert, *, tag: int, sources, stream=None):
+    def write(
+        self,
+        canary,
+        offsets,
+        seeds,
+        num_reqs,
+        ids,
+        positions,
+        loc,
+        ring,
+        write_index,
+        slot_counter,
+        kernel_counter,
+        chain_assert,
+        *,
+        tag: int,
+        sources,
+        stream=None,
+    ):
         cw = seeds.shape[0]
-        args = (canary, np.int64(canary.shape[1]), np.int64(canary.shape[0]), offsets, seeds, num_reqs,
-                np.int64(cw), ids, positions, loc, ring, np.int32(ring.shape[0]), write_index, slot_counter,
-                kernel_counter, chain_assert, np.int32(tag)) + tuple(sources)
+        args = (
+            canary,
+            np.int64(canary.shape[1]),
+            np.int64(canary.shape[0]),
+            offsets,
+            seeds,
+            num_reqs,
+            np.int64(cw),
+            ids,
+            positions,
+            loc,
+            ring,
+            np.int32(ring.shape[0]),
+            write_index,
+            slot_counter,
+            kernel_counter,
+            chain_assert,
+            np.int32(tag),
+        ) + tuple(sources)
         self._launch(self._write, (max(1, cw),), (1,), args, stream)
 
     @staticmethod

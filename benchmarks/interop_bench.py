@@ -12,20 +12,23 @@ The verified slots are stamped beforehand by the case's own write program (64 on
 writes of 32 x 8 tokens), so stamping compiles nothing extra and no violation fires.
 
 Each op is timed (a) torch-launched through ``interop.sglang`` on the torch tensors, (b) JAX-launched: the
-very same jitted program (``interop.inplace.last_launch_program``) called from JAX on JAX-side copies of its
+very same jitted program (``interop.runner.last_launch_program``) called from JAX on JAX-side copies of its
 inputs, donating, without the torch handshake; nothing extra to compile. ``us_per_call`` = wall time of 100
 back-to-back launches then one device sync (throughput; what a serving loop pays), ``latency_us`` = median
 over 30 single launches each followed by a device sync. ``overhead_us`` = torch - JAX. ``--api-twin`` also
 times ``canary_jax.verify`` / ``canary_jax.write`` on JAX-owned copies (compiles two more programs).
 
-Attribution (tiny case, first size): the launch's host time per phase (``interop.inplace.phase_times``), the
+Attribution (tiny case, first size): the launch's host time per phase (``interop.runner.phase_times``), the
 stream modes ``fence`` / ``host`` / ``none`` and the alias-check modes ``first`` (default) / ``every``, and
 ``overhead_profile``: each handshake step timed alone.
 
-Usage: python3 benchmarks/interop_bench.py --out DIR [--sizes 1048576 16777216] [--backends pallas reference]
-       [--cases tiny full] [--deadline-s S]
+Usage (from the repository root): python -m benchmarks.interop_bench --out DIR [--sizes 1048576 16777216]
+       [--backends pallas reference] [--cases tiny full] [--deadline-s S]
 Writes DIR/interop_gpu.json, DIR/interop_gpu.md (rewritten after every case) and DIR/interop_gpu_log.txt.
-``INTEROP_BENCH_DEVICE=cpu`` runs the same code on CPU tensors (dry run).
+``INTEROP_BENCH_DEVICE=cpu`` runs the same code on CPU tensors (dry run), e.g.
+``INTEROP_BENCH_DEVICE=cpu python -m benchmarks.interop_bench --out DIR --sizes 4096 --cap 2048 --backends
+reference --cases tiny``. Setup, JAX twins and the timer: ``benchmarks.interop_setup``; figures:
+``benchmarks/results/interop_gpu.md``.
 """
 
 from __future__ import annotations
@@ -33,191 +36,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import jax
+import torch
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-import canary_jax  # noqa: E402
-from canary_jax import layout  # noqa: E402
-from canary_jax import plans  # noqa: E402
-from interop import dlpack  # noqa: E402
-from interop import inplace  # noqa: E402
-from interop import sglang  # noqa: E402
-
-DEV = os.environ.get("INTEROP_BENCH_DEVICE", "cuda")
-REQS = 32
-WRITE_TOKENS = 8
-
-
-def sync():
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-
-
-def timeit(fn, *, n=100, lat_n=30, warm=5, block=None):
-    for _ in range(warm):
-        fn()
-    sync()
-    if block:
-        block()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    sync()
-    if block:
-        block()
-    thr = (time.perf_counter() - t0) / n * 1e6
-    lat = []
-    for _ in range(lat_n):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        if block:
-            block()
-        lat.append((time.perf_counter() - t0) * 1e6)
-    return round(thr, 1), round(statistics.median(lat), 1)
-
-
-class Setup:
-    def __init__(self, n_slots: int, cap: int, seed: int = 0):
-        g = torch.Generator(device=DEV).manual_seed(seed)
-        self.n = n_slots
-        self.buf = torch.zeros(n_slots, 32, dtype=torch.uint8, device=DEV)
-        self.k0 = torch.randn(n_slots, 64, generator=g, device=DEV).to(torch.bfloat16)
-        self.state = sglang.CanaryDeviceState.allocate(ring_capacity=1024, device=DEV)
-        self.src = sglang.RealKvSource(tensor=self.k0, page_size=1, num_bytes_per_token=128, read_bytes=128)
-        self.ctx = self.state.context(canary_buf=self.buf, kernel_kind=sglang.CanaryLaunchTag.TAIL_K_FULL,
-                                      real_kv_sources=(self.src,), real_kv_hash_mode=sglang.RealKvHashMode.PARTIAL)
-        per = cap // REQS
-        if per % WRITE_TOKENS or per < 64:
-            raise ValueError(f"--cap must be a multiple of {REQS * WRITE_TOKENS} and >= {REQS * 64}, got {cap}")
-        perm = torch.randperm(n_slots - 1, generator=g, device=DEV)[: cap + REQS * WRITE_TOKENS] + 1
-        self.prefix_slots = perm[:cap].reshape(REQS, per)
-        self.new_slots = perm[cap:].reshape(REQS, WRITE_TOKENS)
-        self.per = per
-        self.cap = cap
-
-    def write_args(self, tiny, backend):
-        """The case's write tensors (timed launch: new slots after the stamped prefix) and a stamp function
-        that writes the verified prefix through the same tensors, i.e. the same compiled program."""
-        reqs, tok = (1, 1) if tiny else (REQS, WRITE_TOKENS)
-        plen = 64 if tiny else self.per  # stamped positions per request
-        wp = sglang.WritePlan.allocate(write_req_capacity=reqs, device=DEV)
-        wp.write_offsets.copy_(torch.arange(reqs + 1, device=DEV) * tok)
-        wp.write_num_valid_reqs.fill_(reqs)
-        kw = dict(input_ids=torch.randint(0, 50000, (reqs * tok,), device=DEV),
-                  positions=torch.zeros(reqs * tok, dtype=torch.int64, device=DEV),
-                  out_cache_loc=torch.zeros(reqs * tok, dtype=torch.int64, device=DEV),
-                  enable_write_input_assert=False, expected_input_tokens=None, expected_input_positions=None)
-
-        def launch():
-            sglang.launch_canary_write_kernel(context=self.ctx, plan=wp, backend=backend, **kw)
-
-        def set_chunk(first):
-            """Positions first .. first + tok - 1 of requests 0 .. reqs - 1 (first == plen: the new slots)."""
-            if first >= plen:
-                slots = self.new_slots[:reqs, :tok]
-            else:
-                slots = self.prefix_slots[:reqs, first : first + tok]
-            seeds = self.prefix_slots[:reqs, first - 1] if first > 0 else torch.full((reqs,), -1, device=DEV)
-            wp.write_seed_slot_indices.copy_(seeds)
-            kw["out_cache_loc"].copy_(slots.reshape(-1))
-            kw["positions"].copy_((torch.arange(tok, device=DEV) + first).repeat(reqs))
-            kw["input_ids"].copy_(torch.randint(0, 50000, (reqs * tok,), device=DEV))
-
-        def stamp():
-            for first in range(0, plen, tok):
-                set_chunk(first)
-                launch()
-            set_chunk(plen)
-            sync()
-
-        return launch, stamp, reqs * tok
-
-    def verify_plan(self, tiny):
-        """Clean entries: tiny = the first 64 positions of request 0, full = every prefix position."""
-        if tiny:
-            slots = self.prefix_slots[0, :64]
-            prev = torch.cat([torch.tensor([-1], device=DEV), slots[:-1]])
-            pos = torch.arange(64, device=DEV)
-        else:
-            slots = self.prefix_slots.reshape(-1)
-            prev = torch.cat([torch.full((REQS, 1), -1, device=DEV, dtype=torch.int64),
-                              self.prefix_slots[:, :-1]], 1).reshape(-1)
-            pos = torch.arange(self.per, device=DEV).repeat(REQS)
-        vp = sglang.VerifyPlan.allocate(verify_capacity=slots.shape[0], device=DEV)
-        vp.verify_slot_indices.copy_(slots)
-        vp.verify_prev_slot_indices.copy_(prev)
-        vp.verify_expected_positions.copy_(pos)
-        vp.verify_expected_tokens.fill_(-1)
-        vp.verify_num_valid.fill_(slots.shape[0])
-        vp.enable.fill_(1)
-        return vp
-
-    # --- canary_jax API twins (--api-twin) ----------------------------------------------------------------
-    def jax_context(self):
-        buf = jnp.array(dlpack.to_jax(self.buf, name="buf"))  # a JAX-owned copy
-        src = canary_jax.RealKvSource(tensor=jnp.array(dlpack.to_jax(self.k0.view(torch.uint8), name="k0")), page_size=1,
-                              num_bytes_per_token=128, read_bytes=128)
-        log = layout.ViolationLog.allocate(ring_capacity=1024)
-        return canary_jax.VerifyOrWriteContext(canary_buf=buf, kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL, log=log,
-                                       real_kv_sources=(src,), real_kv_hash_mode=canary_jax.RealKvHashMode.PARTIAL)
-
-
-def jax_pairs(t):
-    return jax.lax.bitcast_convert_type(jnp.array(dlpack.to_jax(t, name="t")), jnp.uint32)
-
-
-def jax_verify_plan(vp):
-    return plans.VerifyPlan(verify_slot_indices=jax_pairs(vp.verify_slot_indices),
-                        verify_expected_tokens=jax_pairs(vp.verify_expected_tokens),
-                        verify_expected_positions=jax_pairs(vp.verify_expected_positions),
-                        verify_prev_slot_indices=jax_pairs(vp.verify_prev_slot_indices),
-                        verify_num_valid=jnp.array(dlpack.to_jax(vp.verify_num_valid, name="nv")),
-                        enable=jnp.array(dlpack.to_jax(vp.enable, name="en")))
-
-
-_TWIN_FENCE = []
-
-
-def program_twin(torch_launch):
-    """Runs ``torch_launch`` once, then returns ``(step, block)``: the launch's own jitted program dispatched
-    from JAX on JAX-side copies of its inputs (mutable ones donated and carried from call to call)."""
-    torch_launch()
-    sync()
-    fn, mut, views, _dev = inplace.last_launch_program()
-    if not _TWIN_FENCE:
-        t = torch.zeros(64 if DEV == "cuda" else 16, dtype=torch.uint8, device=DEV)
-        _TWIN_FENCE.append((t, dlpack._import_exact(t, name="fence")))
-    fence = _TWIN_FENCE[0][1]
-    copies = [v.clone() for v in views]  # keeps the torch memory alive for the imports
-    state = [dlpack._import_exact(c, name="twin") for c in copies]
-
-    def step():
-        outs = fn(fence, *state)
-        for i, o in zip(mut, outs):
-            state[i] = o
-
-    def block():
-        jax.block_until_ready([state[i] for i in mut])
-
-    step.copies = copies  # lifetime
-    return step, block
+import canary_jax
+from benchmarks import interop_setup
+from interop import dlpack, runner, sglang, streams
 
 
 def _rows_for(op, case, entries, thr, lat, jthr, jlat, rep, viol, n_slots, backend, extra=None):
-    row = dict(slots=n_slots, backend=backend, op=op, case=case, entries=entries, torch_us_per_call=thr,
-               jax_us_per_call=jthr, overhead_us=round(thr - jthr, 1) if jthr is not None else None,
-               torch_latency_us=lat, jax_latency_us=jlat, aliased=rep["aliased"], copied_back=rep["copied_back"],
-               violations_during_timing=viol)
+    row = dict(
+        slots=n_slots,
+        backend=backend,
+        op=op,
+        case=case,
+        entries=entries,
+        torch_us_per_call=thr,
+        jax_us_per_call=jthr,
+        overhead_us=round(thr - jthr, 1) if jthr is not None else None,
+        torch_latency_us=lat,
+        jax_latency_us=jlat,
+        aliased=rep["aliased"],
+        copied_back=rep["copied_back"],
+        violations_during_timing=viol,
+    )
     if extra:
         row.update(extra)
     return row
@@ -228,27 +73,27 @@ def attribution(tv, tw, results, log, n_slots, backend):
     out = {}
     for op, fn in (("verify", tv), ("write", tw)):
         for alias in ("first", "every"):
-            inplace.set_alias_check(alias)
+            runner.set_alias_check(alias)
             for _ in range(5):
                 fn()
-            sync()
-            inplace.set_phase_timing(True)
+            interop_setup.sync()
+            runner.set_phase_timing(True)
             for _ in range(100):
                 fn()
-            sync()
-            out[f"{op} phases (fence, alias check {alias})"] = inplace.phase_times()
-            inplace.set_phase_timing(False)
-        inplace.set_alias_check("first")
+            interop_setup.sync()
+            out[f"{op} phases (fence, alias check {alias})"] = runner.phase_times()
+            runner.set_phase_timing(False)
+        runner.set_alias_check("first")
         modes = {}
         for sync_mode in ("fence", "host", "none"):
             for alias in ("first", "every"):
-                inplace.set_stream_sync(sync_mode)
-                inplace.set_alias_check(alias)
+                streams.set_stream_sync(sync_mode)
+                runner.set_alias_check(alias)
                 try:
-                    modes[f"{sync_mode}/{alias}"] = timeit(fn)
+                    modes[f"{sync_mode}/{alias}"] = interop_setup.timeit(fn)
                 finally:
-                    inplace.set_stream_sync("fence")
-                    inplace.set_alias_check("first")
+                    streams.set_stream_sync("fence")
+                    runner.set_alias_check("first")
         out[f"{op} stream/alias modes (us/call, latency us)"] = modes
         log(f"  attribution {op}: modes {modes}")
         for alias in ("first", "every"):
@@ -262,8 +107,10 @@ def bench_case(s, backend, tiny, results, log, *, attribute, api_twin):
     tw, stamp, w_entries = s.write_args(tiny, backend)
     t0 = time.perf_counter()
     stamp()
-    log(f"N={n_slots} {backend} {case}: stamped the verified prefix with the write program in "
-        f"{time.perf_counter() - t0:.1f}s (incl. its compile)")
+    log(
+        f"N={n_slots} {backend} {case}: stamped the verified prefix with the write program in "
+        f"{time.perf_counter() - t0:.1f}s (incl. its compile)"
+    )
     vp = s.verify_plan(tiny)
 
     def tv():
@@ -271,23 +118,37 @@ def bench_case(s, backend, tiny, results, log, *, attribute, api_twin):
 
     t0 = time.perf_counter()
     tv()
-    sync()
+    interop_setup.sync()
     log(f"  {case}: first torch verify (compile) {time.perf_counter() - t0:.1f}s")
     before = int(s.state.violation_write_index.item())
-    v_thr, v_lat = timeit(tv)
-    v_rep = inplace.last_launch_report()
-    w_thr, w_lat = timeit(tw)
-    w_rep = inplace.last_launch_report()
+    v_thr, v_lat = interop_setup.timeit(tv)
+    v_rep = runner.last_launch_report()
+    w_thr, w_lat = interop_setup.timeit(tw)
+    w_rep = runner.last_launch_report()
     viol = int(s.state.violation_write_index.item()) - before
-    jv, jv_blk = program_twin(tv)
-    jv_thr, jv_lat = timeit(jv, block=jv_blk)
-    jw, jw_blk = program_twin(tw)
-    jw_thr, jw_lat = timeit(jw, block=jw_blk)
+    jv, jv_blk = interop_setup.program_twin(tv)
+    jv_thr, jv_lat = interop_setup.timeit(jv, block=jv_blk)
+    jw, jw_blk = interop_setup.program_twin(tw)
+    jw_thr, jw_lat = interop_setup.timeit(jw, block=jw_blk)
     v_entries = int(vp.verify_slot_indices.shape[0])
-    for op, thr, lat, jthr, jlat, rep, ent in (("verify", v_thr, v_lat, jv_thr, jv_lat, v_rep, v_entries),
-                                                ("write", w_thr, w_lat, jw_thr, jw_lat, w_rep, w_entries)):
-        row = _rows_for(op, case, ent, thr, lat, jthr, jlat, rep, viol, n_slots, backend,
-                        dict(jax_twin="same jitted program from JAX"))
+    for op, thr, lat, jthr, jlat, rep, ent in (
+        ("verify", v_thr, v_lat, jv_thr, jv_lat, v_rep, v_entries),
+        ("write", w_thr, w_lat, jw_thr, jw_lat, w_rep, w_entries),
+    ):
+        row = _rows_for(
+            op,
+            case,
+            ent,
+            thr,
+            lat,
+            jthr,
+            jlat,
+            rep,
+            viol,
+            n_slots,
+            backend,
+            dict(jax_twin="same jitted program from JAX"),
+        )
         results.append(row)
         log("  " + json.dumps(row))
     if attribute:
@@ -299,7 +160,7 @@ def bench_case(s, backend, tiny, results, log, *, attribute, api_twin):
 def api_twin_rows(s, backend, tiny, vp, results, log):
     """canary_jax.verify / write on JAX-owned copies (separate programs: compiles)."""
     jctx = s.jax_context()
-    jvp = jax_verify_plan(vp)
+    jvp = interop_setup.jax_verify_plan(vp)
     holder = {"ctx": jctx}
 
     def jv():
@@ -310,20 +171,28 @@ def api_twin_rows(s, backend, tiny, vp, results, log):
     jv()
     blk()
     log(f"  api twin verify first call (compile) {time.perf_counter() - t0:.1f}s")
-    thr, lat = timeit(jv, block=blk)
-    results.append(dict(slots=s.n, backend=backend, op="verify", case="tiny" if tiny else "full",
-                        canary_jax_api_us_per_call=thr, canary_jax_api_latency_us=lat))
+    thr, lat = interop_setup.timeit(jv, block=blk)
+    results.append(
+        dict(
+            slots=s.n,
+            backend=backend,
+            op="verify",
+            case="tiny" if tiny else "full",
+            canary_jax_api_us_per_call=thr,
+            canary_jax_api_latency_us=lat,
+        )
+    )
     log(f"  api twin verify: {thr} us/call, latency {lat}")
 
 
 def overhead_profile(results, log):
     """Where a torch launch's per-call cost goes: each handshake step timed alone (no canary compile; the one
     program is the donation probe's ``x + 1`` on int32[16])."""
-    t = torch.zeros(64, dtype=torch.uint8, device=DEV)
+    t = torch.zeros(64, dtype=torch.uint8, device=interop_setup.DEV)
     g = jax.jit(lambda x: x + 1, donate_argnums=0)
-    src = torch.zeros(16, dtype=torch.int32, device=DEV)
+    src = torch.zeros(16, dtype=torch.int32, device=interop_setup.DEV)
     holder = {"x": dlpack._import_exact(src, name="x")}
-    ready = g(dlpack._import_exact(torch.zeros(16, dtype=torch.int32, device=DEV), name="r"))
+    ready = g(dlpack._import_exact(torch.zeros(16, dtype=torch.int32, device=interop_setup.DEV), name="r"))
     jax.block_until_ready(ready)
 
     def donate_step():
@@ -338,48 +207,63 @@ def overhead_profile(results, log):
         dlpack.to_torch(holder["x"])
 
     steps = {
-        "fence import: jax.dlpack.from_dlpack(torch, copy=False) (fresh, no pointer check)":
-            lambda: jax.dlpack.from_dlpack(t, copy=False),
-        "fresh import + unsafe_buffer_pointer (interop.dlpack._import_exact)": lambda: dlpack._import_exact(t, name="fence"),
+        "fence import: jax.dlpack.from_dlpack(torch, copy=False) (fresh, no pointer check)": lambda: (
+            jax.dlpack.from_dlpack(t, copy=False)
+        ),
+        "fresh import + unsafe_buffer_pointer (interop.dlpack._import_exact)": lambda: dlpack._import_exact(
+            t, name="fence"
+        ),
         "donating jit dispatch on an imported buffer": donate_step,
         "donating jit dispatch + unsafe_buffer_pointer of its pending output": donate_ptr,
         "donating jit dispatch + torch.from_dlpack of its pending output": donate_export,
         "torch.from_dlpack(ready jax array)": lambda: dlpack.to_torch(ready),
-        "torch.cuda.Event record (for scale)": (lambda: torch.cuda.Event().record()) if DEV == "cuda" else (lambda: None),
+        "torch.cuda.Event record (for scale)": (lambda: torch.cuda.Event().record())
+        if interop_setup.DEV == "cuda"
+        else (lambda: None),
     }
     prof = {}
     for name, fn in steps.items():
-        prof[name] = timeit(fn, n=200, lat_n=20, block=lambda: jax.block_until_ready(holder["x"]))
+        prof[name] = interop_setup.timeit(fn, n=200, lat_n=20, block=lambda: jax.block_until_ready(holder["x"]))
         log(f"overhead step: {name}: us/call {prof[name][0]}, latency {prof[name][1]}")
     results.append(dict(overhead_steps={k: {"us_per_call": v[0], "latency_us": v[1]} for k, v in prof.items()}))
 
 
 def write_report(out_dir, probes, results):
     json.dump(dict(probes=probes, results=results), open(os.path.join(out_dir, "interop_gpu.json"), "w"), indent=1)
-    lines = ["| slots | backend | op | case | entries | torch us/call | JAX us/call (same program) | overhead us | "
-             "torch latency us | JAX latency us | aliased (in place, no copy) | copied back | violations |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| slots | backend | op | case | entries | torch us/call | JAX us/call (same program) | overhead us | "
+        "torch latency us | JAX latency us | aliased (in place, no copy) | copied back | violations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     extra = []
     for r in results:
         if "torch_us_per_call" in r:
-            lines.append(f"| {r['slots']} | {r['backend']} | {r['op']} | {r['case']} | {r['entries']} | "
-                         f"{r['torch_us_per_call']} | {r['jax_us_per_call']} | {r['overhead_us']} | "
-                         f"{r['torch_latency_us']} | {r['jax_latency_us']} | {', '.join(r['aliased']) or '-'} | "
-                         f"{', '.join(r['copied_back']) or '-'} | {r['violations_during_timing']} |")
+            lines.append(
+                f"| {r['slots']} | {r['backend']} | {r['op']} | {r['case']} | {r['entries']} | "
+                f"{r['torch_us_per_call']} | {r['jax_us_per_call']} | {r['overhead_us']} | "
+                f"{r['torch_latency_us']} | {r['jax_latency_us']} | {', '.join(r['aliased']) or '-'} | "
+                f"{', '.join(r['copied_back']) or '-'} | {r['violations_during_timing']} |"
+            )
         elif "error" in r:
-            lines.append(f"| {r['slots']} | {r['backend']} | FAILED ({r.get('case', '')}): "
-                         f"{r['error'].strip().splitlines()[-1][:120]} |")
+            lines.append(
+                f"| {r['slots']} | {r['backend']} | FAILED ({r.get('case', '')}): "
+                f"{r['error'].strip().splitlines()[-1][:120]} |"
+            )
         elif "copy_back_canary_buf_us" in r:
-            extra.append(f"* torch copy_ of a whole {r['slots']}-slot canary buffer (the no-donation fallback): "
-                         f"{r['copy_back_canary_buf_us']} us")
+            extra.append(
+                f"* torch copy_ of a whole {r['slots']}-slot canary buffer (the no-donation fallback): "
+                f"{r['copy_back_canary_buf_us']} us"
+            )
         elif "overhead_steps" in r:
             extra.append("* handshake steps alone (us/call, latency us): " + json.dumps(r["overhead_steps"]))
         elif "attribution" in r:
             for k, v in r["attribution"].items():
                 extra.append(f"* {r['slots']} slots, {r['backend']}, {k}: {json.dumps(v)}")
         elif "canary_jax_api_us_per_call" in r:
-            extra.append(f"* canary_jax API twin {r['op']} {r['case']} at {r['slots']}: "
-                         f"{r['canary_jax_api_us_per_call']} us/call, latency {r['canary_jax_api_latency_us']} us")
+            extra.append(
+                f"* canary_jax API twin {r['op']} {r['case']} at {r['slots']}: "
+                f"{r['canary_jax_api_us_per_call']} us/call, latency {r['canary_jax_api_latency_us']} us"
+            )
     md = "\n".join([f"probes: {json.dumps(probes)}", ""] + lines + [""] + extra)
     open(os.path.join(out_dir, "interop_gpu.md"), "w").write(md + "\n")
     return md
@@ -387,7 +271,7 @@ def write_report(out_dir, probes, results):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="interop_bench_out")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1 << 20, 1 << 24])
     ap.add_argument("--backends", nargs="+", default=["pallas", "reference"])
     ap.add_argument("--cases", nargs="+", default=["tiny", "full"], choices=["tiny", "full"])
@@ -406,15 +290,20 @@ def main():
         logf.write(msg + "\n")
         logf.flush()
 
-    dev = torch.device(DEV)
+    dev = torch.device(interop_setup.DEV)
     client = jax.devices()[0].client
-    probes = dict(torch=torch.__version__, jax=jax.__version__,
-                  gpu=torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu",
-                  jax_platform_version=str(getattr(client, "platform_version", "?")),
-                  jax_client=type(client).__name__, jax_runtime_type=str(getattr(client, "runtime_type", "?")),
-                  import_alignment_bytes=dlpack.device_alignment(dev), donation_aliases=inplace.donation_aliases(dev),
-                  x64=bool(jax.config.read("jax_enable_x64")),
-                  compilation_cache=os.environ.get("JAX_COMPILATION_CACHE_DIR", "") != "")
+    probes = dict(
+        torch=torch.__version__,
+        jax=jax.__version__,
+        gpu=torch.cuda.get_device_name(0) if interop_setup.DEV == "cuda" else "cpu",
+        jax_platform_version=str(getattr(client, "platform_version", "?")),
+        jax_client=type(client).__name__,
+        jax_runtime_type=str(getattr(client, "runtime_type", "?")),
+        import_alignment_bytes=dlpack.device_alignment(dev),
+        donation_aliases=runner.donation_aliases(dev),
+        x64=bool(jax.config.read("jax_enable_x64")),
+        compilation_cache=os.environ.get("JAX_COMPILATION_CACHE_DIR", "") != "",
+    )
     log(f"probes: {probes}")
     results = []
     if not args.no_profile:
@@ -423,11 +312,11 @@ def main():
         except Exception:  # noqa: BLE001
             log(traceback.format_exc())
         write_report(args.out, probes, results)
-    if DEV == "cuda":  # what the fallback would cost: copying a whole canary buffer back, per launch
+    if interop_setup.DEV == "cuda":  # what the fallback would cost: copying a whole canary buffer back, per launch
         for n in args.sizes:
-            a = torch.empty(n, 32, dtype=torch.uint8, device=DEV)
+            a = torch.empty(n, 32, dtype=torch.uint8, device=interop_setup.DEV)
             b = torch.empty_like(a)
-            thr, _ = timeit(lambda: a.copy_(b), n=20, lat_n=5)
+            thr, _ = interop_setup.timeit(lambda a=a, b=b: a.copy_(b), n=20, lat_n=5)
             results.append(dict(slots=n, copy_back_canary_buf_us=thr))
             log(f"torch copy_ of a {n}-slot canary buffer: {thr} us")
             del a, b
@@ -441,19 +330,26 @@ def main():
                     results.append(dict(slots=n, backend=backend, case=case, error="skipped: deadline"))
                     continue
                 try:
-                    s = Setup(n, args.cap)
-                    bench_case(s, backend, case == "tiny", results, log, attribute=not attributed and case == "tiny",
-                               api_twin=args.api_twin)
+                    s = interop_setup.Setup(n, args.cap)
+                    bench_case(
+                        s,
+                        backend,
+                        case == "tiny",
+                        results,
+                        log,
+                        attribute=not attributed and case == "tiny",
+                        api_twin=args.api_twin,
+                    )
                     attributed = attributed or case == "tiny"
                 except Exception:  # noqa: BLE001 - record and go on
                     log(f"N={n} {backend} {case}: FAILED\n{traceback.format_exc()}")
                     results.append(dict(slots=n, backend=backend, case=case, error=traceback.format_exc()[-2000:]))
                 finally:
-                    inplace.set_stream_sync("fence")
-                    inplace.set_alias_check("first")
+                    streams.set_stream_sync("fence")
+                    runner.set_alias_check("first")
                     s = None
-                    sync()
-                    if DEV == "cuda":
+                    interop_setup.sync()
+                    if interop_setup.DEV == "cuda":
                         torch.cuda.empty_cache()
                 write_report(args.out, probes, results)
     print(write_report(args.out, probes, results))

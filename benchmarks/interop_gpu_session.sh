@@ -10,13 +10,13 @@
 # $JAXCACHE_SEED when that names a directory, e.g. the jaxcache of an earlier session, carried back).
 #
 # Steps (logs in $OUT/NN_*.log, pytest junit in $OUT/NN_*.xml, bench results in $OUT/bench*/):
-#   1. interop_bench.py, pallas, tiny launches at 1M and 16M slots: torch-launched vs the same program from
-#      JAX, the per-phase / stream-mode / alias-check attribution and the handshake steps alone;
+#   1. benchmarks.interop_bench, pallas, tiny launches at 1M and 16M slots: torch-launched vs the same program
+#      from JAX, the per-phase / stream-mode / alias-check attribution and the handshake steps alone;
 #   2. CUDA tests never run on the GPU: bad input (device mix, dtype, non-contiguous, aliasing outputs,
 #      consumed capsule; nothing touched), two GPUs (skips with one), busy-JAX-stream ordering (reference,
 #      host-sync mode, pallas), donation stress, side-stream ordering (pallas);
 #   3. the torch engine test on CUDA, pallas backend;
-#   4. interop_bench.py, pallas, full-size launches (32768 verify entries, 32 x 8 write tokens) at 1M, 16M;
+#   4. benchmarks.interop_bench, pallas, full-size launches (32768 verify entries, 32 x 8 write tokens) at 1M, 16M;
 #   5. if time is left: the engine test with the reference backend, then the reference backend's tiny bench.
 set -u
 OUT=${OUT:?set OUT to the output directory}
@@ -69,7 +69,7 @@ import jax, torch
 print("jax", jax.__version__, jax.devices(), "torch", torch.__version__, torch.cuda.device_count(), "GPUs")
 PYEOF
 
-step 01_bench_tiny_pallas 110 "$PY" benchmarks/interop_bench.py --out "$OUT/bench_tiny" \
+step 01_bench_tiny_pallas 110 "$PY" -m benchmarks.interop_bench --out "$OUT/bench_tiny" \
   --sizes "${SIZES[@]}" --cap "$CAP" --backends pallas --cases tiny --deadline-s 80
 
 step 02_cuda_tests 95 "${PYTEST[@]}" $(to 60) --junitxml="$OUT/02_cuda_tests.xml" \
@@ -84,13 +84,13 @@ step 02_cuda_tests 95 "${PYTEST[@]}" $(to 60) --junitxml="$OUT/02_cuda_tests.xml
 step 03_engine_cuda_pallas 75 "${PYTEST[@]}" $(to 70) --junitxml="$OUT/03_engine_cuda_pallas.xml" \
   "tests/test_torch_engine.py::test_engine_clean_run_and_detects_corruption_cuda[pallas]"
 
-step 04_bench_full_pallas 90 "$PY" benchmarks/interop_bench.py --out "$OUT/bench_full" \
+step 04_bench_full_pallas 90 "$PY" -m benchmarks.interop_bench --out "$OUT/bench_full" \
   --sizes "${SIZES[@]}" --cap "$CAP" --backends pallas --cases full --no-profile --no-attribution --deadline-s 60
 
 step 05_engine_cuda_reference 60 "${PYTEST[@]}" $(to 55) --junitxml="$OUT/05_engine_cuda_reference.xml" \
   "tests/test_torch_engine.py::test_engine_clean_run_and_detects_corruption_cuda[reference]"
 
-step 06_bench_tiny_reference 60 "$PY" benchmarks/interop_bench.py --out "$OUT/bench_tiny_reference" \
+step 06_bench_tiny_reference 60 "$PY" -m benchmarks.interop_bench --out "$OUT/bench_tiny_reference" \
   --sizes "${SIZES[@]}" --cap "$CAP" --backends reference --cases tiny --no-profile --no-attribution --deadline-s 40
 
 # --- summary (printed last) ----------------------------------------------------------------------------------

@@ -9,26 +9,22 @@ Three questions, each answered by lowering (CPU or GPU) and, on a GPU, by runnin
    ``verify_none_scalar_loop`` is a NONE-mode verify (slot record + predecessor record + mix3, positions)
    that counts failing entries; on a GPU it is timed against the Triton kernel's count.
 
-Run: ``python3 benchmarks/mosaic_probe.py [--entries N]`` (on CPU it only lowers).
+Run (from the repository root): ``python -m benchmarks.mosaic_probe [--entries N] [--out FILE]`` (on CPU it
+only lowers). Outcome on the H200: ``benchmarks/results/2026-11-30_h200_pallas_run2_mosaic.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from canary_jax import hashing
+from canary_jax import hashing, pairs
 
 
 def _attempt(name, fn, args, results, run=False):
@@ -42,8 +38,10 @@ def _attempt(name, fn, args, results, run=False):
             return out
     except Exception as e:  # noqa: BLE001 - the point is to record what fails
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
-        results[name] = {"lowers": results.get(name, {}).get("lowers", False),
-                         "error": f"{type(e).__name__}: {(lines[0] if lines else repr(e))[:400]}"}
+        results[name] = {
+            "lowers": results.get(name, {}).get("lowers", False),
+            "error": f"{type(e).__name__}: {(lines[0] if lines else repr(e))[:400]}",
+        }
     return None
 
 
@@ -76,7 +74,7 @@ def main():
 
     def k_hash(x_ref, o_ref):
         x = x_ref[...]
-        h = hashing.splitmix64(hashing.U64(x, x ^ jnp.uint32(0x9E3779B9)))
+        h = hashing.splitmix64(pairs.U64(x, x ^ jnp.uint32(0x9E3779B9)))
         o_ref[...] = h.lo ^ h.hi
 
     f3 = plgpu.kernel(k_hash, out_type=sds((b,), jnp.uint32), compiler_params=params)
@@ -97,7 +95,9 @@ def main():
             p = prev_ref[i]
             rec = [words_ref[s, k] for k in range(6)]
             prec = [words_ref[jnp.maximum(p, 0), k] for k in range(6)]
-            hsh = hashing.splitmix64_mix3(hashing.U64(prec[4], prec[5]), hashing.U64(prec[0], prec[1]), hashing.U64(prec[2], prec[3]))
+            hsh = hashing.splitmix64_mix3(
+                pairs.U64(prec[4], prec[5]), pairs.U64(prec[0], prec[1]), pairs.U64(prec[2], prec[3])
+            )
             exp_lo = jnp.where(p < 0, jnp.uint32(anchor & 0xFFFFFFFF), hsh.lo)
             exp_hi = jnp.where(p < 0, jnp.uint32(anchor >> 32), hsh.hi)
             fail = (rec[4] != exp_lo) | (rec[5] != exp_hi) | (rec[2] != pos_ref[i]) | (rec[3] != 0)
@@ -105,8 +105,9 @@ def main():
 
         o_ref[pid] = jax.lax.fori_loop(0, per, body, jnp.int32(0))
 
-    f4 = plgpu.kernel(k_verify, out_type=sds((grid,), jnp.int32), compiler_params=params, grid=(grid,),
-                      grid_names=("x",))
+    f4 = plgpu.kernel(
+        k_verify, out_type=sds((grid,), jnp.int32), compiler_params=params, grid=(grid,), grid_names=("x",)
+    )
     rng = np.random.default_rng(0)
     slots = jnp.asarray(rng.permutation(np.arange(1, n_slots))[:n_entries].astype(np.int32))
     prev = jnp.asarray(np.where(np.arange(n_entries) % 1024 == 0, -1, np.roll(np.asarray(slots), 1)).astype(np.int32))
@@ -121,7 +122,8 @@ def main():
             jax.block_until_ready(g(slots, pos, prev, words))
             ts.append(time.perf_counter() - t)
         results["verify_none_scalar_loop"].update(
-            entries=n_entries, us_per_call_median=1e6 * float(np.median(ts)), failing=int(np.asarray(out).sum()))
+            entries=n_entries, us_per_call_median=1e6 * float(np.median(ts)), failing=int(np.asarray(out).sum())
+        )
     print(json.dumps(results, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -6,7 +6,7 @@
 #
 # Usage (from the repository root, on the GPU machine):  bash benchmarks/pallas_gpu_session.sh
 # Environment: OUT (default ./pallas_gpu_out), LONG_TOKENS (32768), DECODE_REQS (4096), BENCH_EXTRA (extra
-# bench.py arguments, e.g. "--pool 4096 --entries 1024" for a CPU dry run), SKIP (step names to skip).
+# benchmarks.bench arguments, e.g. "--pool 4096 --entries 1024" for a CPU dry run), SKIP (step names to skip).
 # Every step runs under its own timeout; the logs end up in $OUT/session.tgz (the device returns at most 8
 # files) and a summary is printed last.
 set -u -o pipefail
@@ -34,14 +34,14 @@ step() {  # step NAME CAP_SECONDS COMMAND...
 }
 
 # 1. Targeted writes with the peer and the reference check (the long request takes the long-request role).
-step 01_write_targets 150 python3 benchmarks/bench.py $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \
+step 01_write_targets 150 python3 -m benchmarks.bench $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \
   --only "write_1x${LONG}_none,write_1x${LONG}_all_x4,write_${DECODE}x1_all_x4,write_${DECODE}x1_none" \
   --x64 off --out "$WORK/bench_write"
 # 2. The verify cases with sources that the second call did not reach or that changed (32-word tiles).
-step 02_verify 100 python3 benchmarks/bench.py $EXTRA --only "verify_all_x1,verify_all_x4,verify_partial_x1" \
+step 02_verify 100 python3 -m benchmarks.bench $EXTRA --only "verify_all_x1,verify_all_x4,verify_partial_x1" \
   --x64 off --out "$WORK/bench_verify"
 # 3. The long role with chunks of 32 entries (default 16; never timed).
-step 03_long_chunk32 60 python3 benchmarks/bench.py $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \
+step 03_long_chunk32 60 python3 -m benchmarks.bench $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \
   --only "write_1x${LONG}_none" --x64 off --no-peer --skip-reference --config '{"write_long_chunk": 32}' \
   --out "$WORK/bench_long_chunk32"
 # 4. GPU-only write tests (duplicates, x64 modes) and the long-role suite, compiled.

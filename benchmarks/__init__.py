@@ -1,0 +1,14 @@
+"""GPU benchmarks and probes of canary-jax; each script runs from the repository root as a module.
+
+* ``python -m benchmarks.bench``: the Pallas verify / write kernels against the jnp references and a CUDA
+  peer (``benchmarks.harness`` holds the cases' data, timing and environment record; ``benchmarks.kernel_cases``
+  the verify / write cases and the knob probe; ``benchmarks.cuda_peer`` the peer).
+* ``python -m benchmarks.sweep_verify``: PallasConfig variants of the verify kernel (``benchmarks.sweep_variants``
+  the presets, ``benchmarks.sweep_scenario`` the data and reference logs, ``benchmarks.ptx_inspect`` PTX / ptxas).
+* ``python -m benchmarks.interop_bench``: torch-launched against JAX-launched calls (``benchmarks.interop_setup``).
+* ``python -m benchmarks.compile_probe``, ``python -m benchmarks.mosaic_probe``: offline compile and Mosaic GPU
+  probes.
+* ``bash benchmarks/pallas_gpu_session.sh``, ``bash benchmarks/interop_gpu_session.sh``: one device call each.
+
+Figures live in ``benchmarks/results/`` (its ``README.md`` says which file holds what).
+"""
