@@ -78,7 +78,7 @@ class RealKvHashMode(enum.IntEnum):
     ALL = 2
 
     @classmethod
-    def from_name(cls, name: str) -> "RealKvHashMode":
+    def from_name(cls, name: str) -> RealKvHashMode:
         """Parses SGLang's ``--kv-canary-real-data`` value (case-insensitive member name).
 
         Raises:
@@ -87,9 +87,7 @@ class RealKvHashMode(enum.IntEnum):
         try:
             return cls[str(name).upper()]
         except KeyError:
-            raise ValueError(
-                f"kv-canary: real_kv_hash_mode must be one of none/partial/all, got {name!r}"
-            ) from None
+            raise ValueError(f"kv-canary: real_kv_hash_mode must be one of none/partial/all, got {name!r}") from None
 
 
 class CanaryLaunchTag(enum.IntEnum):
