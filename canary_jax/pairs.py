@@ -17,6 +17,7 @@ multiplies only, so it traces the same with x64 off and on, runs in the jnp refe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -103,11 +104,16 @@ def sub(a: U64, b: U64) -> U64:
     return U64(a.lo - b.lo, a.hi - b.hi - borrow)
 
 
-def mul_const(a: U64, value: int) -> U64:
-    """``a * value`` mod 2**64 for a static Python-int multiplier."""
+def mul_const(a: U64, value: int, *, mulhi: Callable[[jax.Array, int], jax.Array] | None = None) -> U64:
+    """``a * value`` mod 2**64 for a static Python-int multiplier.
+
+    ``mulhi(x, c)`` gives the high word of ``x * c`` for uint32 ``x`` and the static low word ``c`` of the
+    multiplier; None uses the portable :func:`mulhi_u32` (the Pallas kernels can pass a one-instruction one).
+    """
     value &= constants.U64_MASK
     b_lo, b_hi = u32(value), u32(value >> 32)
-    return U64(a.lo * b_lo, mulhi_u32(a.lo, b_lo) + a.lo * b_hi + a.hi * b_lo)
+    high = mulhi_u32(a.lo, b_lo) if mulhi is None else mulhi(a.lo, value & 0xFFFFFFFF)
+    return U64(a.lo * b_lo, high + a.lo * b_hi + a.hi * b_lo)
 
 
 def xor(a: U64, b: U64) -> U64:

@@ -20,7 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from canary_jax import constants, hashing, pairs
+from canary_jax import hashing, pairs
 from canary_jax.pairs import U64
 
 MULTIPLIERS = ("portable", "asm")
@@ -56,13 +56,7 @@ class PairHash:
 
     def mul_const(self, a: U64, value: int) -> U64:
         """``a * value mod 2**64`` for a static Python-int multiplier."""
-        if self.multiplier == "portable":
-            return pairs.mul_const(a, value)
-        value &= constants.U64_MASK
-        c_lo, c_hi = value & 0xFFFFFFFF, value >> 32
-        lo = a.lo * pairs.u32(c_lo)
-        hi = _mulhi_asm(a.lo, c_lo) + a.lo * pairs.u32(c_hi) + a.hi * pairs.u32(c_lo)
-        return U64(lo, hi)
+        return pairs.mul_const(a, value, mulhi=None if self.multiplier == "portable" else _mulhi_asm)
 
     def splitmix64(self, x: U64) -> U64:
         """:func:`canary_jax.hashing.splitmix64` with this multiplier."""

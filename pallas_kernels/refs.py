@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from canary_jax import constants, layout
+from canary_jax import constants, layout, pairs
 from canary_jax.pairs import U64
 
 I32 = jnp.int32
@@ -175,11 +175,9 @@ def store_pair_run(ref, first: jax.Array, values: list[U64], mask: jax.Array) ->
 # --- counters (int64 pairs flattened to u32[2 * tags]) -------------------------------------------------------------
 def bump_pair_scalar(ref, word: int, delta: jax.Array) -> None:
     """``ref[word:word + 2]`` (one int64 as lo, hi) += ``delta`` (a non-negative scalar, taken as uint32)."""
-    lo = ref[word]
-    hi = ref[word + 1]
-    nlo = lo + delta.astype(U32)
-    ref[word] = nlo
-    ref[word + 1] = hi + (nlo < lo).astype(U32)
+    total = pairs.add(pairs.U64(ref[word], ref[word + 1]), pairs.U64(delta.astype(U32), pairs.u32(0)))
+    ref[word] = total.lo
+    ref[word + 1] = total.hi
 
 
 # --- grid loops ----------------------------------------------------------------------------------------------------
