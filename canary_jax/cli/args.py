@@ -12,6 +12,9 @@ import argparse
 import re
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+# The reader of stdout went away (``| head``): 128 + SIGPIPE (13), the status a shell reports for a tool that
+# SIGPIPE ended, so pipelines (``set -o pipefail``) see the same as with POSIX tools. Nothing on stderr.
+EXIT_BROKEN_PIPE = 141
 
 # What installs the demo's optional dependencies (tqdm for the progress bar, matplotlib for --plot).
 DEMO_EXTRA_HINT = "pip install 'canary-jax[demo]'"
@@ -25,13 +28,15 @@ exit status:
   2    bad input, as one line on stderr: unknown fault kind, impossible sizes, a workload too short
        for the requested faults (raise --requests / --max-new-tokens), unwritable --json/--plot/--dump,
        --plot without matplotlib (pip install 'canary-jax[demo]')
-  130  interrupted"""
+  130  interrupted
+  141  stdout closed early (e.g. piped into head); the rest of the output is dropped"""
 
 VERIFY_EXIT_CODES = """\
 exit status:
   0    no violations (none recorded in the ring, none found re-verifying a canary buffer)
   1    violations found
-  2    bad input, as one line on stderr: missing, unreadable or unrecognised file, unwritable --json"""
+  2    bad input, as one line on stderr: missing, unreadable or unrecognised file, unwritable --json
+  141  stdout closed early (e.g. piped into head); the rest of the output is dropped"""
 
 # Config field names in ConfigError / ValueError messages -> the flags that set them.
 _FIELD_FLAGS = {

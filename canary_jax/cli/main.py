@@ -6,6 +6,8 @@ in :mod:`canary_jax.cli.render`, and the dump decoder in :mod:`canary_jax.cli.ve
 
 Exit status: see ``DEMO_EXIT_CODES`` / ``VERIFY_EXIT_CODES`` in :mod:`canary_jax.cli.args` (also printed by
 ``--help``). Bad input is one line on stderr (``canary-jax: error: ...``) with status 2, never a traceback.
+When the reader of stdout goes away (``canary-jax verify-dump FILE | head``), the command stops quietly with
+status 141 (``EXIT_BROKEN_PIPE``), as POSIX tools do: no traceback, no "Exception ignored" at exit.
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ import textwrap
 import time
 from collections.abc import Sequence
 
-from canary_jax.cli.args import DEMO_EXTRA_HINT, EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, build_parser, flagify
+from canary_jax.cli.args import (
+    DEMO_EXTRA_HINT,
+    EXIT_BROKEN_PIPE,
+    EXIT_FAIL,
+    EXIT_OK,
+    EXIT_USAGE,
+    UsageError,
+    build_parser,
+    flagify,
+)
 from canary_jax.cli.outputs import check_out_path, write_json, write_output
 
 
@@ -199,12 +210,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not argv or argv[0] not in ("demo", "verify-dump", "-h", "--help"):
             argv = ["demo"] + argv  # bare `canary-jax [flags]` runs the demo
         args = build_parser().parse_args(argv)
-        if args.command == "verify-dump":
-            return _verify_dump(args)
-        return _demo(args)
+        rc = _verify_dump(args) if args.command == "verify-dump" else _demo(args)
+        sys.stdout.flush()  # a closed pipe shows up here, not in the interpreter's exit flush
+        return rc
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except UsageError as e:
         print(f"canary-jax: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("canary-jax: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Points file descriptor 1 at the null device, so the interpreter's flush of what is still buffered at exit
+    cannot raise a second BrokenPipeError (the recipe of Python's ``signal`` documentation)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is no file descriptor (captured in-process): nothing is left to flush
+        pass
