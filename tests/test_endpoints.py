@@ -32,13 +32,7 @@ def source(rows=N):
 
 
 def full_group(has_v=True):
-    return CanaryBufferGroup.allocate(
-        kind=PoolKind.FULL,
-        num_slots=N,
-        has_v_half=has_v,
-        real_kv_sources_k=(source(),),
-        real_kv_sources_v=(source(),) if has_v else (),
-    )
+    return CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=N, has_v_half=has_v)
 
 
 def swa_group(lut, has_v=False):
@@ -63,7 +57,8 @@ EMPTY_VERIFY = dict(slots=[], positions=[], prev_slots=[], verify_capacity=4)
 class LayoutTest(absltest.TestCase):
     def test_full_group_with_v_half(self):
         g = full_group()
-        eps = build_endpoints_from_group(g)
+        srcs = ((source(),), (source(),))  # (K half, V half): passed with the launch, never kept in the group
+        eps = build_endpoints_from_group(g, real_kv_sources=srcs)
         self.assertEqual(
             [e.kernel_kind for e in eps],
             [T.HEAD_K_FULL, T.HEAD_V_FULL, T.TAIL_K_FULL, T.TAIL_V_FULL, T.SWEEP_K_FULL, T.SWEEP_V_FULL],
@@ -78,9 +73,9 @@ class LayoutTest(absltest.TestCase):
         self.assertIs(by[T.SWEEP_V_FULL].canary_buf, g.v_tail)
         self.assertEqual(by[T.HEAD_K_FULL].real_kv_sources, ())
         self.assertEqual(by[T.HEAD_V_FULL].real_kv_sources, ())
-        self.assertIs(by[T.TAIL_K_FULL].real_kv_sources[0], g.real_kv_sources_k[0])
-        self.assertIs(by[T.SWEEP_K_FULL].real_kv_sources[0], g.real_kv_sources_k[0])
-        self.assertIs(by[T.SWEEP_V_FULL].real_kv_sources[0], g.real_kv_sources_v[0])
+        self.assertIs(by[T.TAIL_K_FULL].real_kv_sources[0], srcs[0][0])
+        self.assertIs(by[T.SWEEP_K_FULL].real_kv_sources[0], srcs[0][0])
+        self.assertIs(by[T.SWEEP_V_FULL].real_kv_sources[0], srcs[1][0])
         self.assertTrue(all(e.full_to_swa_index_mapping is None for e in eps))
         self.assertEqual([e.buffer_name for e in eps], ["k_head", "v_head", "k_tail", "v_tail", "k_tail", "v_tail"])
         self.assertHeadBuffersDistinct(g)
@@ -125,8 +120,12 @@ class LayoutTest(absltest.TestCase):
             CanaryBufferGroup(kind=PoolKind.SWA, k_head=buf, k_tail=buf, swa_index_lut=np.arange(3))
         with self.assertRaisesRegex(ValueError, "both v_head and v_tail"):
             CanaryBufferGroup(kind=PoolKind.FULL, k_head=buf, k_tail=buf, v_head=buf)
-        with self.assertRaisesRegex(ValueError, "real_kv_sources_v given for a group without a V half"):
-            CanaryBufferGroup(kind=PoolKind.FULL, k_head=buf, k_tail=buf, real_kv_sources_v=(source(),))
+        with self.assertRaisesRegex(ValueError, "V-half real-KV sources given for group FULL, which has no V half"):
+            build_endpoints_from_group(
+                CanaryBufferGroup(kind=PoolKind.FULL, k_head=buf, k_tail=buf), real_kv_sources=((), (source(),))
+            )
+        with self.assertRaisesRegex(TypeError, "unexpected keyword argument 'real_kv_sources_k'"):
+            CanaryBufferGroup(kind=PoolKind.FULL, k_head=buf, k_tail=buf, real_kv_sources_k=(source(),))
         with self.assertRaisesRegex(TypeError, "k_head must have dtype uint8"):
             CanaryBufferGroup(kind=PoolKind.FULL, k_head=jnp.zeros((N, 32), jnp.int32), k_tail=buf)
 

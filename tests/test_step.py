@@ -64,12 +64,17 @@ def sources(kv):
     )
 
 
+def low(pairs):
+    """The low int32 word of int64 pairs (the batch's fields are ``uint32[T, 2]``; these values fit int32)."""
+    return pairs[..., 0].astype(jnp.int32)
+
+
 def kv_write_fn(kv, batch):
     """The "model": writes layer-0 K bytes for every token at its slot (full pool paged, SWA pool via LUT)."""
     TRACES.append(1)
     k_full, k_swa = kv
-    loc = batch.out_cache_loc
-    vals = kv_bytes(batch.input_ids, batch.positions)
+    loc = low(batch.out_cache_loc)
+    vals = kv_bytes(low(batch.input_ids), low(batch.positions))
     row, col0 = loc // PAGE, (loc % PAGE) * KV_BYTES
     cols = col0[:, None] + jnp.arange(KV_BYTES, dtype=jnp.int32)[None, :]
     k_full = k_full.at[row[:, None], cols].set(vals)
@@ -234,9 +239,12 @@ def new_state():
     )
     kv = (jnp.zeros((NUM_SLOTS // PAGE, PAGE * KV_BYTES), jnp.uint8), jnp.zeros((NUM_SLOTS, KV_BYTES), jnp.uint8))
     state = CanaryState.create([full, swa], ring_capacity=RING)
-    srcs = sources(kv)
-    state = state.replace(groups=tuple(g.with_real_kv_sources(*s) for g, s in zip(state.groups, srcs)))
     return state, kv
+
+
+def copied(tree):
+    """A copy of every array (eager step calls donate the canary buffers and the KV state)."""
+    return jax.tree_util.tree_map(jnp.array, tree)
 
 
 def make_batch(sim, token_pool, *, mutate=None):
@@ -298,7 +306,7 @@ class MultiStepTest(absltest.TestCase):
 
     def fresh(self):
         state, kv, sim, pool, _ = self.clean
-        return state, kv, copy.deepcopy(sim), pool
+        return copied(state), copied(kv), copy.deepcopy(sim), pool
 
     def test_twenty_steps_are_violation_free_and_compile_once(self):
         state, kv, sim, _, summaries = self.clean
@@ -334,7 +342,7 @@ class MultiStepTest(absltest.TestCase):
         state, kv, sim, _ = self.fresh()
         plans = self.sweep_plans(sim)
         self.assertGreater(int(plans[0].verify_num_valid[0]), 20)
-        state = canary_sweep(state, plans, config=CONFIG)
+        state = canary_sweep(state, plans, config=CONFIG, real_kv_sources=sources(kv))
         self.assertEqual(state.log.num_violations(), 0, "\n".join(decode.format_violations(state.log)))
         self.assertEqual(state.log.kernel_run_counter(T.SWEEP_K_FULL), 1)
         self.assertEqual(state.log.kernel_run_counter(T.SWEEP_K_SWA), 1)
@@ -343,7 +351,7 @@ class MultiStepTest(absltest.TestCase):
         state, kv, sim, pool = self.fresh()
         sim.admit()
         batch, _, _ = make_batch(sim, pool)
-        s1, kv1, sum1 = canary_step(state, batch, kv_write_fn, kv, config=CONFIG)
+        s1, kv1, sum1 = canary_step(copied(state), batch, kv_write_fn, copied(kv), config=CONFIG)
         s2, plans = canary_head(state, batch, config=CONFIG)
         kv2, srcs = kv_write_fn(kv, batch)
         s2, sum2 = canary_tail(s2, plans, batch, config=CONFIG, real_kv_sources=srcs)
@@ -456,8 +464,7 @@ class MultiStepTest(absltest.TestCase):
         k_full = k_full.at[slot // PAGE, (slot % PAGE) * KV_BYTES + 3].add(1)
         k_swa = k_swa.at[int(LUT[slot]), 0].add(1)
         kv = (k_full, k_swa)
-        state = state.replace(groups=tuple(g.with_real_kv_sources(*s) for g, s in zip(state.groups, sources(kv))))
-        state = canary_sweep(state, self.sweep_plans(sim), config=CONFIG)
+        state = canary_sweep(state, self.sweep_plans(sim), config=CONFIG, real_kv_sources=sources(kv))
         self.assert_reported(state, T.SWEEP_K_FULL, "verify_real_kv_hash", slot=slot)
         self.assert_reported(state, T.SWEEP_K_SWA, "verify_real_kv_hash", slot=int(LUT[slot]))
         text = decode.format_violations(state.log)[0]

@@ -2,11 +2,13 @@
 
 Modules:
 
-* :mod:`~canary_jax.runtime.groups`: canary buffer groups (HEAD / TAIL buffers, real-KV sources and LUT of
-  one pool) and :class:`~canary_jax.runtime.groups.PoolKind`.
+* :mod:`~canary_jax.runtime.groups`: canary buffer groups (HEAD / TAIL buffers and LUT of one pool; never KV
+  data) and :class:`~canary_jax.runtime.groups.PoolKind`.
 * :mod:`~canary_jax.runtime.endpoints`: HEAD / TAIL / SWEEP endpoints built from a group, and their dispatch.
 * :mod:`~canary_jax.runtime.state`: the per-forward step's types (config, batch, state, plans, summary).
-* :mod:`~canary_jax.runtime.step`: the jit-able per-forward step API (plan, HEAD, TAIL, sweep).
+* :mod:`~canary_jax.runtime.step`: the per-forward step API (plan, HEAD, TAIL, step, sweep): validate, convert,
+  pad eager calls to buckets, then run :mod:`~canary_jax.runtime.phases` (the traced bodies and jitted
+  programs); :mod:`~canary_jax.runtime.shapes` pads.
 * :mod:`~canary_jax.runtime.sweep`: sweep plans over cached prefixes.
 * :mod:`~canary_jax.runtime.report`: violation reporting, stats, health checks (host side).
 

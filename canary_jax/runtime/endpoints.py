@@ -5,8 +5,9 @@ TAIL / SWEEP x K / V; no V half for MLA-style pools), built by :func:`build_endp
 ``endpoint.py``):
 
 * HEAD -> its own buffer (``k_head`` / ``v_head``) and **no real-KV sources** (head records hash 0);
-* TAIL -> ``k_tail`` / ``v_tail`` with the group's real-KV sources of that half;
-* SWEEP -> **shares** the TAIL buffer and TAIL sources of the same half;
+* TAIL -> ``k_tail`` / ``v_tail`` with the real-KV sources of that half (passed in with the launch: a group
+  holds no KV data);
+* SWEEP -> **shares** the TAIL buffer and the sources of the same half;
 * the LUT is the group's ``swa_index_lut`` for SWA groups, None for FULL.
 
 JAX is functional, so an endpoint is a *view* of a group at one moment: a launch returns the updated endpoint
@@ -39,6 +40,7 @@ __all__ = [
     "dispatch",
     "launch_group",
     "select_endpoints",
+    "split_sources",
 ]
 
 
@@ -211,22 +213,34 @@ _LAYOUT = {
 }
 
 
-def build_endpoints_from_group(group: CanaryBufferGroup) -> tuple[CanaryEndpoint, ...]:
+def build_endpoints_from_group(
+    group: CanaryBufferGroup, *, real_kv_sources: tuple | None = None
+) -> tuple[CanaryEndpoint, ...]:
     """The group's endpoints in SGLang's order HEAD-K, HEAD-V, TAIL-K, TAIL-V, SWEEP-K, SWEEP-V (V skipped
     without a V half): 3 or 6 endpoints, FULL tags 0..5 or SWA tags 6..11.
 
-    HEAD endpoints get no real-KV sources; SWEEP endpoints share the TAIL buffer and sources of their half.
-    Cheap (no copies): rebuild it from the current group whenever the group changes.
+    Args:
+      group: the :class:`~canary_jax.runtime.groups.CanaryBufferGroup`.
+      real_kv_sources: ``(sources_k, sources_v)``: 0..4 :class:`~canary_jax.sources.RealKvSource` per half
+        viewing the KV pool now (None or ``()`` for a half without sources), or None for none at all.
+
+    HEAD endpoints get no real-KV sources; TAIL and SWEEP endpoints of a half get that half's sources and SWEEP
+    shares the TAIL buffer. Cheap (no copies): rebuild it for every launch.
+
+    Raises:
+      TypeError: not a group, or ``real_kv_sources`` not a pair.
+      ValueError: V-half sources for a group without a V half.
     """
     if not isinstance(group, CanaryBufferGroup):
         raise TypeError(f"kv-canary: group must be a CanaryBufferGroup, got {type(group).__name__}")
+    by_half = dict(zip("kv", split_sources(real_kv_sources, group)))
     lut = group.swa_index_lut if group.kind is PoolKind.SWA else None
     out = []
     for tag, slot, half in _LAYOUT[group.kind]:
         if half == "v" and not group.has_v_half:
             continue
         buffer_name = f"{half}_{'head' if slot == 'HEAD' else 'tail'}"
-        sources = () if slot == "HEAD" else getattr(group, f"real_kv_sources_{half}")
+        sources = () if slot == "HEAD" else by_half[half]
         out.append(
             CanaryEndpoint(
                 kernel_kind=tag,
@@ -237,6 +251,26 @@ def build_endpoints_from_group(group: CanaryBufferGroup) -> tuple[CanaryEndpoint
             )
         )
     return tuple(out)
+
+
+def split_sources(real_kv_sources: tuple | None, group: CanaryBufferGroup) -> tuple[tuple, tuple]:
+    """``(sources_k, sources_v)`` as two tuples (None -> ``()``) for ``group``.
+
+    Raises:
+      TypeError: ``real_kv_sources`` is not None or a ``(sources_k, sources_v)`` pair.
+      ValueError: V-half sources for a group without a V half.
+    """
+    if real_kv_sources is None:
+        return (), ()
+    if not isinstance(real_kv_sources, (tuple, list)) or len(real_kv_sources) != 2:
+        raise TypeError(
+            f"kv-canary: real-KV sources of group {group.kind.name} must be a (sources_k, sources_v) pair, "
+            f"got {type(real_kv_sources).__name__}"
+        )
+    k, v = (() if x is None else tuple(x) for x in real_kv_sources)
+    if v and not group.has_v_half:
+        raise ValueError(f"kv-canary: V-half real-KV sources given for group {group.kind.name}, which has no V half")
+    return k, v
 
 
 def select_endpoints(
@@ -328,17 +362,22 @@ def launch_group(
     verify_plan: VerifyPlan,
     violation_log: layout.ViolationLog,
     enable_v_half: bool = True,
+    real_kv_sources: tuple | None = None,
     **launch_kw,
 ) -> tuple[CanaryBufferGroup, layout.ViolationLog]:
     """Runs every endpoint of ``group`` in ``phase`` (``head`` / ``tail`` / ``sweep``), K before V, through
     :func:`dispatch`, and returns the group with its updated buffers and the new log.
+
+    ``real_kv_sources`` is the ``(sources_k, sources_v)`` pair viewing the KV pool now (see
+    :func:`build_endpoints_from_group`); HEAD launches never read it.
 
     ``launch_kw`` are :func:`dispatch`'s per-forward arguments (write_plan, input_ids, positions,
     out_cache_loc, enable_write_input_assert, enable_verify_token_assert, expected_inputs,
     real_kv_hash_mode, backend); a sweep uses only real_kv_hash_mode and backend.
     """
     log = violation_log
-    for ep in select_endpoints(build_endpoints_from_group(group), phase, enable_v_half=enable_v_half):
+    endpoints = build_endpoints_from_group(group, real_kv_sources=real_kv_sources)
+    for ep in select_endpoints(endpoints, phase, enable_v_half=enable_v_half):
         if ep.is_sweep:
             kw = {k: v for k, v in launch_kw.items() if k in ("real_kv_hash_mode", "backend")}
         else:

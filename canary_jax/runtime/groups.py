@@ -1,20 +1,24 @@
-"""Canary buffer groups: the HEAD / TAIL buffers, real-KV sources and LUT of one pool (SPEC 8.1).
+"""Canary buffer groups: the HEAD / TAIL buffers and LUT of one pool (SPEC 8.1).
 
 SGLang attaches one :class:`CanaryBufferGroup` per (pool, :class:`PoolKind`): a plain pool gets a FULL group,
 an SWA pool a FULL group and an SWA group. Each group holds a HEAD and a TAIL canary buffer per half (K, and
-V unless the pool is MLA-style), the real-KV sources its TAIL and SWEEP launches fingerprint, and for SWA
-groups the full-to-SWA slot LUT. :mod:`canary_jax.runtime.endpoints` turns a group into its launch endpoints.
+V unless the pool is MLA-style) and, for SWA groups, the full-to-SWA slot LUT.
+:mod:`canary_jax.runtime.endpoints` turns a group into its launch endpoints.
 
-JAX is functional, so a group is never updated in place: :meth:`CanaryBufferGroup.with_endpoint` and
-:meth:`CanaryBufferGroup.with_real_kv_sources` return a new group (without re-validating, so they are safe on
-tracers).
+A group holds only what the canary owns. The real-KV sources its TAIL and SWEEP launches fingerprint are views
+of the live KV pool, so they are an argument of every call that hashes them (``real_kv_sources=`` of
+:func:`canary_jax.runtime.step.canary_tail` and :func:`~canary_jax.runtime.step.canary_sweep`), never kept: a
+JAX array kept from an earlier step is a snapshot (a stale copy of the pool, and a second pool-sized buffer
+kept alive by every step that returns the group).
+
+JAX is functional, so a group is never updated in place: :meth:`CanaryBufferGroup.with_endpoint` returns a new
+group (without re-validating, so it is safe on tracers).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -42,21 +46,19 @@ _BUFFER_NAMES = ("k_head", "k_tail", "v_head", "v_tail")
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class CanaryBufferGroup:
-    """Canary buffers, real-KV sources and LUT of one (pool, PoolKind) (SGLang ``CanaryBufferGroup``).
+    """Canary buffers and LUT of one (pool, PoolKind) (SGLang ``CanaryBufferGroup``, without the sources).
 
     Fields:
       kind: PoolKind.FULL or PoolKind.SWA (static).
       k_head, k_tail: ``uint8[num_slots, slot_stride_bytes]`` HEAD and TAIL canary buffers of the K half
         (SWA groups: SWA-pool slot indices).
       v_head, v_tail: same for the V half, or both None for MLA-style pools (``has_v_half`` False).
-      real_kv_sources_k, real_kv_sources_v: 0..4 :class:`~canary_jax.sources.RealKvSource` per half, read by
-        TAIL and SWEEP launches; their tensors are views of the live KV pool (layer 0 in SGLang).
       swa_index_lut: ``uint32[full_pool_size + 1, 2]`` (int64 pairs; any lossless int form is accepted and
         converted) full-to-SWA slot mapping, 0 = evicted; None iff ``kind`` is FULL.
       kv_token_id_vs_position_offset: 0 for target pools, +1 for EAGLE-draft pools (static).
       swa_window_size: W used to plan this group (static): 0 for FULL groups, > 0 for SWA groups.
 
-    Registered as a pytree (arrays and sources are leaves; kind, offset and window are static).
+    Registered as a pytree (arrays are leaves; kind, offset and window are static). It holds no KV data.
 
     Raises:
       ValueError: LUT presence does not match the kind, V buffers half given, bad window, bad buffers.
@@ -67,8 +69,6 @@ class CanaryBufferGroup:
     k_tail: Any
     v_head: Any = None
     v_tail: Any = None
-    real_kv_sources_k: tuple = ()
-    real_kv_sources_v: tuple = ()
     swa_index_lut: Any = None
     kv_token_id_vs_position_offset: int = 0
     swa_window_size: int = 0
@@ -100,10 +100,6 @@ class CanaryBufferGroup:
             if lut.shape[0] < 1:
                 raise ValueError("kv-canary: swa_index_lut must not be empty")
             object.__setattr__(self, "swa_index_lut", lut)
-        object.__setattr__(self, "real_kv_sources_k", tuple(self.real_kv_sources_k))
-        object.__setattr__(self, "real_kv_sources_v", tuple(self.real_kv_sources_v))
-        if self.v_head is None and self.real_kv_sources_v:
-            raise ValueError("kv-canary: real_kv_sources_v given for a group without a V half")
 
     @classmethod
     def allocate(
@@ -113,8 +109,6 @@ class CanaryBufferGroup:
         num_slots: int,
         has_v_half: bool = True,
         slot_stride_bytes: int = constants.CANARY_SLOT_BYTES,
-        real_kv_sources_k: Sequence = (),
-        real_kv_sources_v: Sequence = (),
         swa_index_lut: Any = None,
         kv_token_id_vs_position_offset: int = 0,
         swa_window_size: int = 0,
@@ -127,8 +121,6 @@ class CanaryBufferGroup:
             k_tail=mk(),
             v_head=mk() if has_v_half else None,
             v_tail=mk() if has_v_half else None,
-            real_kv_sources_k=tuple(real_kv_sources_k),
-            real_kv_sources_v=tuple(real_kv_sources_v),
             swa_index_lut=swa_index_lut,
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
             swa_window_size=swa_window_size,
@@ -145,16 +137,10 @@ class CanaryBufferGroup:
         """The group with ``endpoint.canary_buf`` stored back under ``endpoint.buffer_name``."""
         return _replace_leaves(self, **{endpoint.buffer_name: endpoint.canary_buf})
 
-    def with_real_kv_sources(
-        self, sources_k: Sequence | None = None, sources_v: Sequence | None = None
-    ) -> CanaryBufferGroup:
-        """The group with new real-KV sources (e.g. views of the KV pool after the model's write)."""
-        kw = {}
-        if sources_k is not None:
-            kw["real_kv_sources_k"] = tuple(sources_k)
-        if sources_v is not None:
-            kw["real_kv_sources_v"] = tuple(sources_v)
-        return _replace_leaves(self, **kw)
+    def with_buffers(self, **buffers) -> CanaryBufferGroup:
+        """The group with some of ``k_head`` / ``k_tail`` / ``v_head`` / ``v_tail`` replaced, unchecked (safe on
+        tracers and placeholders)."""
+        return _replace_leaves(self, **buffers)
 
 
 def _group_flatten(g: CanaryBufferGroup):
@@ -163,8 +149,6 @@ def _group_flatten(g: CanaryBufferGroup):
         g.k_tail,
         g.v_head,
         g.v_tail,
-        tuple(g.real_kv_sources_k),
-        tuple(g.real_kv_sources_v),
         g.swa_index_lut,
     )
     return children, (g.kind, int(g.kv_token_id_vs_position_offset), int(g.swa_window_size))
@@ -174,9 +158,7 @@ def _group_unflatten(aux, children) -> CanaryBufferGroup:
     obj = object.__new__(CanaryBufferGroup)
     for name, val in zip(("k_head", "k_tail", "v_head", "v_tail"), children[:4]):
         object.__setattr__(obj, name, val)
-    object.__setattr__(obj, "real_kv_sources_k", tuple(children[4]))
-    object.__setattr__(obj, "real_kv_sources_v", tuple(children[5]))
-    object.__setattr__(obj, "swa_index_lut", children[6])
+    object.__setattr__(obj, "swa_index_lut", children[4])
     object.__setattr__(obj, "kind", aux[0])
     object.__setattr__(obj, "kv_token_id_vs_position_offset", aux[1])
     object.__setattr__(obj, "swa_window_size", aux[2])
@@ -189,6 +171,6 @@ jax.tree_util.register_pytree_node(CanaryBufferGroup, _group_flatten, _group_unf
 def _replace_leaves(g: CanaryBufferGroup, **kw) -> CanaryBufferGroup:
     """``dataclasses.replace`` without re-running ``__post_init__`` (safe on tracers)."""
     children, aux = _group_flatten(g)
-    names = ("k_head", "k_tail", "v_head", "v_tail", "real_kv_sources_k", "real_kv_sources_v", "swa_index_lut")
+    names = ("k_head", "k_tail", "v_head", "v_tail", "swa_index_lut")
     children = tuple(kw.get(n, c) for n, c in zip(names, children))
     return _group_unflatten(aux, children)

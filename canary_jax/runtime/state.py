@@ -2,7 +2,8 @@
 threads and what it returns.
 
 * :class:`CanaryStepConfig`: static, hashable knobs (capacities, real-KV mode, asserts, backend).
-* :class:`CanaryBatch`: what the canary reads from one forward batch (an argument of every call, never kept).
+* :class:`CanaryBatch`: what the canary reads from one forward batch (an argument of every call, never kept);
+  its int64-valued fields are held as exact ``uint32[..., 2]`` pairs from the moment it is built.
 * :class:`CanaryState`: the canary's own device state: buffer groups and the violation log they share.
 * :class:`CanaryPlans`: one forward's plans, shared by HEAD and TAIL.
 * :class:`StepSummary`: small device-side results of one step.
@@ -19,8 +20,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from canary_jax import constants, layout
+from canary_jax import buckets as buckets_lib
+from canary_jax import constants, ints, layout
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.groups import CanaryBufferGroup
 
@@ -48,9 +51,13 @@ class CanaryStepConfig:
       enable_v_half: also launch the V-half endpoints (SGLang's ``SGLANG_KV_CANARY_ENABLE_MHA_V``,
         default off there).
       backend: ``reference`` / ``pallas`` / None (see :func:`canary_jax.backends.resolve_backend`).
+      buckets: the :class:`canary_jax.buckets.Buckets` policy that eager calls pad the batch's token count to
+        (and its rows, capped at ``write_req_capacity``), or None for :func:`canary_jax.buckets.default_buckets`
+        at call time.
 
     Raises:
       ValueError: non-positive capacities.
+      TypeError: ``buckets`` not a Buckets.
     """
 
     verify_capacity: int
@@ -60,30 +67,68 @@ class CanaryStepConfig:
     enable_verify_token_assert: bool = False
     enable_v_half: bool = False
     backend: str | None = None
+    buckets: buckets_lib.Buckets | None = None
 
     def __post_init__(self) -> None:
         for name in ("verify_capacity", "write_req_capacity"):
-            if int(getattr(self, name)) <= 0:
+            if ints.check_int(getattr(self, name), name=name) <= 0:
                 raise ValueError(f"kv-canary: {name} must be positive, got {getattr(self, name)}")
+        if self.buckets is not None and not isinstance(self.buckets, buckets_lib.Buckets):
+            raise TypeError(f"kv-canary: buckets must be a Buckets, got {type(self.buckets).__name__}")
         object.__setattr__(self, "real_kv_hash_mode", constants.RealKvHashMode(int(self.real_kv_hash_mode)))
+
+
+_BATCH_FIELDS = (
+    "req_pool_indices",
+    "prefix_lens",
+    "extend_seq_lens",
+    "input_ids",
+    "positions",
+    "out_cache_loc",
+    "req_to_token",
+    "expected_inputs",
+    "req_to_verify_expected_tokens",
+    "req_to_verify_expected_tokens_valid_lens",
+)
+
+
+def _pairs(x: Any, name: str, shape: tuple) -> Any:
+    """An int64-valued field as exact ``uint32[*shape, 2]`` pairs: JAX arrays and tracers stay JAX (widened or
+    bit-cast, never cut), host data stays numpy (so eager calls pad it on the host)."""
+    out = ints.as_int64_pairs(x, name=name, shape=shape)
+    return out if isinstance(x, jax.Array) else np.asarray(out)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class CanaryBatch:
     """What the canary needs from one forward batch (SGLang ``PlanInput`` + ForwardBatch arrays).
 
-    Fields (bs rows, padding rows with ``req_pool_indices == 0`` last; T tokens in request order):
-      req_pool_indices: int64-valued ``[bs]`` (int32 / int64 / ``uint32[bs, 2]``); 0 = padding row.
+    Fields (bs rows, padding rows with ``req_pool_indices == 0`` last; T tokens in request order, tokens past
+    the rows' extends owned by no request):
+      req_pool_indices: int64-valued ``[bs]``; 0 = padding row.
       prefix_lens: int64-valued ``[bs]``: tokens already in the KV before this step (decode: the position).
       extend_seq_lens: int64-valued ``[bs]``: tokens written this step (decode: 1).
       input_ids, positions: int64-valued ``[T]``.
       out_cache_loc: int64-valued ``[T]`` full-pool slots written this step (SWA groups translate them).
       req_to_token: ``int32[max_reqs, max_seq_len]``, already holding this step's slots.
-      expected_inputs: :class:`~canary_jax.runtime.endpoints.ExpectedInputs` (``[T]`` each) when
+      expected_inputs: :class:`~canary_jax.runtime.endpoints.ExpectedInputs` (int64-valued ``[T]`` each) when
         ``enable_write_input_assert``; else None.
       req_to_verify_expected_tokens: ``int32[rows, max_context_len]`` token pool when
         ``enable_verify_token_assert`` (see :func:`canary_jax.plan_builder.scatter_req_token_ids`); else None.
       req_to_verify_expected_tokens_valid_lens: int64-valued ``[bs]`` with the pool.
+
+    Construction converts every int64-valued field, exactly, to ``uint32[..., 2]`` pairs (little-endian words,
+    the bytes of the int64 array; see :mod:`canary_jax.ints`): numpy int64 / uint64, Python ints, int32 and
+    narrower (sign-extended), JAX int64 with x64 on, or pairs already. Host data stays numpy, JAX arrays and
+    tracers stay JAX. So no value is cut to int32 when the batch crosses ``jit`` with x64 off. The int32 fields
+    go through :func:`canary_jax.ints.as_int32`: numpy data outside int32 is refused, JAX data must be int32.
+    A pytree; unflattening does not convert again (safe inside transformations).
+
+    Raises:
+      TypeError: a non-integer field, JAX int32 fields of another dtype, or ``expected_inputs`` of the wrong
+        type (naming the field).
+      ValueError: a value outside int64 (int64 fields) or int32 (int32 fields), or shapes that disagree
+        (``[bs]`` fields, ``[T]`` fields, 2-D tables), naming the field.
     """
 
     req_pool_indices: Any
@@ -97,22 +142,68 @@ class CanaryBatch:
     req_to_verify_expected_tokens: Any = None
     req_to_verify_expected_tokens_valid_lens: Any = None
 
+    def __post_init__(self) -> None:
+        rpi = _pairs(self.req_pool_indices, "req_pool_indices", (None,))
+        bs = int(rpi.shape[0])
+        ids = _pairs(self.input_ids, "input_ids", (None,))
+        t = int(ids.shape[0])
+        conv = {
+            "req_pool_indices": rpi,
+            "prefix_lens": _pairs(self.prefix_lens, "prefix_lens", (bs,)),
+            "extend_seq_lens": _pairs(self.extend_seq_lens, "extend_seq_lens", (bs,)),
+            "input_ids": ids,
+            "positions": _pairs(self.positions, "positions", (t,)),
+            "out_cache_loc": _pairs(self.out_cache_loc, "out_cache_loc", (t,)),
+            "req_to_token": ints.as_int32(self.req_to_token, name="req_to_token", shape=(None, None)),
+        }
+        ex = self.expected_inputs
+        if ex is not None:
+            if not isinstance(ex, ExpectedInputs):
+                raise TypeError(f"kv-canary: expected_inputs must be an ExpectedInputs, got {type(ex).__name__}")
+            conv["expected_inputs"] = ExpectedInputs(
+                tokens=_pairs(ex.tokens, "expected_inputs.tokens", (t,)),
+                positions=_pairs(ex.positions, "expected_inputs.positions", (t,)),
+            )
+        if self.req_to_verify_expected_tokens is not None:
+            conv["req_to_verify_expected_tokens"] = ints.as_int32(
+                self.req_to_verify_expected_tokens, name="req_to_verify_expected_tokens", shape=(None, None)
+            )
+        if self.req_to_verify_expected_tokens_valid_lens is not None:
+            conv["req_to_verify_expected_tokens_valid_lens"] = _pairs(
+                self.req_to_verify_expected_tokens_valid_lens, "req_to_verify_expected_tokens_valid_lens", (bs,)
+            )
+        for name, value in conv.items():
+            object.__setattr__(self, name, value)
 
-jax.tree_util.register_dataclass(
-    CanaryBatch,
-    data_fields=[
-        "req_pool_indices",
-        "prefix_lens",
-        "extend_seq_lens",
-        "input_ids",
-        "positions",
-        "out_cache_loc",
-        "req_to_token",
-        "expected_inputs",
-        "req_to_verify_expected_tokens",
-        "req_to_verify_expected_tokens_valid_lens",
-    ],
-    meta_fields=[],
+    @property
+    def num_tokens(self) -> int:
+        """T, the length of the token arrays."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def batch_size(self) -> int:
+        """bs, the number of rows (padding rows included)."""
+        return int(self.req_pool_indices.shape[0])
+
+    def replace(self, **kw) -> CanaryBatch:
+        """A new batch with some fields replaced (converted like the constructor's)."""
+        return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def prechecked(cls, **fields) -> CanaryBatch:
+        """A batch from fields that are already converted (pairs, int32 tables): no checks, no conversion."""
+        return _batch_unflatten(None, [fields.get(n) for n in _BATCH_FIELDS])
+
+
+def _batch_unflatten(_, children) -> CanaryBatch:
+    obj = object.__new__(CanaryBatch)
+    for name, value in zip(_BATCH_FIELDS, children):
+        object.__setattr__(obj, name, value)
+    return obj
+
+
+jax.tree_util.register_pytree_node(
+    CanaryBatch, lambda b: (tuple(getattr(b, n) for n in _BATCH_FIELDS), None), _batch_unflatten
 )
 
 

@@ -39,31 +39,25 @@ def _pool_sources(pool, *, page_size: int, kv_bytes: int, mode: constants.RealKv
     return (RealKvSource(tensor=pool[0], page_size=page_size, num_bytes_per_token=kv_bytes, read_bytes=read),)
 
 
-def _with_sources(state: CanaryState, k_pool, v_pool, *, page_size, kv_bytes, config) -> CanaryState:
+def _sources(k_pool, v_pool, *, page_size: int, kv_bytes: int, config: CanaryStepConfig) -> tuple:
+    """The one group's ``(sources_k, sources_v)``: layer 0 of each pool, built inside the caller's ``jit`` (a
+    slice there, not a copy); the V pool only when the V half is launched."""
     mode = config.real_kv_hash_mode
-    g = state.groups[0]
     src_k = _pool_sources(k_pool, page_size=page_size, kv_bytes=kv_bytes, mode=mode)
-    src_v = _pool_sources(v_pool, page_size=page_size, kv_bytes=kv_bytes, mode=mode) if g.has_v_half else None
-    return state.replace(groups=(g.with_real_kv_sources(src_k, src_v),))
-
-
-def _without_sources(state: CanaryState) -> CanaryState:
-    # The state never keeps pool views between steps (they would be stale copies of the pool).
-    g = state.groups[0]
-    return state.replace(groups=(g.with_real_kv_sources((), () if g.has_v_half else None),))
+    src_v = _pool_sources(v_pool, page_size=page_size, kv_bytes=kv_bytes, mode=mode) if config.enable_v_half else ()
+    return ((src_k, src_v),)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "kv_bytes"))
 def _tail(state, plans, batch, k_pool, v_pool, *, config, page_size, kv_bytes):
-    state = _with_sources(state, k_pool, v_pool, page_size=page_size, kv_bytes=kv_bytes, config=config)
-    state, summary = canary_tail(state, plans, batch, config=config)
-    return _without_sources(state), summary
+    srcs = _sources(k_pool, v_pool, page_size=page_size, kv_bytes=kv_bytes, config=config)
+    return canary_tail(state, plans, batch, config=config, real_kv_sources=srcs)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "kv_bytes"))
 def _sweep(state, plan, k_pool, v_pool, *, config, page_size, kv_bytes):
-    state = _with_sources(state, k_pool, v_pool, page_size=page_size, kv_bytes=kv_bytes, config=config)
-    return _without_sources(canary_sweep(state, (plan,), config=config))
+    srcs = _sources(k_pool, v_pool, page_size=page_size, kv_bytes=kv_bytes, config=config)
+    return canary_sweep(state, (plan,), config=config, real_kv_sources=srcs)
 
 
 class CanaryRuntime:
