@@ -71,6 +71,21 @@ def int64_to_pairs_np(values: Any) -> np.ndarray:
     return arr.view("<u4").reshape(arr.shape + (2,)).astype(np.uint32)
 
 
+def to_device(x: Any) -> jax.Array:
+    """A host 32-bit (or narrower) numpy array moved to the default device by a transfer, or ``x`` itself if it
+    is already a JAX array.
+
+    ``jnp.asarray(numpy_array)`` would compile a small program per shape in jax 0.10 (``lax.stage``), which a
+    serving loop with changing sizes must not do; ``jax.device_put`` only copies. Callers pass 32-bit data
+    only (``device_put`` narrows 64-bit dtypes with x64 off).
+    """
+    if isinstance(x, jax.Array):
+        return x
+    arr = np.asarray(x)
+    assert arr.dtype.itemsize <= 4, arr.dtype
+    return jax.device_put(arr)
+
+
 def exact_int64_np(values: Any, *, name: str) -> np.ndarray:
     """Host integer data as a numpy int64 array, exactly (no float truncation, no silent wrap).
 
@@ -121,7 +136,9 @@ def _describe(x: Any) -> str:
     return f"shape {tuple(np.shape(x))} dtype {getattr(x, 'dtype', type(x).__name__)}"
 
 
-def as_int64_pairs(x: Any, *, name: str, shape: Sequence[int | None] | None = None) -> jax.Array:
+def as_int64_pairs(
+    x: Any, *, name: str, shape: Sequence[int | None] | None = None, host: bool = False
+) -> jax.Array | np.ndarray:
     """Normalises an int64-valued argument to ``uint32[*S, 2]`` without losing a bit.
 
     Works on concrete arrays and on tracers (dtype and shape are static), so it is safe inside ``jit``.
@@ -130,9 +147,11 @@ def as_int64_pairs(x: Any, *, name: str, shape: Sequence[int | None] | None = No
       x: see the module docstring for accepted forms.
       name: argument name for error messages.
       shape: expected logical shape ``S``; ``None`` entries match any size; ``None`` skips the check.
+      host: host data (numpy, lists, ints) stays a numpy array instead of moving to the device (the entry
+        points pad it to a bucket first, see :mod:`canary_jax.padding`); JAX arrays are unaffected.
 
     Returns:
-      ``uint32`` array of shape ``S + (2,)``.
+      ``uint32`` array of shape ``S + (2,)`` (numpy when ``host`` and ``x`` is host data, else JAX).
 
     Raises:
       TypeError: wrong dtype (floats, complex, unknown objects).
@@ -167,16 +186,18 @@ def as_int64_pairs(x: Any, *, name: str, shape: Sequence[int | None] | None = No
             and arr.shape[-1] == 2
             and arr.dtype in (np.dtype(np.uint32), np.dtype(np.int32))
         ):
-            out = jnp.asarray(arr.astype(np.uint32, copy=False))
+            out = arr.astype(np.uint32, copy=False)
         else:
             try:
-                out = jnp.asarray(int64_to_pairs_np(x if not hasattr(x, "dtype") else arr))
+                out = int64_to_pairs_np(x if not hasattr(x, "dtype") else arr)
             except TypeError:
                 raise TypeError(
                     f"kv-canary: {name} must be an int64-valued integer array, got {_describe(arr)}"
                 ) from None
             except ValueError:
                 raise ValueError(f"kv-canary: {name} holds a value that does not fit int64") from None
+        if not host:
+            out = to_device(out)
     if shape is not None and not validation.shape_matches(out.shape[:-1], shape):
         want, got = validation.shape_pattern(shape), tuple(out.shape[:-1])
         raise ValueError(f"kv-canary: {name} must have shape {want} (int64), got shape {got}")
@@ -205,7 +226,7 @@ def as_int32(x: Any, *, name: str, shape: Sequence[int | None] | None = None) ->
             raise ValueError(
                 f"kv-canary: {name} holds values outside int32 (min {arr.min()}, max {arr.max()}); refusing to truncate"
             )
-        out = jnp.asarray(arr.astype(np.int32))
+        out = to_device(arr.astype(np.int32))
     if shape is not None:
         validation.check_shape(name, out.shape, shape)
     return out

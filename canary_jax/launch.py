@@ -12,17 +12,27 @@
 Outside ``jit`` the canary buffer (write only) and the violation log are donated to the launch, so the update
 happens in place; do not reuse the arrays you passed in, use the returned context. Inside a caller's ``jit``
 the calls trace inline and XLA updates in place.
+
+Launch shapes: outside ``jit`` the plan capacities (``C``, ``Cw``) and the token count ``T`` are padded up to
+buckets (:mod:`canary_jax.buckets`, :mod:`canary_jax.padding`; padded entries are never written or counted,
+the result is byte-identical), so a serving loop whose sizes change every step compiles one program per
+bucket, not per size. Compiled programs are kept per op in a least-recently-used cache of at most
+:data:`MAX_PROGRAMS_PER_OP` signatures; the oldest is dropped (its jit cache cleared) past that.
+:func:`trace_count` and :func:`live_programs` let tests pin both.
 """
 
 from __future__ import annotations
 
-import functools
+import collections
+import threading
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
 
-from canary_jax import backends, ints, validation
+from canary_jax import backends, ints, padding, validation
 from canary_jax.backends import resolve_backend
+from canary_jax.buckets import Buckets, bucket_size
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan, check_context
 from canary_jax.sources import device_sources
 
@@ -36,6 +46,55 @@ def _is_tracing(*xs: Any) -> bool:
     return any(isinstance(x, _Tracer) for x in jax.tree_util.tree_leaves(xs))
 
 
+# --- compiled programs -------------------------------------------------------------------------------------
+MAX_PROGRAMS_PER_OP = 32
+"""Compiled launch programs kept per op (least recently used dropped past it)."""
+
+_LOCK = threading.Lock()
+_PROGRAMS: dict[str, collections.OrderedDict] = {
+    "verify": collections.OrderedDict(),
+    "write": collections.OrderedDict(),
+}
+_TRACES = collections.Counter()
+
+
+def trace_count(op: str | None = None) -> int:
+    """How many launch programs ``op`` (``"verify"`` / ``"write"``, None: both) has traced in this process."""
+    return sum(_TRACES.values()) if op is None else _TRACES[op]
+
+
+def live_programs(op: str) -> int:
+    """How many compiled programs of ``op`` are kept now (at most :data:`MAX_PROGRAMS_PER_OP`)."""
+    return len(_PROGRAMS[op])
+
+
+def _signature(statics: tuple, dynamic: Any) -> Hashable:
+    leaves, tree = jax.tree_util.tree_flatten(dynamic)
+    return (statics, tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+
+
+def _program(op: str, body: Callable, statics: tuple, dynamic: Any, *, donate_argnums: tuple) -> Callable:
+    """The jitted program of ``op`` for this signature: a fresh closure per signature (so evicting it frees
+    its caches), kept in an LRU of :data:`MAX_PROGRAMS_PER_OP`."""
+    key = _signature(statics, dynamic)
+    cache = _PROGRAMS[op]
+    with _LOCK:
+        fn = cache.get(key)
+        if fn is not None:
+            cache.move_to_end(key)
+            return fn
+
+        def traced(*args):
+            _TRACES[op] += 1
+            return body(*statics, *args)
+
+        fn = cache[key] = jax.jit(traced, donate_argnums=donate_argnums)
+        while len(cache) > MAX_PROGRAMS_PER_OP:
+            _, old = cache.popitem(last=False)
+            old.clear_cache()
+        return fn
+
+
 # --- verify ----------------------------------------------------------------------------------------------
 def verify(
     context: VerifyOrWriteContext,
@@ -43,6 +102,7 @@ def verify(
     *,
     check_verify_expected_token: bool = False,
     backend: str | None = None,
+    buckets: Buckets | None = None,
 ) -> VerifyOrWriteContext:
     """Runs one verify launch; semantics of :func:`canary_jax.reference.verify_reference` (SGLang's
     ``launch_canary_verify_kernel``; SPEC section 5).
@@ -57,6 +117,8 @@ def verify(
         token (bit 32); when False the expected-token array is not read and column 4 holds -1.
       backend: ``"reference"`` (jnp), ``"pallas"`` (compiled on GPU, interpreted on CPU), or None for
         ``$CANARY_JAX_BACKEND`` / the platform default.
+      buckets: the bucket policy for the plan capacity outside ``jit`` (default
+        :func:`canary_jax.buckets.default_buckets`); see :func:`canary_jax.padding.pad_verify_plan`.
 
     Returns:
       The context with the new violation log (the canary buffer is read-only for verify). Outside ``jit`` the
@@ -74,22 +136,18 @@ def verify(
     fn = backends.implementation("verify", resolve_backend(backend))
     if _is_tracing(context, plan):
         return fn(context, plan, check_verify_expected_token=bool(check_verify_expected_token))
-    log = _verify_donating(fn, context, plan, bool(check_verify_expected_token))
+    plan = padding.pad_verify_plan(plan, bucket_size(plan.verify_capacity, buckets))
+    statics = (fn, bool(check_verify_expected_token), context.kernel_kind, context.real_kv_hash_mode)
+    dynamic = (context.canary_buf, context.log, tuple(context.real_kv_sources), plan)
+    log = _program("verify", _verify_body, statics, dynamic, donate_argnums=(1,))(*dynamic)
     return context.replace(log=log)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
-def _verify_jit(fn, canary_buf, log, rest, check):
-    sources, plan, kind, mode = rest[0], rest[1], rest[2], rest[3]
+def _verify_body(fn, check, kind, mode, canary_buf, log, sources, plan):
     ctx = VerifyOrWriteContext(
         canary_buf=canary_buf, kernel_kind=kind, log=log, real_kv_sources=sources, real_kv_hash_mode=mode
     )
     return fn(ctx, plan, check_verify_expected_token=check).log
-
-
-def _verify_donating(fn, context, plan, check):
-    rest = _Rest(context.real_kv_sources, plan, context.kernel_kind, context.real_kv_hash_mode)
-    return _verify_jit(fn, context.canary_buf, context.log, rest, check)
 
 
 # --- write -----------------------------------------------------------------------------------------------
@@ -101,8 +159,10 @@ def normalize_write_inputs(
     enable_write_input_assert: bool,
     expected_input_tokens=None,
     expected_input_positions=None,
+    host: bool = False,
 ):
-    """Checks the token arrays and converts them to int64 pairs ``uint32[T, 2]``.
+    """Checks the token arrays and converts them to int64 pairs ``uint32[T, 2]`` (host data stays numpy when
+    ``host``, see :func:`canary_jax.ints.as_int64_pairs`).
 
     Raises:
       ValueError: expected tensors present/absent against the flag (SGLang's messages), or lengths differ.
@@ -113,13 +173,13 @@ def normalize_write_inputs(
         has_tokens=expected_input_tokens is not None,
         has_positions=expected_input_positions is not None,
     )
-    ids = ints.as_int64_pairs(input_ids, name="input_ids", shape=(None,))
+    ids = ints.as_int64_pairs(input_ids, name="input_ids", shape=(None,), host=host)
     t = ids.shape[0]
-    pos = ints.as_int64_pairs(positions, name="positions", shape=(t,))
-    loc = ints.as_int64_pairs(out_cache_loc, name="out_cache_loc", shape=(t,))
+    pos = ints.as_int64_pairs(positions, name="positions", shape=(t,), host=host)
+    loc = ints.as_int64_pairs(out_cache_loc, name="out_cache_loc", shape=(t,), host=host)
     if enable_write_input_assert:
-        et = ints.as_int64_pairs(expected_input_tokens, name="expected_input_tokens", shape=(t,))
-        ep = ints.as_int64_pairs(expected_input_positions, name="expected_input_positions", shape=(t,))
+        et = ints.as_int64_pairs(expected_input_tokens, name="expected_input_tokens", shape=(t,), host=host)
+        ep = ints.as_int64_pairs(expected_input_positions, name="expected_input_positions", shape=(t,), host=host)
     else:
         et = ep = None
     return ids, pos, loc, et, ep
@@ -136,6 +196,7 @@ def write(
     expected_input_tokens=None,
     expected_input_positions=None,
     backend: str | None = None,
+    buckets: Buckets | None = None,
 ) -> VerifyOrWriteContext:
     """Runs one write launch; semantics of :func:`canary_jax.reference.write_reference` (SGLang's
     ``launch_canary_write_kernel``; SPEC section 6).
@@ -151,6 +212,8 @@ def write(
 
       enable_write_input_assert: compare every written entry with the expected tensors (bits 8 / 16).
       backend: as for :func:`verify`.
+      buckets: the bucket policy for ``T`` and ``Cw`` outside ``jit`` (default
+        :func:`canary_jax.buckets.default_buckets`); see :func:`canary_jax.padding.pad_write_plan`.
 
     Ring rows (SPEC 6): ``[tag, slot, actual position, actual token, expected token, running prev_hash,
     expected position, bits]``. An input-assert row precedes the chain-position row of the same entry; the
@@ -171,6 +234,8 @@ def write(
     if not isinstance(plan, WritePlan):
         raise TypeError(f"kv-canary: plan must be a WritePlan, got {type(plan).__name__}")
     plan.check()
+    raw = (input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)
+    tracing = _is_tracing(context, plan, *(x for x in raw if isinstance(x, jax.Array)))
     ids, pos, loc, et, ep = normalize_write_inputs(
         input_ids,
         positions,
@@ -178,10 +243,11 @@ def write(
         enable_write_input_assert=enable_write_input_assert,
         expected_input_tokens=expected_input_tokens,
         expected_input_positions=expected_input_positions,
+        host=not tracing,
     )
     fn = backends.implementation("write", resolve_backend(backend))
     flag = bool(enable_write_input_assert)
-    if _is_tracing(context, plan, ids, pos, loc, et, ep):
+    if tracing:
         return fn(
             context,
             plan,
@@ -192,14 +258,20 @@ def write(
             expected_input_tokens=et,
             expected_input_positions=ep,
         )
-    rest = _Rest(context.real_kv_sources, plan, context.kernel_kind, context.real_kv_hash_mode)
-    buf, log = _write_jit(fn, context.canary_buf, context.log, rest, (ids, pos, loc, et, ep), flag)
+    t = int(ids.shape[0])
+    tp = bucket_size(t, buckets)
+    plan = padding.pad_write_plan(plan, bucket_size(plan.write_req_capacity, buckets), num_tokens=t, padded_tokens=tp)
+    fills = (0, 0, -1, 0, 0)  # ids, positions, out_cache_loc (-1: skipped), expected tokens / positions
+    arrays = tuple(
+        None if a is None else padding.pad_rows(a, tp, fill=f) for a, f in zip((ids, pos, loc, et, ep), fills)
+    )
+    statics = (fn, flag, context.kernel_kind, context.real_kv_hash_mode)
+    dynamic = (context.canary_buf, context.log, tuple(context.real_kv_sources), plan, arrays)
+    buf, log = _program("write", _write_body, statics, dynamic, donate_argnums=(0, 1))(*dynamic)
     return context.replace(canary_buf=buf, log=log)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(1, 2))
-def _write_jit(fn, canary_buf, log, rest, arrays, flag):
-    sources, plan, kind, mode = rest[0], rest[1], rest[2], rest[3]
+def _write_body(fn, flag, kind, mode, canary_buf, log, sources, plan, arrays):
     ids, pos, loc, et, ep = arrays
     ctx = VerifyOrWriteContext(
         canary_buf=canary_buf, kernel_kind=kind, log=log, real_kv_sources=sources, real_kv_hash_mode=mode
@@ -208,17 +280,3 @@ def _write_jit(fn, canary_buf, log, rest, arrays, flag):
         ctx, plan, ids, pos, loc, enable_write_input_assert=flag, expected_input_tokens=et, expected_input_positions=ep
     )
     return out.canary_buf, out.log
-
-
-class _Rest(tuple):
-    """(sources, plan, kernel_kind, mode) with the last two static, as a pytree."""
-
-    def __new__(cls, sources, plan, kind, mode):
-        return super().__new__(cls, (tuple(sources), plan, kind, mode))
-
-
-jax.tree_util.register_pytree_node(
-    _Rest,
-    lambda r: ((r[0], r[1]), (r[2], r[3])),
-    lambda aux, ch: _Rest(ch[0], ch[1], aux[0], aux[1]),
-)

@@ -111,14 +111,14 @@ class VerifyPlan:
         def pad(a, fill=0):
             out = np.full((cap,), fill, np.int64)
             out[:n] = a
-            return jnp.asarray(ints.int64_to_pairs_np(out))
+            return ints.to_device(ints.int64_to_pairs_np(out))
 
         return cls(
             verify_slot_indices=pad(slots),
             verify_expected_tokens=pad(tokens, -1),
             verify_expected_positions=pad(positions),
             verify_prev_slot_indices=pad(prev_slots),
-            verify_num_valid=jnp.asarray(
+            verify_num_valid=ints.to_device(
                 np.array(
                     [
                         n
@@ -128,7 +128,7 @@ class VerifyPlan:
                     np.int32,
                 )
             ),
-            enable=jnp.asarray(
+            enable=ints.to_device(
                 np.array([ints.check_int(enable, name="enable", minimum=-(2**31), maximum=2**31 - 1)], np.int32)
             ),
         )
@@ -216,9 +216,9 @@ class WritePlan:
         seed_arr = np.zeros((cap,), np.int64)
         seed_arr[:bs] = seeds
         return cls(
-            write_offsets=jnp.asarray(ints.int64_to_pairs_np(off)),
-            write_seed_slot_indices=jnp.asarray(ints.int64_to_pairs_np(seed_arr)),
-            write_num_valid_reqs=jnp.asarray(
+            write_offsets=ints.to_device(ints.int64_to_pairs_np(off)),
+            write_seed_slot_indices=ints.to_device(ints.int64_to_pairs_np(seed_arr)),
+            write_num_valid_reqs=ints.to_device(
                 np.array(
                     [
                         bs
@@ -295,6 +295,9 @@ jax.tree_util.register_pytree_node(VerifyOrWriteContext, _ctx_flatten, _ctx_unfl
 def check_context(context: VerifyOrWriteContext) -> tuple[sources.SourceDescriptor, ...]:
     """Every static check of a launch context, before tracing; returns the source descriptors.
 
+    Includes, when the launch hashes real KV, that every source covers every slot of the canary buffer
+    (:func:`canary_jax.validation.check_source_coverage`).
+
     Raises:
       TypeError / ValueError naming the argument (see the checks of each part).
     """
@@ -310,4 +313,6 @@ def check_context(context: VerifyOrWriteContext) -> tuple[sources.SourceDescript
             f"kv-canary: kernel_kind={int(context.kernel_kind)} is outside the counter arrays of length "
             f"{context.log.kernel_run_counters.shape[0]}"
         )
-    return sources.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)
+    return sources.check_real_kv_sources(
+        context.real_kv_sources, context.real_kv_hash_mode, num_slots=int(context.canary_buf.shape[0])
+    )

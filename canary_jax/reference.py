@@ -19,6 +19,23 @@ Decisions where SGLang is undefined or backends disagree (SPEC 13; tests pin eac
   the torch reference; CUDA leaves it to a race.
 * Write offsets must be non-decreasing over the live requests (the plan builders guarantee it); offsets
   are clamped into ``[0, num_tokens]``.
+
+Cost model (the reference is the path CPUs and TPUs run):
+
+* verify follows the live entries, not the capacity ``C`` (SGLang sizes ``C`` at 3x the pool). One
+  ``lax.switch`` branch per prefix size of :func:`prefix_buckets` (``0``, then 64, 256, 1024, ... below ``C``,
+  then ``C``), chosen on device from ``min(num_valid, C)`` (0 when ``enable == 0``): the branch for ``n``
+  loads, hashes and appends entries ``[0, n)`` only, so ``L`` live entries cost at most
+  ``max(64, 4 L)`` entries of work, and a disabled or empty launch reads nothing. Rows, their order, the
+  write index and the counters are those of the whole-capacity computation (dead entries never record).
+  The price is compile time and code size: about ``log4(C / 64) + 2`` branch bodies (on a CPU about 0.5-0.8 s
+  of compile each, and XLA:CPU keeps every compiled body's memory mappings). Capacities up to 64 compile one
+  body, as before.
+* write follows the launch's token arrays (``T`` = ``input_ids`` length, which the runtime pads to a bucket
+  of the live batch) and the serial chain runs ``max`` live request length steps of ``Cw`` lanes each. It is
+  not bucketed: its arrays are the batch itself, not a pool-sized capacity.
+* Real-KV work is ``effective_read_bytes`` per processed entry and source (16 under PARTIAL, ``read_bytes``
+  under ALL); no pass reads a whole source or the whole canary buffer.
 """
 
 from __future__ import annotations
@@ -30,6 +47,9 @@ import jax.numpy as jnp
 
 from canary_jax import constants, hashing, layout, pairs, sources
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
+
+MIN_PREFIX_BUCKET = 64  # smallest non-empty prefix a verify branch processes (see the module docstring)
+PREFIX_BUCKET_GROWTH = 4  # ratio of consecutive prefix sizes: bounds the branches (compile) to about log4(C / 64) + 2
 
 
 def load_records(canary_buf: jax.Array, slot: jax.Array, ok: jax.Array) -> jax.Array:
@@ -98,43 +118,80 @@ def verify_reference(
     Returns:
       ``context`` with a new ``log`` (the canary buffer is unchanged).
     """
+    cap = plan.verify_slot_indices.shape[0]
+    enabled = plan.enable[0] != 0
+    active = jnp.where(enabled, jnp.clip(plan.verify_num_valid[0], 0, cap), 0)
+    sizes = prefix_buckets(cap)
+    branches = [
+        functools.partial(_verify_prefix, n=n, check_verify_expected_token=check_verify_expected_token) for n in sizes
+    ]
+    log = jax.lax.switch(bucket_index(active, sizes), branches, context, plan, active)
+    log = layout.bump_counters(log, int(context.kernel_kind), active.astype(jnp.uint32))
+    return context.replace(log=log)
+
+
+def prefix_buckets(capacity: int) -> tuple[int, ...]:
+    """The static prefix sizes a capacity-``capacity`` verify can process, one ``lax.switch`` branch each.
+
+    ``0`` (nothing live: disabled, or ``num_valid <= 0``), then :data:`MIN_PREFIX_BUCKET` times powers of
+    :data:`PREFIX_BUCKET_GROWTH` below ``capacity``, then ``capacity`` itself; ascending and distinct. E.g.
+    ``prefix_buckets(8) == (0, 8)``, ``prefix_buckets(8192) == (0, 64, 256, 1024, 4096, 8192)``.
+    """
+    sizes = [0]
+    size = MIN_PREFIX_BUCKET
+    while size < capacity:
+        sizes.append(size)
+        size *= PREFIX_BUCKET_GROWTH
+    if capacity > 0:
+        sizes.append(capacity)
+    return tuple(sizes)
+
+
+def bucket_index(count: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
+    """``int32`` index of the smallest ``sizes[k] >= count`` (``count``: int32 scalar in ``[0, sizes[-1]]``)."""
+    return jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < count).astype(jnp.int32)
+
+
+def _verify_prefix(
+    context: VerifyOrWriteContext, plan: VerifyPlan, active: jax.Array, *, n: int, check_verify_expected_token: bool
+) -> layout.ViolationLog:
+    """One branch of :func:`verify_reference`: entries ``[0, n)`` only (``active <= n``); returns the log with
+    the failing entries' rows appended (counters untouched). Shapes in here are ``n``, never the capacity."""
+    if n == 0:
+        return context.log
     descs = sources.source_descriptors(context.real_kv_sources, context.real_kv_hash_mode)
     tag = int(context.kernel_kind)
     buf = context.canary_buf
     n_slots = buf.shape[0]
-    cap = plan.verify_slot_indices.shape[0]
+    live = jnp.arange(n, dtype=jnp.int32) < active
 
-    enabled = plan.enable[0] != 0
-    active = jnp.clip(plan.verify_num_valid[0], 0, cap)
-    live = (jnp.arange(cap, dtype=jnp.int32) < active) & enabled
-
-    slot_p = plan.verify_slot_indices
+    slot_p = plan.verify_slot_indices[:n]
     considered = live & ~pairs.is_zero(pairs.unpack(slot_p))
     slot, slot_ok = pairs.index(pairs.unpack(slot_p), n_slots)
     rec = load_records(buf, slot, slot_ok & considered)
     tok, pos, prev, rkv = (rec[..., f, :] for f in range(4))
 
-    prev_p = plan.verify_prev_slot_indices
+    prev_p = plan.verify_prev_slot_indices[:n]
     prev_slot, prev_ok = pairs.index(pairs.unpack(prev_p), n_slots)
     prev_rec = load_records(buf, prev_slot, prev_ok & considered)
     computed = pairs.pack(chain_hash_of(prev_rec))
-    anchor = pairs.pack(pairs.const(hashing.ANCHOR_HASH, (cap,)))
+    anchor = pairs.pack(pairs.const(hashing.ANCHOR_HASH, (n,)))
     reachable = ~pairs.is_zero(pairs.unpack(prev_p))
     exp_chain = jnp.where(pairs.is_negative(pairs.unpack(prev_p))[..., None], anchor, computed)
     exp_chain = jnp.where(reachable[..., None], exp_chain, prev)
 
     if check_verify_expected_token:
-        exp_tok = plan.verify_expected_tokens
+        exp_tok = plan.verify_expected_tokens[:n]
         tok_fail = ~pairs.is_minus_one(pairs.unpack(exp_tok)) & pairs.ne(pairs.unpack(tok), pairs.unpack(exp_tok))
     else:
-        exp_tok = pairs.pack(pairs.const(-1, (cap,)))
-        tok_fail = jnp.zeros((cap,), bool)
+        exp_tok = pairs.pack(pairs.const(-1, (n,)))
+        tok_fail = jnp.zeros((n,), bool)
 
     tensors = [s.tensor for s in context.real_kv_sources]
     exp_rkv = pairs.pack(sources.real_kv_hash_reference(tensors, descs, jnp.where(slot_ok, slot, -1)))
 
     chain_fail = reachable & pairs.ne(pairs.unpack(prev), pairs.unpack(exp_chain))
-    pos_fail = pairs.ne(pairs.unpack(pos), pairs.unpack(plan.verify_expected_positions))
+    pos_fail = pairs.ne(pairs.unpack(pos), pairs.unpack(plan.verify_expected_positions[:n]))
     rkv_fail = pairs.ne(pairs.unpack(rkv), pairs.unpack(exp_rkv))
     bits = (
         jnp.where(chain_fail, constants.FailReason.VERIFY_CHAIN_HASH_MISMATCH, 0)
@@ -145,10 +202,7 @@ def verify_reference(
     record = considered & (bits != 0)
     bits_p = jnp.stack([bits, jnp.zeros_like(bits)], axis=-1)
     rows = _rows(tag, [slot_p, pos, tok, exp_tok, prev, exp_chain, bits_p])
-
-    log = layout.append_violation_rows(context.log, rows, record)
-    log = layout.bump_counters(log, tag, jnp.where(enabled, active, 0).astype(jnp.uint32))
-    return context.replace(log=log)
+    return layout.append_violation_rows(context.log, rows, record)
 
 
 # --- write -----------------------------------------------------------------------------------------------

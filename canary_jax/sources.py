@@ -96,20 +96,23 @@ class SourceDescriptor(NamedTuple):
 
 
 def check_real_kv_sources(
-    sources: Sequence[RealKvSource], mode: constants.RealKvHashMode | int
+    sources: Sequence[RealKvSource], mode: constants.RealKvHashMode | int, *, num_slots: int | None = None
 ) -> tuple[SourceDescriptor, ...]:
     """Launch-time checks of the sources (SGLang ``_build_real_kv_source_abi``), then their descriptors.
 
     The checks are :mod:`canary_jax.validation`'s, on each tensor's facts: the count (first, every mode),
     each source's kind, contiguity and 2-D uint8 view (every mode), and, when the launch hashes, each row's
-    width. A launch runs this once, before tracing; backends read :func:`source_descriptors`.
+    width and, given ``num_slots`` (the canary buffer's slots), that it covers every slot. A launch runs
+    this once, before tracing (:func:`canary_jax.plans.check_context` passes ``num_slots``); backends read
+    :func:`source_descriptors`.
 
     Returns:
       ``source_descriptors(sources, mode)``: empty when ``mode`` is NONE or there are no sources.
 
     Raises:
       ValueError: more than 4 sources, a source that is not contiguous or not 2-D viewed as uint8, or (PARTIAL
-        / ALL) a row narrower than ``page_size * num_bytes_per_token``.
+        / ALL) a row narrower than ``page_size * num_bytes_per_token`` or a source whose
+        ``num_rows * page_size`` is below ``num_slots``.
       TypeError: an entry that is not a RealKvSource.
     """
     sources = tuple(sources)
@@ -119,11 +122,13 @@ def check_real_kv_sources(
             raise TypeError(f"kv-canary: real_kv_sources[{i}] must be a RealKvSource, got {type(s).__name__}")
     hashing_on = validation.check_hash_mode(mode) != constants.RealKvHashMode.NONE
     for i, s in enumerate(sources):
-        _, row_bytes = validation.check_source_layout(i, validation.array_facts(s.tensor))
+        num_rows, row_bytes = validation.check_source_layout(i, validation.array_facts(s.tensor))
         if hashing_on:
             validation.check_source_row_width(
                 row_bytes, page_size=s.page_size, num_bytes_per_token=s.num_bytes_per_token
             )
+            if num_slots is not None:
+                validation.check_source_coverage(i, num_rows=num_rows, page_size=s.page_size, num_slots=num_slots)
     return source_descriptors(sources, mode)
 
 
@@ -167,7 +172,7 @@ def device_sources(sources: Sequence[RealKvSource]) -> tuple[RealKvSource, ...]:
         if isinstance(s.tensor, np.ndarray):
             u8 = np.ascontiguousarray(s.tensor).view(np.uint8)
             s = prechecked_source(
-                jnp.asarray(u8),
+                jax.device_put(u8),
                 page_size=s.page_size,
                 num_bytes_per_token=s.num_bytes_per_token,
                 read_bytes=s.read_bytes,

@@ -268,6 +268,30 @@ def check_source_row_width(row_bytes: int, *, page_size: int, num_bytes_per_toke
         )
 
 
+def check_source_coverage(index: int, *, num_rows: int, page_size: int, num_slots: int) -> None:
+    """Source ``index`` covers every slot of the canary buffer: ``num_rows * page_size >= num_slots``.
+
+    Checked only when the launch hashes (like the row width): a shorter source would hash the slots past its
+    end as zero bytes, leaving them unprotected without a word.
+
+    Args:
+      index: the source's position in ``real_kv_sources``.
+      num_rows: the source's rows (dim 0 of its 2-D uint8 view).
+      page_size: the source's slots per row.
+      num_slots: the canary buffer's slots (its dim 0).
+
+    Raises:
+      ValueError: ``kv-canary: real_kv_sources[{index}] covers {covered} slots ({num_rows} rows x page_size
+        {page_size}) but canary_buf has {num_slots} slots``.
+    """
+    covered = int(num_rows) * int(page_size)
+    if covered < num_slots:
+        raise ValueError(
+            f"kv-canary: real_kv_sources[{index}] covers {covered} slots ({num_rows} rows x page_size {page_size}) "
+            f"but canary_buf has {num_slots} slots"
+        )
+
+
 # --- launch objects -------------------------------------------------------------------------------------------
 VERIFY_PLAN_FIELDS = (
     "verify_slot_indices",

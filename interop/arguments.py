@@ -125,18 +125,21 @@ def check_sources(sources: Sequence[Any], *, checked_type: type) -> list[LaunchS
     return out
 
 
-def source_args(sources: Sequence[LaunchSource], mode: int) -> tuple[list[TensorArg], tuple]:
+def source_args(sources: Sequence[LaunchSource], mode: int, *, num_slots: int) -> tuple[list[TensorArg], tuple]:
     """The launch arguments and static ``(page_size, num_bytes_per_token, read_bytes)`` per source.
 
     With mode NONE (or no sources) nothing is passed: SGLang never dereferences the sources then. Otherwise
-    each row must hold its slots (:func:`canary_jax.validation.check_source_row_width`).
+    each row must hold its slots (:func:`canary_jax.validation.check_source_row_width`) and each source must
+    cover the ``num_slots`` slots of the canary buffer (:func:`canary_jax.validation.check_source_coverage`).
 
     Raises:
-      ValueError: a row too narrow for its slot layout (PARTIAL / ALL).
+      ValueError: a row too narrow for its slot layout, or a source shorter than the canary buffer (PARTIAL /
+        ALL).
     """
     if mode == int(constants.RealKvHashMode.NONE) or not sources:
         return [], ()
-    for s in sources:
+    for i, s in enumerate(sources):
         validation.check_source_row_width(int(s.u8.shape[1]), page_size=s.meta[0], num_bytes_per_token=s.meta[1])
+        validation.check_source_coverage(i, num_rows=int(s.u8.shape[0]), page_size=s.meta[0], num_slots=num_slots)
     args = [TensorArg(f"real_kv_sources[{i}].tensor", s.u8, False, s.owner) for i, s in enumerate(sources)]
     return args, tuple(s.meta for s in sources)

@@ -84,6 +84,7 @@ class Buffer:
     owners: list  # weak references to the caller's tensors (never strong: see ImportCache)
     key: Hashable
     mutable: bool
+    source: torch.Tensor | None = None  # staged copy: the caller's data, copied into ``view`` before each launch
 
 
 def _kind(t: torch.Tensor) -> str:
@@ -120,7 +121,40 @@ def check_device_and_aliasing(args: Sequence[TensorArg]) -> torch.device:
     return dev
 
 
+def _misaligned(a: TensorArg, view: torch.Tensor, dev: torch.device, align: int) -> ValueError:
+    msg = dlpack.misaligned_message(view, a.name, align, dtype=a.tensor.dtype)
+    if a.mutable:
+        why = "it is an output of the launch, updated in place, so it is never copied (a copy would hide the update)"
+    else:
+        why = f"read-only inputs are copied only on CPU, this one is on {dev}"
+    return ValueError(f"{msg}; {why}: pass an aligned tensor (e.g. a fresh allocation or .clone())")
+
+
+def _whole(a: TensorArg, dev: torch.device, align: int) -> Buffer:
+    """One tensor as its own buffer; a misaligned read-only CPU tensor is staged in an aligned copy."""
+    t = a.tensor
+    kind = _kind(t)
+    view = dlpack.int64_pairs_view(t, a.name) if kind == "i64" else dlpack.contiguous_view(t, a.name)
+    source = None
+    if t.numel() > 0 and view.data_ptr() % align:
+        if a.mutable or dev.type != "cpu":
+            raise _misaligned(a, view, dev, align)
+        source, view = view, torch.empty_like(view, memory_format=torch.contiguous_format)  # torch CPU: 64-aligned
+    m = Member(a.name, 0, t.numel() * t.element_size(), tuple(t.shape), kind, str(t.dtype), a.mutable)
+    owner = a.owner if a.owner is not None else t
+    return Buffer(view, [m], False, [_CACHE.ref(owner)], dlpack.ImportCache.key_for(view), a.mutable, source)
+
+
 def plan_buffers(args: Sequence[TensorArg], dev: torch.device) -> list[Buffer]:
+    """The buffers of a launch (see the module docstring).
+
+    On CPU, a read-only tensor whose data pointer XLA cannot import (``torch.from_numpy`` arrays and offset
+    views are often only 16-byte aligned, XLA:CPU needs 64) is staged: an aligned copy refreshed from the
+    tensor before every launch (:attr:`Buffer.source`). Mutable tensors are never staged.
+
+    Raises:
+      ValueError: a misaligned mutable tensor (or any misaligned tensor off CPU), naming it and why.
+    """
     align = dlpack.device_alignment(dev)
     buffers: list[Buffer] = []
     scalars_by_storage: dict[int, list[TensorArg]] = {}
@@ -129,11 +163,7 @@ def plan_buffers(args: Sequence[TensorArg], dev: torch.device) -> list[Buffer]:
         if t.numel() == 1 and t.element_size() in (4, 8) and _kind(t) != "raw":
             scalars_by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(a)
             continue
-        kind = _kind(t)
-        view = dlpack.int64_pairs_view(t, a.name) if kind == "i64" else dlpack.contiguous_view(t, a.name)
-        m = Member(a.name, 0, t.numel() * t.element_size(), tuple(t.shape), kind, str(t.dtype), a.mutable)
-        owner = a.owner if a.owner is not None else t
-        buffers.append(Buffer(view, [m], False, [_CACHE.ref(owner)], dlpack.ImportCache.key_for(view), a.mutable))
+        buffers.append(_whole(a, dev, align))
     for base, group in scalars_by_storage.items():
         spans = []
         for a in group:
@@ -151,10 +181,19 @@ def plan_buffers(args: Sequence[TensorArg], dev: torch.device) -> list[Buffer]:
         storage = group[0].tensor.untyped_storage()
         for start, end, members in merged:
             if start % align:
+                if dev.type == "cpu" and not any(m.mutable for m in members):
+                    buffers.extend(_whole(m, dev, align) for m in members)  # staged aligned copies
+                    continue
                 names = ", ".join(m.name for m in members)
+                why = (
+                    "it is an output of the launch, updated in place, so it is never copied (a copy would hide "
+                    "the update)"
+                    if any(m.mutable for m in members)
+                    else f"read-only inputs are copied only on CPU, this one is on {dev}"
+                )
                 raise ValueError(
                     f"kv-canary: {names} lives in a storage whose base 0x{base:x} is not aligned to {align} bytes; "
-                    "XLA cannot import it without a copy"
+                    f"XLA cannot import it without a copy, and {why}"
                 )
             view = torch.empty(0, dtype=torch.uint8, device=dev).set_(storage, start - base, (end - start,), (1,))
             mems = [
@@ -198,10 +237,14 @@ def plan_buffers(args: Sequence[TensorArg], dev: torch.device) -> list[Buffer]:
 
 
 def import_buffer(b: Buffer) -> jax.Array:
+    """The JAX array of ``b`` (cached; a staged copy is refreshed from the caller's tensor first)."""
+    if b.source is not None:
+        b.view.copy_(b.source)  # the staged copy: the caller's current bytes
     hit = _CACHE.get(b.key)
     if hit is not None:
         return hit
-    arr = dlpack._import_exact(b.view, name=b.members[0].name)
+    m = b.members[0]
+    arr = dlpack._import_exact(b.view, name=m.name, dtype=getattr(torch, m.dtype.replace("torch.", "")))
     _CACHE.put(b.key, arr, b.owners)
     return arr
 

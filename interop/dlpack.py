@@ -228,7 +228,7 @@ def to_jax(x: Any, *, name: str = "tensor", int64: str = "pairs", cache: ImportC
         hit = cache.get(key)
         if hit is not None:
             return hit
-    arr = _import_exact(t, name=name)
+    arr = _import_exact(t, name=name, dtype=src.dtype)
     if cache is not None and owner is not None:
         cache.put(ImportCache.key_for(t), arr, (owner,))
     return arr
@@ -251,15 +251,27 @@ def _importable_view(t: torch.Tensor, *, name: str, int64: str) -> torch.Tensor:
     return contiguous_view(t, name)
 
 
-def _import_exact(t: torch.Tensor, *, name: str) -> jax.Array:
-    """``from_dlpack(t, copy=False)`` plus the zero-copy / dtype-width checks."""
+def misaligned_message(t: torch.Tensor, name: str, align: int, *, dtype: torch.dtype | None = None) -> str:
+    """Why ``t`` cannot be imported: its pointer and storage offset in bytes, and the offset in elements of
+    ``dtype`` (the caller's dtype; ``t`` may be an int32 pairs view of an int64 tensor)."""
+    dtype = t.dtype if dtype is None else dtype
+    off_bytes = t.storage_offset() * t.element_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return (
+        f"kv-canary: {name} data pointer 0x{t.data_ptr():x} is not aligned to {align} bytes, which XLA needs to "
+        f"import it without a copy (storage offset {off_bytes} bytes = {off_bytes // itemsize} {dtype} elements)"
+    )
+
+
+def _import_exact(t: torch.Tensor, *, name: str, dtype: torch.dtype | None = None) -> jax.Array:
+    """``from_dlpack(t, copy=False)`` plus the zero-copy / dtype-width checks (``dtype``: the caller's dtype
+    when ``t`` is a pairs view, for messages)."""
     if t.numel() > 0:
         align = device_alignment(t.device)
         if t.data_ptr() % align:
             raise ValueError(
-                f"kv-canary: {name} data pointer 0x{t.data_ptr():x} is not aligned to {align} bytes, which XLA "
-                f"needs to import it without a copy (storage offset {t.storage_offset()} elements); pass an "
-                "aligned tensor (e.g. a fresh allocation or .clone())"
+                misaligned_message(t, name, align, dtype=dtype)
+                + "; pass an aligned tensor (e.g. a fresh allocation or .clone())"
             )
     try:
         arr = jax.dlpack.from_dlpack(t, copy=False)

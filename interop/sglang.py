@@ -23,6 +23,11 @@ write-input-assert presence checks, the plan's LUT / bs / capacity checks. The i
 naming the argument: wrong dtype (TypeError), wrong shape, device mix (CPU with CUDA, two GPUs), outputs
 aliasing other arguments, misaligned pointers, consumed DLPack capsules (ValueError).
 
+Launch shapes: the verify and write launchers pad the plan capacity, the request rows and the token count to
+buckets (:mod:`interop.padding`: bucket-sized copies of the small read-only inputs; outputs keep their shapes),
+so changing sizes do not compile a program each. The plan launcher is not padded (its outputs' shapes are the
+caller's; its inputs change with ``bs``).
+
 Backend: the keyword ``backend=`` (``"reference"`` or ``"pallas"``), else ``$CANARY_JAX_BACKEND``, else Pallas
 for CUDA tensors and the jnp reference for CPU tensors (Pallas on CPU runs interpreted).
 
@@ -42,7 +47,7 @@ from typing import Any
 import torch
 
 from canary_jax import backends, validation
-from interop import arguments, kernels, runner
+from interop import arguments, kernels, padding, runner
 from interop.arguments import TORCH_DTYPES, check, tensor
 from interop.runner import TensorArg
 from interop.sglang_types import (
@@ -111,10 +116,11 @@ def launch_canary_verify_kernel(
     _check_canary_buf(ctx["canary_buf"])
     validation.check_verify_plan(arguments.fields_facts(pl, "plan."), TORCH_DTYPES)
     arguments.check_log(ctx, with_flag=False)
-    src_args, meta = arguments.source_args(launch_sources, mode)
+    src_args, meta = arguments.source_args(launch_sources, mode, num_slots=int(ctx["canary_buf"].shape[0]))
     arguments.check_devices({**named, **{a.name: a.tensor for a in src_args}}, "canary_buf")
+    padded = padding.verify_plan(pl)
     args = [TensorArg("canary_buf", ctx["canary_buf"])]
-    args += [TensorArg(n, t) for n, t in pl.items()]
+    args += [TensorArg(n, t) for n, t in padded.items()]
     args += [TensorArg(n, ctx[n], True) for n in arguments.CONTEXT_FIELDS[1:]]
     args += src_args
     backend = backends.resolve_backend(backend, platform=ctx["canary_buf"].device.type)
@@ -171,11 +177,12 @@ def launch_canary_write_kernel(
     for n, t in toks.items():
         check(t, n, torch.int64, (t_len,))
     arguments.check_log(ctx, with_flag=True)
-    src_args, meta = arguments.source_args(launch_sources, mode)
+    src_args, meta = arguments.source_args(launch_sources, mode, num_slots=int(ctx["canary_buf"].shape[0]))
     arguments.check_devices({**ctx, **pl, **toks, **{a.name: a.tensor for a in src_args}}, "canary_buf")
+    pl_p, toks_p = padding.write_inputs(pl, toks)
     args = [TensorArg("canary_buf", ctx["canary_buf"], True)]
-    args += [TensorArg(n, t) for n, t in pl.items()]
-    args += [TensorArg(n, t) for n, t in toks.items()]
+    args += [TensorArg(n, t) for n, t in pl_p.items()]
+    args += [TensorArg(n, t) for n, t in toks_p.items()]
     args += [TensorArg(n, ctx[n], True) for n in arguments.CONTEXT_FIELDS[1:]]
     args += [TensorArg("enable_chain_position_assert", ctx["enable_chain_position_assert"])]
     args += src_args

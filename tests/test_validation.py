@@ -182,6 +182,28 @@ class RealKvSourceTest(absltest.TestCase):
         with self.assertRaisesRegex(TypeError, r"real_kv_sources\[0\] must be a RealKvSource, got tuple"):
             check_real_kv_sources([(np.zeros((N, 16)), 1, 16, 16)], ALL)
 
+    def test_source_shorter_than_the_pool(self):
+        # Issue #12: 24 rows x page_size 4 = 96 slots < 128; the slots past 96 would be hashed as zero bytes.
+        short = src(np.zeros((24, 64), np.uint8), page_size=4, nbpt=16)
+        msg = re.escape(
+            "kv-canary: real_kv_sources[1] covers 96 slots (24 rows x page_size 4) but canary_buf has 128 slots"
+        )
+        full = src(np.zeros((128, 16), np.uint8))
+        for mode in (constants.RealKvHashMode.PARTIAL, ALL):
+            ctx = ctx_with(sources=(full, short), mode=mode, buf=canary_jax.allocate_canary_buffer(128))
+            before = snapshot(ctx)
+            with self.assertRaisesRegex(ValueError, msg):
+                canary_jax.verify(ctx, vplan(), backend="reference")
+            with self.assertRaisesRegex(ValueError, msg):
+                canary_jax.write(ctx, wplan(), tok((7,)), tok((0,)), tok((3,)), backend="reference")
+            for a, b in zip(before, snapshot(ctx)):
+                np.testing.assert_array_equal(a, b)
+            with self.assertRaisesRegex(ValueError, msg):
+                check_real_kv_sources([full, short], mode, num_slots=128)
+        # NONE never reads the sources (like the row-width check); 96 slots cover a 96-slot buffer.
+        check_real_kv_sources([full, short], constants.RealKvHashMode.NONE, num_slots=128)
+        check_real_kv_sources([short], ALL, num_slots=96)
+
     def test_more_than_four_sources_first_in_every_mode(self):
         ok = src(np.zeros((N, 16), np.uint8))
         bad = src(np.zeros((N, 2, 16), np.uint8))  # would fail the 2-D check; the count check comes first
@@ -692,10 +714,10 @@ class LaunchMechanicsTest(absltest.TestCase):
 
         ctx = ctx_with(mode=constants.RealKvHashMode.NONE)
         ctx = canary_jax.verify(ctx, vplan(), backend="reference")
-        n0 = launch._verify_jit._cache_size()
+        n0 = launch.trace_count("verify")
         for k in range(3):
             ctx = canary_jax.verify(ctx, vplan(n=k + 1), backend="reference")
-        self.assertEqual(launch._verify_jit._cache_size(), n0)
+        self.assertEqual(launch.trace_count("verify"), n0)
         self.assertEqual(ctx.log.kernel_run_counter(TAG), 4)
 
     def test_resolve_backend(self):

@@ -1,0 +1,108 @@
+"""The torch launchers' launch shapes padded to buckets (:mod:`canary_jax.buckets`), like the JAX entry points.
+
+A serving engine's token counts and plan capacities change every step; each distinct shape would compile a new
+program. The verify and write launchers therefore pass bucket-sized *copies* of their small read-only inputs
+(the plan tensors, the token tensors) when a size is not a bucket already; the in-place outputs (canary buffer,
+ring, write index, counters) keep their shapes and are never copied. The padding rules are those of
+:mod:`canary_jax.padding` (padded entries are never written or counted; the result is byte-identical):
+
+* verify: ``C -> Cp``; new entries ``(slot 0, token -1, position 0, prev 0)``; ``verify_num_valid`` becomes
+  ``min(num_valid, C)``.
+* write: ``T -> Tp`` (ids 0, positions 0, slots -1, expected 0); offsets clamped into ``[0, T]`` when ``T``
+  grows; ``Cw -> Cwp`` (seed -1, last offset repeated); ``write_num_valid_reqs`` becomes ``min(n, Cw)``.
+
+The copies are staging tensors on the tensors' device, one per (caller tensor, bucket, role), kept while the
+caller's tensor lives and refilled on torch's current stream before every launch (torch ops, no compile). So a
+steady-state launch imports nothing new, and a refill cannot overtake the previous launch: after a launch,
+torch's current stream waits for it (:mod:`interop.runner`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from canary_jax.buckets import Buckets, bucket_size
+from interop import dlpack
+
+_STAGES = dlpack.ImportCache(max_entries=512)  # staging tensors, entries die with the caller's tensor
+
+
+def _stage(t: torch.Tensor, rows: int, role: str) -> torch.Tensor:
+    key = dlpack.ImportCache.key_for(t, (rows, role))
+    out = _STAGES.get(key)
+    if out is None:
+        out = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        _STAGES.put(key, out, (t,))
+    return out
+
+
+def pad_rows(
+    t: torch.Tensor, rows: int, *, fill: int = 0, edge: bool = False, clamp: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """``t`` (dim 0 of length ``n <= rows``) grown to ``rows`` rows in a staging tensor (``t`` itself if
+    ``n == rows`` and no clamp).
+
+    Args:
+      t: a 1-D (or more) tensor.
+      rows: the padded length.
+      fill: the value of the new rows.
+      edge: repeat the last row (after the clamp) instead (``n >= 1``).
+      clamp: ``(lo, hi)``: the first ``n`` rows are ``t`` clamped into ``[lo, hi]``.
+    """
+    n = int(t.shape[0])
+    if n == rows and clamp is None:
+        return t
+    out = _stage(t, rows, f"{fill}/{edge}/{clamp is not None}")
+    if clamp is None:
+        out[:n].copy_(t)
+    else:
+        torch.clamp(t, clamp[0], clamp[1], out=out[:n])
+    if n < rows:
+        if edge:
+            out[n:].copy_(out[n - 1 : n].expand(rows - n, *t.shape[1:]))
+        else:
+            out[n:].fill_(fill)
+    return out
+
+
+def _min(t: torch.Tensor, cap: int) -> torch.Tensor:
+    return pad_rows(t, int(t.shape[0]), clamp=(-(2**31), cap))
+
+
+def verify_plan(pl: dict[str, torch.Tensor], buckets: Buckets | None = None) -> dict[str, torch.Tensor]:
+    """The verify plan tensors (``plan.<field>`` keys) with a bucket capacity (the same dict if already one)."""
+    c = int(pl["plan.verify_slot_indices"].shape[0])
+    cp = bucket_size(c, buckets)
+    if cp == c:
+        return pl
+    return {
+        "plan.verify_slot_indices": pad_rows(pl["plan.verify_slot_indices"], cp),
+        "plan.verify_expected_tokens": pad_rows(pl["plan.verify_expected_tokens"], cp, fill=-1),
+        "plan.verify_expected_positions": pad_rows(pl["plan.verify_expected_positions"], cp),
+        "plan.verify_prev_slot_indices": pad_rows(pl["plan.verify_prev_slot_indices"], cp),
+        "plan.verify_num_valid": _min(pl["plan.verify_num_valid"], c),
+        "plan.enable": pl["plan.enable"],
+    }
+
+
+_TOKEN_FILLS = {"out_cache_loc": -1}  # a padded token's slot: skipped (it belongs to no request anyway)
+
+
+def write_inputs(
+    pl: dict[str, torch.Tensor], toks: dict[str, torch.Tensor], buckets: Buckets | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The write plan (``plan.<field>``) and token tensors with bucket sizes (the same dicts if already)."""
+    t = int(toks["input_ids"].shape[0])
+    tp = bucket_size(t, buckets)
+    cw = int(pl["plan.write_seed_slot_indices"].shape[0])
+    cwp = bucket_size(cw, buckets)
+    if tp != t:
+        toks = {n: pad_rows(x, tp, fill=_TOKEN_FILLS.get(n, 0)) for n, x in toks.items()}
+    if tp == t and cwp == cw:
+        return pl, toks
+    pl = {
+        "plan.write_offsets": pad_rows(pl["plan.write_offsets"], cwp + 1, edge=True, clamp=(0, t) if tp != t else None),
+        "plan.write_seed_slot_indices": pad_rows(pl["plan.write_seed_slot_indices"], cwp, fill=-1),
+        "plan.write_num_valid_reqs": _min(pl["plan.write_num_valid_reqs"], cw),
+    }
+    return pl, toks
