@@ -10,14 +10,19 @@ Backends:
 * ``pallas``: the Pallas kernels (:mod:`pallas_kernels`), compiled on a GPU and interpreted elsewhere.
 
 The choice: the ``backend`` argument if given, else ``$CANARY_JAX_BACKEND`` if set, else ``pallas`` on a GPU
-platform and ``reference`` elsewhere. ``pallas_kernels`` builds on ``canary_jax``, so its implementations are
-imported lazily, on first use.
+platform and ``reference`` elsewhere. The platform is where the launch's data lives (the canary buffer's device:
+:func:`array_platform`, or a torch tensor's ``device.type``), not JAX's default backend: CPU arrays on a GPU host
+run on the CPU, so the Pallas kernels run interpreted there. Only a traced buffer (inside a caller's ``jit``),
+whose device is not known, falls back to JAX's default backend. ``pallas_kernels`` builds on ``canary_jax``, so
+its implementations are imported lazily, on first use.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -32,6 +37,15 @@ OPS = ("verify", "write")
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 """Platform names (JAX's ``default_backend()`` or a torch ``device.type``) that count as a GPU."""
+
+
+def array_platform(x: Any) -> str | None:
+    """The platform (``"cpu"``, ``"gpu"``, ...) of the devices holding the concrete JAX array ``x``; None for a
+    tracer, for host data, or for an array spread over more than one platform."""
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return None
+    platforms = {d.platform for d in x.devices()}
+    return platforms.pop() if len(platforms) == 1 else None
 
 
 def is_gpu_platform(platform: str | None = None) -> bool:
@@ -78,12 +92,21 @@ def resolve_backend(backend: str | None = None, *, platform: str | None = None) 
     return check_backend_name(name)
 
 
-def implementation(op: str, backend: str) -> Callable:
+def implementation(op: str, backend: str, *, platform: str | None = None) -> Callable:
     """The function that runs ``op`` (``"verify"`` or ``"write"``) on ``backend``.
 
     Both backends share the reference signatures: ``verify(context, plan, *, check_verify_expected_token)``
     and ``write(context, plan, input_ids, positions, out_cache_loc, *, enable_write_input_assert,
     expected_input_tokens, expected_input_positions)``, each returning the updated context.
+
+    Args:
+      op: ``"verify"`` or ``"write"``.
+      backend: a name from :data:`BACKENDS`.
+      platform: where the launch's data lives (as for :func:`resolve_backend`), for callers that trace the
+        implementation (the Pallas wrappers cannot see a traced buffer's device): the Pallas implementation is
+        then bound to interpret mode off on a GPU platform and on elsewhere. None: the Pallas wrappers decide
+        from the canary buffer they get (JAX's default backend for a traced one). The same function is
+        returned for the same arguments, so it can key a cache of compiled programs.
 
     Raises:
       ValueError: an unknown op or backend.
@@ -95,11 +118,14 @@ def implementation(op: str, backend: str) -> Callable:
         from canary_jax import reference
 
         return reference.verify_reference if op == "verify" else reference.write_reference
+    return _pallas(op, None if platform is None else default_interpret(platform))
+
+
+@functools.cache
+def _pallas(op: str, interpret: bool | None) -> Callable:
     # Lazy: pallas_kernels builds on canary_jax, never the reverse at import time.
     if op == "verify":
-        from pallas_kernels.verify import verify_pallas
-
-        return verify_pallas
-    from pallas_kernels.write import write_pallas
-
-    return write_pallas
+        from pallas_kernels.verify import verify_pallas as fn
+    else:
+        from pallas_kernels.write import write_pallas as fn
+    return fn if interpret is None else functools.partial(fn, interpret=interpret)

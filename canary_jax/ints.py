@@ -8,12 +8,16 @@ module converts to and from that form at the API boundary and refuses anything t
 Accepted for an int64 argument of logical shape ``S`` (see :func:`as_int64_pairs`):
 
 * ``uint32`` or ``int32`` array of shape ``S + (2,)``: already pairs (bit-reinterpreted, no copy of values);
-* ``int64`` / ``uint64`` array of shape ``S`` (numpy, or JAX with x64 on): split exactly into pairs;
-* ``int32`` / ``int16`` / ``int8`` / ``uint8`` / ``uint16`` / ``bool`` array of shape ``S``: widened exactly
-  (sign-extended for signed types), since every such value is an int64;
+* ``int64`` array of shape ``S`` (numpy, or JAX with x64 on): split exactly into pairs;
+* ``uint64`` array of shape ``S`` whose values all fit int64 (below 2**63): split exactly; a larger value is
+  refused (ValueError: an int64 tensor cannot hold it), and so is a traced uint64 array (TypeError: its
+  values cannot be checked);
+* ``int32`` / ``int16`` / ``int8`` / ``uint32`` / ``uint16`` / ``uint8`` array of shape ``S``: widened exactly
+  (sign-extended for signed types, :func:`canary_jax.pairs.from_int32`), since every such value is an int64;
 * Python ints / nested lists: taken as int64 (values outside int64 raise).
 
-Anything else raises ``TypeError`` naming the argument.
+Anything else, bools included (a mask is not a token id, a position or a slot), raises ``TypeError`` naming the
+argument and its dtype.
 """
 
 from __future__ import annotations
@@ -26,9 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import validation
-
-_NARROW_INTS = (np.int8, np.int16, np.int32, np.uint8, np.uint16, np.bool_)
+from canary_jax import pairs, validation
 
 
 def x64_enabled() -> bool:
@@ -36,54 +38,54 @@ def x64_enabled() -> bool:
     return bool(jax.config.read("jax_enable_x64"))
 
 
-def int64_to_pairs_np(values: Any) -> np.ndarray:
+def int64_to_pairs_np(values: Any, *, name: str = "value") -> np.ndarray:
     """Host int64 data (ints, lists, any integer numpy array) to ``uint32[..., 2]`` pairs, exactly.
 
+    Args:
+      values: the data.
+      name: the argument named in messages.
+
     Raises:
-      TypeError: for non-integer data.
-      ValueError: for Python ints outside the int64 range.
+      TypeError: non-integer data, bools included (Python or numpy).
+      ValueError: a value outside int64: a Python int, or a uint64 value of 2**63 or more (which an int64
+        tensor cannot hold; reinterpreting its bits would turn it negative).
     """
-    if not hasattr(values, "dtype"):
-        # Python ints / (nested) lists: exact int64 or refuse. (np.asarray alone would turn [2**63] into
-        # uint64 and wrap it to -2**63, and [-1, 2**63] into float64.)
+    if not hasattr(values, "dtype") or np.dtype(values.dtype) == object:
+        # Python ints / (nested) lists / object arrays: exact int64 or refuse. (np.asarray alone would turn
+        # [2**63] into uint64 and wrap it to -2**63, [-1, 2**63] into float64, and [True] into bool.)
         obj = np.asarray(values, dtype=object)
         flat = obj.reshape(-1).tolist()
-        if any(isinstance(v, (float, complex)) or not isinstance(v, (int, np.integer)) for v in flat):
+        if any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) for v in flat):
             raise TypeError("kv-canary: expected integer data, got non-integer Python values")
-        try:
-            values = np.array([int(v) for v in flat], dtype=np.int64).reshape(obj.shape)
-        except OverflowError as e:
-            raise ValueError(f"kv-canary: value does not fit int64: {e}") from None
+        bad = [int(v) for v in flat if not -(2**63) <= int(v) < 2**63]
+        if bad:
+            raise ValueError(f"kv-canary: {name} holds a value that does not fit int64: {bad[0]}")
+        values = np.array([int(v) for v in flat], dtype=np.int64).reshape(obj.shape)
     arr = np.asarray(values)
-    if arr.dtype == object or arr.dtype.kind not in "iub":
-        if arr.dtype == object:
-            try:
-                arr = np.asarray(values, dtype=np.int64)
-            except OverflowError as e:
-                raise ValueError(f"kv-canary: value does not fit int64: {e}") from None
-        else:
-            raise TypeError(f"kv-canary: expected integer data, got dtype {arr.dtype}")
-    if arr.dtype == np.uint64:
-        arr = arr.view(np.int64)
-    elif arr.dtype != np.int64:
-        arr = arr.astype(np.int64)
-    arr = np.ascontiguousarray(arr, dtype="<i8")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"kv-canary: expected integer data, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 2**63:
+        raise ValueError(f"kv-canary: {name} holds a value that does not fit int64: {int(arr.max())} (uint64)")
+    arr = np.ascontiguousarray(arr, dtype="<i8")  # exact: every value fits int64
     return arr.view("<u4").reshape(arr.shape + (2,)).astype(np.uint32)
 
 
-def to_device(x: Any) -> jax.Array:
-    """A host 32-bit (or narrower) numpy array moved to the default device by a transfer, or ``x`` itself if it
-    is already a JAX array.
+def to_device(x: Any, device: jax.Device | jax.sharding.Sharding | None = None) -> jax.Array:
+    """A host 32-bit (or narrower) numpy array moved by a transfer to ``device`` (None: the default device,
+    uncommitted). A JAX array stays as it is, except that one not committed to a device is committed to
+    ``device`` when one is given (a transfer at most, never a compiled program).
 
     ``jnp.asarray(numpy_array)`` would compile a small program per shape in jax 0.10 (``lax.stage``), which a
     serving loop with changing sizes must not do; ``jax.device_put`` only copies. Callers pass 32-bit data
     only (``device_put`` narrows 64-bit dtypes with x64 off).
     """
     if isinstance(x, jax.Array):
-        return x
+        if device is None or getattr(x, "committed", True):
+            return x
+        return jax.device_put(x, device)
     arr = np.asarray(x)
     assert arr.dtype.itemsize <= 4, arr.dtype
-    return jax.device_put(arr)
+    return jax.device_put(arr, device)
 
 
 def exact_int64_np(values: Any, *, name: str) -> np.ndarray:
@@ -94,11 +96,9 @@ def exact_int64_np(values: Any, *, name: str) -> np.ndarray:
       ValueError: values outside int64, naming ``name``.
     """
     try:
-        return pairs_to_int64_np(int64_to_pairs_np(values))
+        return pairs_to_int64_np(int64_to_pairs_np(values, name=name))
     except TypeError:
         raise TypeError(f"kv-canary: {name} must hold integers, got {np.asarray(values).dtype} data") from None
-    except ValueError:
-        raise ValueError(f"kv-canary: {name} holds a value that does not fit int64") from None
 
 
 def check_int(value: Any, *, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -133,7 +133,7 @@ def pairs_to_int64_np(pairs: Any) -> np.ndarray:
 
 
 def _describe(x: Any) -> str:
-    return f"shape {tuple(np.shape(x))} dtype {getattr(x, 'dtype', type(x).__name__)}"
+    return f"shape {validation.format_shape(np.shape(x))} dtype {getattr(x, 'dtype', type(x).__name__)}"
 
 
 def as_int64_pairs(
@@ -141,7 +141,9 @@ def as_int64_pairs(
 ) -> jax.Array | np.ndarray:
     """Normalises an int64-valued argument to ``uint32[*S, 2]`` without losing a bit.
 
-    Works on concrete arrays and on tracers (dtype and shape are static), so it is safe inside ``jit``.
+    Works on concrete arrays and on tracers (dtype and shape are static), so it is safe inside ``jit``; a
+    ``uint64`` JAX array is refused there (its values cannot be checked against the int64 range while
+    tracing).
 
     Args:
       x: see the module docstring for accepted forms.
@@ -154,54 +156,54 @@ def as_int64_pairs(
       ``uint32`` array of shape ``S + (2,)`` (numpy when ``host`` and ``x`` is host data, else JAX).
 
     Raises:
-      TypeError: wrong dtype (floats, complex, unknown objects).
-      ValueError: wrong rank or shape, or Python ints outside int64.
+      TypeError: wrong dtype (bools, floats, complex, unknown objects), or a traced ``uint64`` array.
+      ValueError: wrong rank or shape, or a value outside int64 (Python ints, uint64 values >= 2**63).
     """
+    logical_ndim = None if shape is None else len(shape)
     if isinstance(x, jax.Array):  # concrete arrays and tracers
         dt = np.dtype(x.dtype)
-        logical_ndim = None if shape is None else len(shape)
+        if dt == np.dtype(np.uint64):
+            if isinstance(x, jax.core.Tracer):
+                raise TypeError(
+                    f"kv-canary: {name} is a uint64 array inside a traced function, where its values cannot be "
+                    "checked against the int64 range; pass int64 (SGLang's dtype)"
+                )
+            big = int(np.asarray(x).max()) if x.size else 0
+            if big >= 2**63:
+                raise ValueError(f"kv-canary: {name} holds a value that does not fit int64: {big} (uint64)")
         if dt in (np.dtype(np.int64), np.dtype(np.uint64)):
             out = jax.lax.bitcast_convert_type(x, jnp.uint32)
-        elif (
-            dt.itemsize == 4
-            and dt.kind in "iu"
-            and (logical_ndim is not None and x.ndim == logical_ndim + 1 and x.shape[-1] == 2)
-        ):
+        elif dt.itemsize == 4 and dt.kind in "iu" and logical_ndim is not None and _pairs_shaped(x, logical_ndim):
             out = jax.lax.bitcast_convert_type(x, jnp.uint32) if dt != np.uint32 else x
-        elif dt.kind in "iub" and dt.itemsize <= 4:
-            lo = x.astype(jnp.uint32) if dt.kind != "b" else x.astype(jnp.uint32)
-            if dt.kind == "i":
-                hi = jnp.where(x < 0, jnp.uint32(0xFFFFFFFF), jnp.uint32(0))
-            else:
-                hi = jnp.zeros_like(lo)
-            out = jnp.stack([lo, hi], axis=-1)
+        elif dt.kind in "iu" and dt.itemsize <= 4:
+            out = pairs.pack(pairs.from_int32(x))
         else:
             raise TypeError(f"kv-canary: {name} must be an int64-valued integer array, got {_describe(x)}")
     else:
         arr = np.asarray(x) if not isinstance(x, np.ndarray) else x
-        logical_ndim = None if shape is None else len(shape)
-        if (
-            logical_ndim is not None
-            and arr.ndim == logical_ndim + 1
-            and arr.shape[-1] == 2
-            and arr.dtype in (np.dtype(np.uint32), np.dtype(np.int32))
-        ):
+        if logical_ndim is not None and _pairs_shaped(arr, logical_ndim) and arr.dtype in _PAIR_DTYPES:
             out = arr.astype(np.uint32, copy=False)
         else:
             try:
-                out = int64_to_pairs_np(x if not hasattr(x, "dtype") else arr)
+                out = int64_to_pairs_np(x if not hasattr(x, "dtype") else arr, name=name)
             except TypeError:
                 raise TypeError(
                     f"kv-canary: {name} must be an int64-valued integer array, got {_describe(arr)}"
                 ) from None
-            except ValueError:
-                raise ValueError(f"kv-canary: {name} holds a value that does not fit int64") from None
         if not host:
             out = to_device(out)
     if shape is not None and not validation.shape_matches(out.shape[:-1], shape):
-        want, got = validation.shape_pattern(shape), tuple(out.shape[:-1])
+        want, got = validation.format_shape(shape), validation.format_shape(out.shape[:-1])
         raise ValueError(f"kv-canary: {name} must have shape {want} (int64), got shape {got}")
     return out
+
+
+_PAIR_DTYPES = (np.dtype(np.uint32), np.dtype(np.int32))
+
+
+def _pairs_shaped(x: Any, logical_ndim: int) -> bool:
+    """Whether ``x`` has the shape of int64 pairs of rank ``logical_ndim``: ``[..., 2]``, one more dim."""
+    return x.ndim == logical_ndim + 1 and x.shape[-1] == 2
 
 
 def as_int32(x: Any, *, name: str, shape: Sequence[int | None] | None = None) -> jax.Array:

@@ -6,8 +6,9 @@
    clear ``TypeError`` / ``ValueError`` before anything is traced or mutated;
 2. turn int64-valued inputs into uint32 pairs losslessly (:mod:`canary_jax.ints`);
 3. dispatch to the ``reference`` (pure jnp) or ``pallas`` backend. ``backend=None`` reads the environment
-   variable ``CANARY_JAX_BACKEND`` and otherwise picks ``pallas`` on GPU and ``reference`` elsewhere
-   (``pallas`` on CPU runs the same kernels in interpret mode).
+   variable ``CANARY_JAX_BACKEND`` and otherwise picks ``pallas`` when the canary buffer lives on a GPU and
+   ``reference`` elsewhere; ``pallas`` runs compiled on a GPU-resident buffer and interpreted on any other
+   (:mod:`canary_jax.backends`: where the data is, not JAX's default backend).
 
 Outside ``jit`` the canary buffer (write only) and the violation log are donated to the launch, so the update
 happens in place; do not reuse the arrays you passed in, use the returned context. Inside a caller's ``jit``
@@ -95,6 +96,23 @@ def _program(op: str, body: Callable, statics: tuple, dynamic: Any, *, donate_ar
         return fn
 
 
+def _implementation(op: str, backend: str | None, context: VerifyOrWriteContext) -> Callable:
+    """The backend's function for ``op``, chosen (and for Pallas, compiled or interpreted) by where the canary
+    buffer lives (:mod:`canary_jax.backends`; JAX's default backend for a traced buffer)."""
+    platform = backends.array_platform(context.canary_buf)
+    return backends.implementation(op, resolve_backend(backend, platform=platform), platform=platform)
+
+
+def _placement(context: VerifyOrWriteContext) -> jax.sharding.Sharding | None:
+    """Where a launch's padded inputs go: the device the canary buffer is committed to, else (None) the default
+    device, uncommitted like the buffer (a compiled program is keyed on committedness too: mixing the two would
+    compile a launch program twice)."""
+    buf = context.canary_buf
+    if isinstance(buf, jax.Array) and getattr(buf, "committed", False) and len(buf.devices()) == 1:
+        return buf.sharding
+    return None
+
+
 # --- verify ----------------------------------------------------------------------------------------------
 def verify(
     context: VerifyOrWriteContext,
@@ -115,8 +133,8 @@ def verify(
         names the bad slot); a negative prev slot means chain head, 0 means "chain check skipped".
       check_verify_expected_token: when True, entries whose expected token is not -1 must match the stored
         token (bit 32); when False the expected-token array is not read and column 4 holds -1.
-      backend: ``"reference"`` (jnp), ``"pallas"`` (compiled on GPU, interpreted on CPU), or None for
-        ``$CANARY_JAX_BACKEND`` / the platform default.
+      backend: ``"reference"`` (jnp), ``"pallas"`` (compiled when the canary buffer lives on a GPU, interpreted
+        elsewhere), or None for ``$CANARY_JAX_BACKEND`` / the default of the canary buffer's platform.
       buckets: the bucket policy for the plan capacity outside ``jit`` (default
         :func:`canary_jax.buckets.default_buckets`); see :func:`canary_jax.padding.pad_verify_plan`.
 
@@ -133,10 +151,10 @@ def verify(
     if not isinstance(plan, VerifyPlan):
         raise TypeError(f"kv-canary: plan must be a VerifyPlan, got {type(plan).__name__}")
     plan.check()
-    fn = backends.implementation("verify", resolve_backend(backend))
+    fn = _implementation("verify", backend, context)
     if _is_tracing(context, plan):
         return fn(context, plan, check_verify_expected_token=bool(check_verify_expected_token))
-    plan = padding.pad_verify_plan(plan, bucket_size(plan.verify_capacity, buckets))
+    plan = padding.pad_verify_plan(plan, bucket_size(plan.verify_capacity, buckets), device=_placement(context))
     statics = (fn, bool(check_verify_expected_token), context.kernel_kind, context.real_kv_hash_mode)
     dynamic = (context.canary_buf, context.log, tuple(context.real_kv_sources), plan)
     log = _program("verify", _verify_body, statics, dynamic, donate_argnums=(1,))(*dynamic)
@@ -165,7 +183,8 @@ def normalize_write_inputs(
     ``host``, see :func:`canary_jax.ints.as_int64_pairs`).
 
     Raises:
-      ValueError: expected tensors present/absent against the flag (SGLang's messages), or lengths differ.
+      ValueError: expected tensors present/absent against the flag (SGLang's messages), or lengths differ
+        (naming the shorter array, see :func:`canary_jax.validation.check_same_length`).
       TypeError: non-integer data.
     """
     validation.check_expected_inputs(
@@ -173,16 +192,16 @@ def normalize_write_inputs(
         has_tokens=expected_input_tokens is not None,
         has_positions=expected_input_positions is not None,
     )
-    ids = ints.as_int64_pairs(input_ids, name="input_ids", shape=(None,), host=host)
-    t = ids.shape[0]
-    pos = ints.as_int64_pairs(positions, name="positions", shape=(t,), host=host)
-    loc = ints.as_int64_pairs(out_cache_loc, name="out_cache_loc", shape=(t,), host=host)
+    named = {"input_ids": input_ids, "positions": positions, "out_cache_loc": out_cache_loc}
     if enable_write_input_assert:
-        et = ints.as_int64_pairs(expected_input_tokens, name="expected_input_tokens", shape=(t,), host=host)
-        ep = ints.as_int64_pairs(expected_input_positions, name="expected_input_positions", shape=(t,), host=host)
-    else:
-        et = ep = None
-    return ids, pos, loc, et, ep
+        named.update(expected_input_tokens=expected_input_tokens, expected_input_positions=expected_input_positions)
+    out = {}
+    for name, x in named.items():  # SGLang's order: input_ids fixes T, the others must match it
+        out[name] = ints.as_int64_pairs(x, name=name, shape=(None,), host=host)
+        t = int(out["input_ids"].shape[0])
+        validation.check_same_length(name, int(out[name].shape[0]), ref_name="input_ids", ref_length=t)
+    et, ep = out.get("expected_input_tokens"), out.get("expected_input_positions")
+    return out["input_ids"], out["positions"], out["out_cache_loc"], et, ep
 
 
 def write(
@@ -245,7 +264,7 @@ def write(
         expected_input_positions=expected_input_positions,
         host=not tracing,
     )
-    fn = backends.implementation("write", resolve_backend(backend))
+    fn = _implementation("write", backend, context)
     flag = bool(enable_write_input_assert)
     if tracing:
         return fn(
@@ -260,10 +279,13 @@ def write(
         )
     t = int(ids.shape[0])
     tp = bucket_size(t, buckets)
-    plan = padding.pad_write_plan(plan, bucket_size(plan.write_req_capacity, buckets), num_tokens=t, padded_tokens=tp)
+    device = _placement(context)
+    cwp = bucket_size(plan.write_req_capacity, buckets)
+    plan = padding.pad_write_plan(plan, cwp, num_tokens=t, padded_tokens=tp, device=device)
     fills = (0, 0, -1, 0, 0)  # ids, positions, out_cache_loc (-1: skipped), expected tokens / positions
     arrays = tuple(
-        None if a is None else padding.pad_rows(a, tp, fill=f) for a, f in zip((ids, pos, loc, et, ep), fills)
+        None if a is None else padding.pad_rows(a, tp, fill=f, device=device)
+        for a, f in zip((ids, pos, loc, et, ep), fills)
     )
     statics = (fn, flag, context.kernel_kind, context.real_kv_hash_mode)
     dynamic = (context.canary_buf, context.log, tuple(context.real_kv_sources), plan, arrays)

@@ -82,7 +82,8 @@ def const(value: int, shape=()) -> U64:
 
 
 def from_int32(x: jax.Array) -> U64:
-    """int32 array -> int64 (sign-extended, exact)."""
+    """Integer array of at most 32 bits -> int64, exact: sign-extended for signed dtypes (int32, int16, int8),
+    zero-extended for unsigned ones (uint32, uint16, uint8)."""
     return U64(x.astype(jnp.uint32), jnp.where(x < 0, jnp.uint32(0xFFFFFFFF), jnp.uint32(0)))
 
 

@@ -93,15 +93,33 @@ def shape_matches(got: Sequence[int], want: Sequence[int | None]) -> bool:
     return len(got) == len(want) and all(w is None or w == g for w, g in zip(want, got))
 
 
-def shape_pattern(want: Sequence[int | None]) -> tuple:
-    """``want`` as printed in messages: ``None`` becomes ``"*"``."""
-    return tuple("*" if w is None else w for w in want)
+def format_shape(shape: Sequence[int | None]) -> str:
+    """A shape as messages print it: ``[4, 2]``, ``[]`` for a scalar, ``*`` for a size that may be anything
+    (``None``): ``[*, 8]``."""
+    return "[" + ", ".join("*" if d is None else str(int(d)) for d in shape) + "]"
 
 
 def check_shape(name: str, got: Sequence[int], want: Sequence[int | None]) -> None:
-    """Raises ValueError ``kv-canary: {name} must have shape {want}, got {got}`` on a mismatch."""
+    """Raises ValueError ``kv-canary: {name} must have shape [4, *], got [4, 3, 2]`` on a mismatch (see
+    :func:`format_shape`)."""
     if not shape_matches(got, want):
-        raise ValueError(f"kv-canary: {name} must have shape {shape_pattern(want)}, got {tuple(got)}")
+        raise ValueError(f"kv-canary: {name} must have shape {format_shape(want)}, got {format_shape(got)}")
+
+
+def check_same_length(name: str, length: int, *, ref_name: str, ref_length: int) -> None:
+    """``name`` has as many entries as ``ref_name`` (SGLang binds ``num_tokens`` to ``input_ids``, the first
+    token array it checks, and matches the others against it).
+
+    Raises:
+      ValueError: ``kv-canary: input_ids (3 entries) is shorter than positions (5 entries); they must have
+        the same length``: the shorter array is named first, whichever of the two it is.
+    """
+    if length != ref_length:
+        (short, n_short), (long, n_long) = sorted(((ref_name, ref_length), (name, length)), key=lambda e: e[1])
+        raise ValueError(
+            f"kv-canary: {short} ({n_short} entries) is shorter than {long} ({n_long} entries); "
+            "they must have the same length"
+        )
 
 
 def check_array(facts: ArrayFacts, name: str, dtype: str, shape: Sequence[int | None]) -> None:
@@ -157,10 +175,7 @@ def check_kernel_kind(kernel_kind: Any) -> constants.CanaryLaunchTag:
     Raises:
       ValueError: ``kv-canary: kernel_kind must be a CanaryLaunchTag, got {kernel_kind!r}``.
     """
-    try:
-        return constants.CanaryLaunchTag(int(kernel_kind))
-    except (TypeError, ValueError):
-        raise ValueError(f"kv-canary: kernel_kind must be a CanaryLaunchTag, got {kernel_kind!r}") from None
+    return _enum_member(constants.CanaryLaunchTag, kernel_kind, "kernel_kind")
 
 
 def check_hash_mode(mode: Any) -> constants.RealKvHashMode:
@@ -169,10 +184,14 @@ def check_hash_mode(mode: Any) -> constants.RealKvHashMode:
     Raises:
       ValueError: ``kv-canary: real_kv_hash_mode must be a RealKvHashMode, got {mode!r}``.
     """
+    return _enum_member(constants.RealKvHashMode, mode, "real_kv_hash_mode")
+
+
+def _enum_member(enum: type, value: Any, name: str) -> Any:
     try:
-        return constants.RealKvHashMode(int(mode))
+        return enum(int(value))
     except (TypeError, ValueError):
-        raise ValueError(f"kv-canary: real_kv_hash_mode must be a RealKvHashMode, got {mode!r}") from None
+        raise ValueError(f"kv-canary: {name} must be a {enum.__name__}, got {value!r}") from None
 
 
 def check_expected_inputs(enable_write_input_assert: bool, *, has_tokens: bool, has_positions: bool) -> None:
@@ -292,6 +311,94 @@ def check_source_coverage(index: int, *, num_rows: int, page_size: int, num_slot
         )
 
 
+def check_source_chunks(
+    name: str,
+    *,
+    page_size: int,
+    num_bytes_per_token: int,
+    read_bytes: int,
+    chunk_bytes: int,
+    num_chunks: int,
+    chunk_stride_bytes: int,
+    offset_bytes: int,
+    slot_rows: int | None,
+    num_rows: int,
+    row_bytes: int,
+    row_stride_bytes: int,
+) -> None:
+    """A chunked source (canary-jax's extension, ``canary_jax.sources.SlotChunks``; not SGLang's contract).
+
+    A slot's sequence is ``num_chunks`` chunks of ``chunk_bytes``, chunk ``c`` at ``offset_bytes + c *
+    chunk_stride_bytes`` bytes after the slot's first byte, zero-padded to a multiple of 16 bytes. Sizes are
+    multiples of 4 (the kernels read 4-byte words); no chunk of any slot of a row may cross the row's end
+    (``offset % row_bytes + (num_chunks - 1) * (stride % row_bytes) + (page_size - 1) * num_bytes_per_token +
+    chunk_bytes <= row_bytes``); at least one row of slots lies inside the tensor (at least ``slot_rows`` when
+    given); rows and row words fit int32.
+
+    Args:
+      name: prefix of the messages (``RealKvSource``).
+      page_size, num_bytes_per_token, read_bytes: the source's ints.
+      chunk_bytes, num_chunks, chunk_stride_bytes, offset_bytes, slot_rows: the chunk layout.
+      num_rows, row_bytes: the tensor viewed as ``uint8[num_rows, row_bytes]`` (rows = dim 0).
+      row_stride_bytes: the tensor's dim-0 stride in bytes.
+
+    Raises:
+      ValueError: naming the field and its value.
+    """
+    if page_size < 1:
+        raise ValueError(f"kv-canary: {name}.page_size must be >= 1, got {page_size}")
+    if num_bytes_per_token <= 0 or num_bytes_per_token % 4 != 0:
+        raise ValueError(
+            f"kv-canary: {name}.num_bytes_per_token must be a positive multiple of 4 for a chunked source, "
+            f"got {num_bytes_per_token}"
+        )
+    if chunk_bytes <= 0 or chunk_bytes % 4 != 0:
+        raise ValueError(f"kv-canary: {name}.chunks.chunk_bytes must be a positive multiple of 4, got {chunk_bytes}")
+    if num_chunks < 1:
+        raise ValueError(f"kv-canary: {name}.chunks.num_chunks must be >= 1, got {num_chunks}")
+    for field, value in (("chunk_stride_bytes", chunk_stride_bytes), ("offset_bytes", offset_bytes)):
+        if value < 0 or value % 4 != 0:
+            raise ValueError(f"kv-canary: {name}.chunks.{field} must be a non-negative multiple of 4, got {value}")
+    padded = -(-num_chunks * chunk_bytes // 16) * 16
+    if read_bytes <= 0 or read_bytes > padded or read_bytes % 16 != 0:
+        raise ValueError(
+            f"kv-canary: {name}.read_bytes must be a positive multiple of 16 in (0, {padded}] (the slot's "
+            f"{num_chunks} x {chunk_bytes} chunk bytes rounded up to 16), got {read_bytes}"
+        )
+    if row_stride_bytes % 4 != 0 or row_bytes % 4 != 0:
+        raise ValueError(
+            f"kv-canary: {name}.tensor rows must be a multiple of 4 bytes for a chunked source, "
+            f"got {row_bytes} bytes (row stride {row_stride_bytes})"
+        )
+    if row_bytes == 0 or num_rows == 0:
+        raise ValueError(f"kv-canary: {name}.tensor holds no bytes (rows={num_rows}, row_bytes={row_bytes})")
+    off_rows, off_cols = divmod(offset_bytes, row_bytes)
+    stride_rows, stride_cols = divmod(chunk_stride_bytes, row_bytes) if num_chunks > 1 else (0, 0)
+    end = off_cols + (num_chunks - 1) * stride_cols + (page_size - 1) * num_bytes_per_token + chunk_bytes
+    if end > row_bytes:
+        raise ValueError(
+            f"kv-canary: {name} chunks cross the end of a row: the last slot of a row (page_size={page_size} x "
+            f"num_bytes_per_token={num_bytes_per_token}) ends its chunks at byte {end} of a {row_bytes}-byte row "
+            f"(chunk_bytes={chunk_bytes}, num_chunks={num_chunks}, chunk_stride_bytes={chunk_stride_bytes}, "
+            f"offset_bytes={offset_bytes})"
+        )
+    fit = num_rows - off_rows - (num_chunks - 1) * stride_rows
+    if fit < 1:
+        raise ValueError(
+            f"kv-canary: {name} chunks lie past the tensor's {num_rows} rows for every slot "
+            f"(offset_bytes={offset_bytes}, chunk_stride_bytes={chunk_stride_bytes}, row_bytes={row_bytes})"
+        )
+    if slot_rows is not None and not 1 <= slot_rows <= fit:
+        raise ValueError(
+            f"kv-canary: {name}.chunks.slot_rows must be in [1, {fit}] (the rows whose chunks lie inside the "
+            f"tensor), got {slot_rows}"
+        )
+    if num_rows >= 2**31 or row_bytes // 4 >= 2**31:
+        raise ValueError(
+            f"kv-canary: {name}.tensor of {num_rows} rows x {row_bytes} bytes exceeds the int32 row / word range"
+        )
+
+
 # --- launch objects -------------------------------------------------------------------------------------------
 VERIFY_PLAN_FIELDS = (
     "verify_slot_indices",
@@ -371,3 +478,86 @@ def check_ring(facts: ArrayFacts, names: DtypeNames, *, name: str = "violation_r
     check_array(facts, name, names.i64, names.int64_shape(None, constants.VIOLATION_FIELDS))
     if facts.shape[0] < 1:
         raise ValueError(f"kv-canary: {name} must have at least one row")
+
+
+# --- plan launch ----------------------------------------------------------------------------------------------
+PLAN_KERNEL_PATH = "kernel"
+"""SGLang's kernel path of ``launch_canary_plan_kernels`` (CUDA tensors; canary-jax's ``build_plans``)."""
+
+PLAN_REFERENCE_PATH = "reference"
+"""SGLang's ``launch_canary_plan_kernels_torch_reference`` path (CPU tensors)."""
+
+
+def check_plan_launch(
+    *,
+    swa_window_size: int,
+    has_lut: bool,
+    lut_len: int | None,
+    verify_capacity: int | None,
+    plan_capacity: int,
+    bs: int,
+    write_req_capacity: int,
+    has_pool: bool,
+    has_valid_lens: bool,
+    path: str = PLAN_KERNEL_PATH,
+    max_bs: int | None = None,
+) -> None:
+    """The launch checks of SGLang's ``launch_canary_plan_kernels`` (SPEC 7), shared by
+    :func:`canary_jax.plan_builder.build_plans` and the torch launcher, with SGLang's messages.
+
+    Run after each argument's own dtype and shape checks (the facts below are then exact). The kernel path
+    checks in SGLang's order: the SWA LUT, ``max_bs``, the verify capacity, the LUT length, ``bs`` against the
+    write capacity, the expected-token valid lengths (``launch_plan_entries_kernel``). The reference path
+    (SGLang's CPU reference) checks the SWA LUT, the verify capacity and the valid lengths in its order and
+    messages, then the LUT length and ``bs`` (which SGLang's reference leaves unchecked: it raises on the first
+    slot past the LUT and silently caps ``bs``).
+
+    Args:
+      swa_window_size: W; W > 0 needs the LUT.
+      has_lut: ``full_to_swa_index_mapping`` was given (or the slots come SWA-translated already).
+      lut_len: its length, or None when there is no LUT array to check (read only when ``has_lut``).
+      verify_capacity: the requested C, or None when the caller did not give one (JAX's ``build_plans``).
+      plan_capacity: the verify plan's C (its ``verify_slot_indices`` length).
+      bs: the batch rows (``req_pool_indices`` length).
+      write_req_capacity: the write plan's Cw.
+      has_pool, has_valid_lens: the expected-token pool and its valid lengths were given.
+      path: :data:`PLAN_KERNEL_PATH` or :data:`PLAN_REFERENCE_PATH`: whose messages (and order) apply.
+      max_bs: the kernel path's ``bs`` limit (SGLang's Triton offsets kernel: 4096), or None for none.
+
+    Raises:
+      ValueError: the first check that fails.
+    """
+    if path not in (PLAN_KERNEL_PATH, PLAN_REFERENCE_PATH):
+        raise ValueError(f"kv-canary: path must be {PLAN_KERNEL_PATH!r} or {PLAN_REFERENCE_PATH!r}, got {path!r}")
+    kernel = path == PLAN_KERNEL_PATH
+    if swa_window_size > 0 and not has_lut:
+        raise ValueError(
+            "kv-canary: launch_canary_plan_kernels requires full_to_swa_index_mapping when swa_window_size > 0"
+        )
+    if kernel and max_bs is not None and bs > max_bs:
+        raise ValueError(
+            f"kv-canary: launch_canary_plan_kernels supports at most bs={max_bs} reqs per launch, got bs={bs}. "
+            "Bump _PLAN_BS_BLOCK_SIZE if real workloads need this."
+        )
+    if verify_capacity is not None and verify_capacity != plan_capacity:
+        who = "launch_canary_plan_kernels" if kernel else "launch_canary_plan_kernels_torch_reference"
+        raise ValueError(
+            f"kv-canary: {who} verify_capacity={verify_capacity} does not match "
+            f"verify_plan_out.verify_slot_indices.shape[0]={plan_capacity}"
+        )
+    # SGLang's reference checks the valid lengths right after the capacity; its kernel path, last.
+    missing_lens = has_pool and not has_valid_lens
+    if missing_lens and not kernel:
+        raise ValueError(
+            "kv-canary: launch_canary_plan_kernels_torch_reference requires req_to_verify_expected_tokens_valid_lens "
+            "when req_to_verify_expected_tokens is set"
+        )
+    if has_lut and lut_len is not None and lut_len < 1:
+        raise ValueError(f"kv-canary: lut_len must be positive when has_swa_lut is True, got {lut_len}")
+    if bs > write_req_capacity:
+        raise ValueError(f"kv-canary: bs={bs} exceeds write_req_capacity={write_req_capacity}")
+    if missing_lens:
+        raise ValueError(
+            "kv-canary: launch_plan_entries_kernel requires req_to_verify_expected_tokens_valid_lens when "
+            "req_to_verify_expected_tokens is set"
+        )

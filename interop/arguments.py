@@ -1,9 +1,9 @@
 """Torch arguments of the SGLang launchers, turned into what :mod:`canary_jax.validation` checks.
 
 The checks themselves are :mod:`canary_jax.validation`'s, shared with the JAX entry points; this module
-only turns torch tensors into :class:`~canary_jax.validation.ArrayFacts` (:func:`facts`, dtype names as torch
-prints them: ``torch.int64``), gathers the launch's tensors by SGLang's argument names, and adds the checks
-only a torch launch has (DLPack capsules, one device per launch).
+only turns torch tensors into :class:`~canary_jax.validation.ArrayFacts` (:func:`interop.dlpack.facts`, dtype
+names as torch prints them: ``torch.int64``), gathers the launch's tensors by SGLang's argument names, and adds
+the checks only a torch launch has (DLPack capsules, one device per launch).
 """
 
 from __future__ import annotations
@@ -16,20 +16,13 @@ import torch
 from canary_jax import constants, validation
 from interop import dlpack
 from interop.buffers import TensorArg
+from interop.dlpack import facts
 
 TORCH_DTYPES = validation.DtypeNames(u8="torch.uint8", i32="torch.int32", i64="torch.int64", int64_pairs=False)
 """SGLang's tensors as torch holds them: int64 as ``torch.int64``."""
 
 CONTEXT_FIELDS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter", "kernel_run_counter")
 """SGLang's ``VerifyOrWriteContext`` tensors (``enable_chain_position_assert`` follows for write launches)."""
-
-
-def facts(t: torch.Tensor) -> validation.ArrayFacts:
-    """Shape, dtype name (``str(t.dtype)``), itemsize, strides in bytes and contiguity of ``t``."""
-    size = t.element_size()
-    return validation.ArrayFacts(
-        tuple(t.shape), str(t.dtype), size, tuple(s * size for s in t.stride()), t.is_contiguous()
-    )
 
 
 def tensor(x: Any, name: str) -> torch.Tensor:

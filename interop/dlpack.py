@@ -31,6 +31,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from canary_jax import validation
+
 try:
     import torch
     import torch.utils.dlpack
@@ -40,9 +42,9 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 __all__ = [
     "ImportCache",
     "as_torch_tensor",
-    "check_contiguous",
     "contiguous_view",
     "device_alignment",
+    "facts",
     "int64_pairs_view",
     "is_dlpack_capsule",
     "jax_device_for",
@@ -93,10 +95,13 @@ def as_torch_tensor(x: Any, *, name: str) -> torch.Tensor:
 
 
 # --- layout checks ----------------------------------------------------------------------------------------
-def check_contiguous(t: torch.Tensor, name: str) -> None:
-    """SGLang's check and message: ``kv-canary: {name} must be contiguous``."""
-    if not t.is_contiguous():
-        raise ValueError(f"kv-canary: {name} must be contiguous")
+def facts(t: torch.Tensor) -> validation.ArrayFacts:
+    """What :mod:`canary_jax.validation` checks of ``t``: shape, dtype name (``str(t.dtype)``, so messages name
+    torch dtypes), itemsize, strides in bytes and contiguity."""
+    size = t.element_size()
+    return validation.ArrayFacts(
+        tuple(t.shape), str(t.dtype), size, tuple(s * size for s in t.stride()), t.is_contiguous()
+    )
 
 
 def contiguous_view(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -109,7 +114,7 @@ def contiguous_view(t: torch.Tensor, name: str) -> torch.Tensor:
     Raises:
       ValueError: ``t`` is not contiguous (transposed, sliced with a step, expanded, ...).
     """
-    check_contiguous(t, name)
+    validation.check_contiguous(facts(t), name)
     # view(dtype) first: measured on torch 2.13, a DLPack export of most other views (as_strided, reshape,
     # slicing) keeps the base tensor's Python object alive, which would defeat ImportCache's weak references.
     # view(-1).view(shape) then rebuilds row-major strides (size-1 dims may carry odd ones).

@@ -49,21 +49,26 @@ def _sources(v: dict, source_meta: tuple) -> tuple:
     )
 
 
+def _context(v: dict, tag: int, mode: int, source_meta: tuple, flag) -> VerifyOrWriteContext:
+    """canary-jax's launch context from the launch's values (``flag``: the chain-position assert)."""
+    return VerifyOrWriteContext(
+        canary_buf=v["canary_buf"],
+        kernel_kind=constants.CanaryLaunchTag(tag),
+        log=_log(v, tag, flag),
+        real_kv_sources=_sources(v, source_meta),
+        real_kv_hash_mode=constants.RealKvHashMode(mode),
+    )
+
+
 def verify_body_factory(statics):
-    """statics = (backend, tag, mode, source_meta, check_verify_expected_token)."""
-    backend, tag, mode, source_meta, check = statics
-    impl = backends.implementation("verify", backend)
+    """statics = (backend, platform, tag, mode, source_meta, check_verify_expected_token); ``platform`` is the
+    torch device type, which decides whether the Pallas kernels run compiled or interpreted."""
+    backend, platform, tag, mode, source_meta, check = statics
+    impl = backends.implementation("verify", backend, platform=platform)
 
     def body(v: dict) -> dict:
-        log = _log(v, tag, jnp.ones((1,), jnp.int32))
         plan = VerifyPlan(**{f: v[f"plan.{f}"] for f in validation.VERIFY_PLAN_FIELDS})
-        ctx = VerifyOrWriteContext(
-            canary_buf=v["canary_buf"],
-            kernel_kind=constants.CanaryLaunchTag(tag),
-            log=log,
-            real_kv_sources=_sources(v, source_meta),
-            real_kv_hash_mode=constants.RealKvHashMode(mode),
-        )
+        ctx = _context(v, tag, mode, source_meta, jnp.ones((1,), jnp.int32))
         out = impl(ctx, plan, check_verify_expected_token=check)
         return _log_out(out.log, tag)
 
@@ -71,20 +76,14 @@ def verify_body_factory(statics):
 
 
 def write_body_factory(statics):
-    """statics = (backend, tag, mode, source_meta, enable_write_input_assert)."""
-    backend, tag, mode, source_meta, assert_inputs = statics
-    impl = backends.implementation("write", backend)
+    """statics = (backend, platform, tag, mode, source_meta, enable_write_input_assert); ``platform`` as for
+    :func:`verify_body_factory`."""
+    backend, platform, tag, mode, source_meta, assert_inputs = statics
+    impl = backends.implementation("write", backend, platform=platform)
 
     def body(v: dict) -> dict:
-        log = _log(v, tag, v["enable_chain_position_assert"])
         plan = WritePlan(**{f: v[f"plan.{f}"] for f in validation.WRITE_PLAN_FIELDS})
-        ctx = VerifyOrWriteContext(
-            canary_buf=v["canary_buf"],
-            kernel_kind=constants.CanaryLaunchTag(tag),
-            log=log,
-            real_kv_sources=_sources(v, source_meta),
-            real_kv_hash_mode=constants.RealKvHashMode(mode),
-        )
+        ctx = _context(v, tag, mode, source_meta, v["enable_chain_position_assert"])
         out = impl(
             ctx,
             plan,

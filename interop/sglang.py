@@ -123,8 +123,9 @@ def launch_canary_verify_kernel(
     args += [TensorArg(n, t) for n, t in padded.items()]
     args += [TensorArg(n, ctx[n], True) for n in arguments.CONTEXT_FIELDS[1:]]
     args += src_args
-    backend = backends.resolve_backend(backend, platform=ctx["canary_buf"].device.type)
-    statics = (backend, tag, mode, meta, bool(check_verify_expected_token))
+    platform = ctx["canary_buf"].device.type
+    check = bool(check_verify_expected_token)
+    statics = (backends.resolve_backend(backend, platform=platform), platform, tag, mode, meta, check)
     runner.run_in_place("verify", statics, kernels.verify_body_factory, args)
 
 
@@ -173,9 +174,9 @@ def launch_canary_write_kernel(
     tag, mode = _statics(context)
     _check_canary_buf(ctx["canary_buf"])
     validation.check_write_plan(arguments.fields_facts(pl, "plan."), TORCH_DTYPES)
-    t_len = toks["input_ids"].shape[0] if toks["input_ids"].dim() == 1 else None
-    for n, t in toks.items():
-        check(t, n, torch.int64, (t_len,))
+    for n, t in toks.items():  # SGLang's order: input_ids fixes num_tokens, the others must match it
+        check(t, n, torch.int64, (None,))
+        validation.check_same_length(n, t.shape[0], ref_name="input_ids", ref_length=toks["input_ids"].shape[0])
     arguments.check_log(ctx, with_flag=True)
     src_args, meta = arguments.source_args(launch_sources, mode, num_slots=int(ctx["canary_buf"].shape[0]))
     arguments.check_devices({**ctx, **pl, **toks, **{a.name: a.tensor for a in src_args}}, "canary_buf")
@@ -186,8 +187,8 @@ def launch_canary_write_kernel(
     args += [TensorArg(n, ctx[n], True) for n in arguments.CONTEXT_FIELDS[1:]]
     args += [TensorArg("enable_chain_position_assert", ctx["enable_chain_position_assert"])]
     args += src_args
-    backend = backends.resolve_backend(backend, platform=ctx["canary_buf"].device.type)
-    statics = (backend, tag, mode, meta, flag)
+    platform = ctx["canary_buf"].device.type
+    statics = (backends.resolve_backend(backend, platform=platform), platform, tag, mode, meta, flag)
     runner.run_in_place("write", statics, kernels.write_body_factory, args)
 
 
@@ -219,10 +220,6 @@ def launch_canary_plan_kernels(
         path's checks and messages, CPU tensors the reference's) and the interop's; nothing runs.
     """
     del backend
-    if swa_window_size > 0 and full_to_swa_index_mapping is None:
-        raise ValueError(
-            "kv-canary: launch_canary_plan_kernels requires full_to_swa_index_mapping when swa_window_size > 0"
-        )
     vp = arguments.tensors(verify_plan_out, validation.VERIFY_PLAN_FIELDS, "verify_plan_out.")
     wp = arguments.tensors(write_plan_out, validation.WRITE_PLAN_FIELDS, "write_plan_out.")
     ins = {
@@ -231,60 +228,54 @@ def launch_canary_plan_kernels(
         "extend_seq_lens": tensor(extend_seq_lens, "extend_seq_lens"),
         "req_to_token": tensor(req_to_token, "req_to_token"),
     }
+    has_lut = full_to_swa_index_mapping is not None
+    has_pool = req_to_verify_expected_tokens is not None
+    optional = {
+        "full_to_swa_index_mapping": full_to_swa_index_mapping,
+        "req_to_verify_expected_tokens": req_to_verify_expected_tokens,
+        # SGLang reads the valid lengths only with the pool
+        "req_to_verify_expected_tokens_valid_lens": req_to_verify_expected_tokens_valid_lens if has_pool else None,
+    }
+    ins.update({n: tensor(x, n) for n, x in optional.items() if x is not None})
     on_cuda = vp["verify_plan_out.verify_slot_indices"].device.type == "cuda"
     bs = int(ins["req_pool_indices"].shape[0]) if ins["req_pool_indices"].dim() >= 1 else 0
-    if on_cuda and bs > PLAN_BS_BLOCK_SIZE:
-        raise ValueError(
-            f"kv-canary: launch_canary_plan_kernels supports at most bs={PLAN_BS_BLOCK_SIZE} reqs per launch, "
-            f"got bs={bs}. Bump _PLAN_BS_BLOCK_SIZE if real workloads need this."
-        )
-    plan_cap = int(vp["verify_plan_out.verify_slot_indices"].shape[0])
-    if int(verify_capacity) != plan_cap:
-        who = "launch_canary_plan_kernels" if on_cuda else "launch_canary_plan_kernels_torch_reference"
-        raise ValueError(
-            f"kv-canary: {who} verify_capacity={verify_capacity} does not match "
-            f"verify_plan_out.verify_slot_indices.shape[0]={plan_cap}"
-        )
-    if full_to_swa_index_mapping is not None:
-        ins["full_to_swa_index_mapping"] = tensor(full_to_swa_index_mapping, "full_to_swa_index_mapping")
-    has_pool = req_to_verify_expected_tokens is not None
-    if has_pool:
-        if req_to_verify_expected_tokens_valid_lens is None:
-            who = "launch_plan_entries_kernel" if on_cuda else "launch_canary_plan_kernels_torch_reference"
-            raise ValueError(
-                f"kv-canary: {who} requires req_to_verify_expected_tokens_valid_lens when "
-                "req_to_verify_expected_tokens is set"
-            )
-        ins["req_to_verify_expected_tokens"] = tensor(req_to_verify_expected_tokens, "req_to_verify_expected_tokens")
-        ins["req_to_verify_expected_tokens_valid_lens"] = tensor(
-            req_to_verify_expected_tokens_valid_lens, "req_to_verify_expected_tokens_valid_lens"
-        )
     arguments.check_contiguous({**ins, **vp, **wp})
     for n in ("req_pool_indices", "prefix_lens", "extend_seq_lens"):
         check(ins[n], n, torch.int64, (bs,))
     check(ins["req_to_token"], "req_to_token", torch.int32, (None, None))
-    if "full_to_swa_index_mapping" in ins:
+    if has_lut:
         check(ins["full_to_swa_index_mapping"], "full_to_swa_index_mapping", torch.int64, (None,))
-        if ins["full_to_swa_index_mapping"].shape[0] < 1:
-            raise ValueError("kv-canary: lut_len must be positive when has_swa_lut is True, got 0")
     if has_pool:
         check(ins["req_to_verify_expected_tokens"], "req_to_verify_expected_tokens", torch.int32, (None, None))
+    if "req_to_verify_expected_tokens_valid_lens" in ins:
         check(
             ins["req_to_verify_expected_tokens_valid_lens"],
             "req_to_verify_expected_tokens_valid_lens",
             torch.int64,
             (bs,),
         )
+    plan_cap = int(vp["verify_plan_out.verify_slot_indices"].shape[0])
     validation.check_verify_plan(
         arguments.fields_facts(vp, "verify_plan_out."), TORCH_DTYPES, prefix="verify_plan_out.", capacity=plan_cap
     )
     cw = validation.check_write_plan(
         arguments.fields_facts(wp, "write_plan_out."), TORCH_DTYPES, prefix="write_plan_out.", offsets_message=False
     )
-    if bs > cw:
-        raise ValueError(f"kv-canary: bs={bs} exceeds write_req_capacity={cw}")
+    validation.check_plan_launch(
+        swa_window_size=int(swa_window_size),
+        has_lut=has_lut,
+        lut_len=int(ins["full_to_swa_index_mapping"].shape[0]) if has_lut else 0,
+        verify_capacity=int(verify_capacity),
+        plan_capacity=plan_cap,
+        bs=bs,
+        write_req_capacity=cw,
+        has_pool=has_pool,
+        has_valid_lens="req_to_verify_expected_tokens_valid_lens" in ins,
+        path=validation.PLAN_KERNEL_PATH if on_cuda else validation.PLAN_REFERENCE_PATH,
+        max_bs=PLAN_BS_BLOCK_SIZE,
+    )
     arguments.check_devices({**vp, **wp, **ins}, "verify_plan_out.verify_slot_indices")
     args = [TensorArg(n, t) for n, t in ins.items()]
     args += [TensorArg(n, t, True) for n, t in {**vp, **wp}.items()]
-    statics = (int(swa_window_size), int(kv_token_id_vs_position_offset), "full_to_swa_index_mapping" in ins, has_pool)
+    statics = (int(swa_window_size), int(kv_token_id_vs_position_offset), has_lut, has_pool)
     runner.run_in_place("plan", statics, kernels.plan_body_factory, args)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from canary_jax import backends
+from canary_jax import backends, validation
 
 GATHER_MODES = ("quad", "pair", "word")
 SOURCE_GATHER_MODES = ("quad", "pair", "word", "tile", "tile_contiguous")
@@ -153,3 +153,32 @@ _DEFAULT_PREFETCH = DEFAULT_CONFIG.write_prefetch
 
 
 default_interpret = backends.default_interpret
+
+
+def launch_options(context, interpret: bool | None, config: PallasConfig | None) -> tuple[bool, PallasConfig]:
+    """The statics of one Pallas launch, the shared prologue of ``verify_pallas`` and ``write_pallas``.
+
+    Checks the kernels' own static precondition (at most 4 real-KV sources, for direct callers; the public
+    entry points checked the whole launch already), then resolves:
+
+    * ``interpret``: as given, else from where the canary buffer lives: compiled on a GPU platform, interpreted
+      elsewhere (:func:`canary_jax.backends.array_platform`; JAX's default backend only for a traced buffer,
+      whose device is unknown);
+    * ``config``: ``config`` or :data:`DEFAULT_CONFIG`, adjusted for that mode (:meth:`PallasConfig.for_interpret`).
+
+    Args:
+      context: the launch's :class:`~canary_jax.plans.VerifyOrWriteContext`.
+      interpret: the caller's choice, or None.
+      config: the caller's config, or None.
+
+    Returns:
+      ``(interpret, config)``, both static.
+
+    Raises:
+      ValueError: more than 4 real-KV sources.
+    """
+    validation.check_source_count(len(context.real_kv_sources))
+    if interpret is None:
+        interpret = default_interpret(backends.array_platform(context.canary_buf))
+    interpret = bool(interpret)
+    return interpret, (config or DEFAULT_CONFIG).for_interpret(interpret)

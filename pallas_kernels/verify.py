@@ -30,12 +30,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from canary_jax import hashing, layout, pairs, sources, validation
+from canary_jax import hashing, layout, pairs, sources
 from canary_jax.constants import FailReason
 from canary_jax.pairs import U64
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan
 from pallas_kernels import real_kv, refs
-from pallas_kernels.config import DEFAULT_CONFIG, PallasConfig, default_interpret
+from pallas_kernels.config import PallasConfig, launch_options
 from pallas_kernels.hashing import PairHash
 
 
@@ -341,7 +341,8 @@ def verify_pallas(
       context: the launch context; at most 4 real-KV sources (checked before tracing).
       plan: the verify plan.
       check_verify_expected_token: static; compare stored tokens with ``verify_expected_tokens``.
-      interpret: static; ``None`` = compiled on GPU, ``interpret=True`` elsewhere.
+      interpret: static; ``None`` = compiled where the canary buffer lives on a GPU, interpreted elsewhere
+        (see :func:`pallas_kernels.config.launch_options`).
       config: static :class:`~pallas_kernels.config.PallasConfig`; ``None`` = the defaults.
 
     Returns:
@@ -354,13 +355,5 @@ def verify_pallas(
       ValueError: more than 4 real-KV sources.
       NotImplementedError: ``config.multiplier == "asm"`` with ``interpret=True``.
     """
-    # The kernel's own static precondition, for direct callers (canary_jax.verify checked the whole context).
-    validation.check_source_count(len(context.real_kv_sources))
-    interpret = default_interpret() if interpret is None else bool(interpret)
-    return _verify_jit(
-        context,
-        plan,
-        check=bool(check_verify_expected_token),
-        interpret=interpret,
-        config=(config or DEFAULT_CONFIG).for_interpret(interpret),
-    )
+    interpret, config = launch_options(context, interpret, config)
+    return _verify_jit(context, plan, check=bool(check_verify_expected_token), interpret=interpret, config=config)

@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as pltriton
 from canary_jax import layout, sources, validation
 from canary_jax.plans import VerifyOrWriteContext, WritePlan
 from pallas_kernels import refs
-from pallas_kernels.config import DEFAULT_CONFIG, PallasConfig, default_interpret
+from pallas_kernels.config import PallasConfig, launch_options
 from pallas_kernels.hashing import PairHash
 from pallas_kernels.write_chain import write_chain_kernel
 from pallas_kernels.write_commit import write_commit_kernel
@@ -307,7 +307,8 @@ def write_pallas(
       input_ids, positions, out_cache_loc: ``uint32[T, 2]`` int64 pairs; ``out_cache_loc < 0`` = skip.
       enable_write_input_assert: static; compare with the expected tensors.
       expected_input_tokens, expected_input_positions: ``uint32[T, 2]`` pairs iff the assert is on.
-      interpret: static; ``None`` = compiled on GPU, ``interpret=True`` elsewhere.
+      interpret: static; ``None`` = compiled where the canary buffer lives on a GPU, interpreted elsewhere
+        (see :func:`pallas_kernels.config.launch_options`).
       config: static :class:`~pallas_kernels.config.PallasConfig`; ``None`` = the defaults.
 
     Returns:
@@ -320,14 +321,13 @@ def write_pallas(
       ValueError: more than 4 real-KV sources, or expected tensors present without the assert or missing with it.
       NotImplementedError: ``config.multiplier == "asm"`` with ``interpret=True``.
     """
-    # The kernel's own static preconditions, for direct callers (canary_jax.write checked the whole launch).
-    validation.check_source_count(len(context.real_kv_sources))
+    interpret, config = launch_options(context, interpret, config)
+    # The expected-input rule, for direct callers (canary_jax.write checked the whole launch).
     validation.check_expected_inputs(
         enable_write_input_assert,
         has_tokens=expected_input_tokens is not None,
         has_positions=expected_input_positions is not None,
     )
-    interpret = default_interpret() if interpret is None else bool(interpret)
     return _write_jit(
         context,
         plan,
@@ -338,5 +338,5 @@ def write_pallas(
         expected_input_positions,
         assert_inputs=bool(enable_write_input_assert),
         interpret=interpret,
-        config=(config or DEFAULT_CONFIG).for_interpret(interpret),
+        config=config,
     )

@@ -208,6 +208,90 @@ def test_padded_launch_equals_unpadded_pallas():
     assert out.returncode == 0 and "same bytes" in out.stdout, out.stdout + out.stderr
 
 
+class _FakeGpu:
+    """What a device of another platform reports (the padding must not care)."""
+
+    platform = "gpu"
+    id = 0
+
+
+def test_padding_compiles_nothing_for_device_resident_inputs(monkeypatch):
+    """On the H200 the 300-launch test compiled 13 programs by T=5: the plans (``VerifyPlan.from_entries``) live on
+    the GPU, and the old padding ran a jitted pad per input length (2 per C: fills 0 and -1) plus an eager
+    ``jnp.minimum``, while CPU-resident arrays were padded with numpy. Simulated here on a CPU: the arrays report a
+    GPU device while the padding runs. It must compile nothing, place the copies on the launch's device, and
+    produce the bytes of the unpadded arrays plus dead rows."""
+    from canary_jax import padding
+
+    buf = jax.device_put(np.zeros((N, 32), np.uint8), jax.devices()[0])  # the launch's (committed) device
+    cases = []
+    for c in range(1, 6):
+        vplan = canary_jax.VerifyPlan.from_entries(
+            slots=list(range(1, c + 1)), positions=[7] * c, prev_slots=[-1] * c, num_valid=c + 3
+        )
+        wplan = canary_jax.WritePlan(
+            write_offsets=jax.device_put(_pairs([0, c, c + 40])),  # the last offset past T: clamped to T
+            write_seed_slot_indices=jax.device_put(_pairs([-1, 5])),
+            write_num_valid_reqs=jax.device_put(np.array([9], np.int32)),
+        )
+        ids = jax.device_put(_pairs(range(100, 100 + c)))
+        cases.append((c, vplan, wplan, ids))
+    out = []
+    monkeypatch.setattr(type(buf), "devices", lambda self: {_FakeGpu()})
+    with _count_compiles() as compiles:
+        for c, vplan, wplan, ids in cases:
+            vp = padding.pad_verify_plan(vplan, 16, device=buf.sharding)
+            wp = padding.pad_write_plan(wplan, 16, num_tokens=c, padded_tokens=16, device=buf.sharding)
+            out.append((c, vp, wp, padding.pad_rows(ids, 16, fill=0, device=buf.sharding)))
+    monkeypatch.undo()
+    assert compiles[0] == 0, f"{compiles[0]} programs compiled while padding"
+    for c, vp, wp, padded_ids in out:
+        for x in (*jax.tree_util.tree_leaves((vp, wp)), padded_ids):
+            assert x.devices() == buf.devices()
+        slots = canary_jax.pairs_to_int64_np(vp.verify_slot_indices).tolist()
+        assert slots == list(range(1, c + 1)) + [0] * (16 - c)
+        assert canary_jax.pairs_to_int64_np(vp.verify_expected_tokens).tolist() == [-1] * 16
+        assert canary_jax.pairs_to_int64_np(vp.verify_expected_positions).tolist() == [7] * c + [0] * (16 - c)
+        assert np.asarray(vp.verify_num_valid).tolist() == [c]  # min(num_valid, C): entries past C stay dead
+        assert canary_jax.pairs_to_int64_np(wp.write_offsets).tolist() == [0, c, c] + [c] * 14
+        assert canary_jax.pairs_to_int64_np(wp.write_seed_slot_indices).tolist() == [-1, 5] + [-1] * 14
+        assert np.asarray(wp.write_num_valid_reqs).tolist() == [2]
+        assert canary_jax.pairs_to_int64_np(padded_ids).tolist() == list(range(100, 100 + c)) + [0] * (16 - c)
+
+
+def test_committed_buffer_compiles_one_program_per_bucket():
+    """A canary buffer committed to a device gets its padded inputs there too (committed), so bucket-sized and
+    padded launches share one program per bucket: a compiled program is keyed on committedness as well."""
+    dev = jax.devices()[0]
+
+    def run(commit: bool):
+        rng = random.Random(5)
+        buf, log = canary_jax.allocate_canary_buffer(N), canary_jax.ViolationLog.allocate(ring_capacity=256)
+        if commit:  # the log too: a launch's outputs are committed where its inputs are
+            buf, log = jax.device_put((buf, log), dev)
+        ctx = canary_jax.VerifyOrWriteContext(canary_buf=buf, kernel_kind=TAG, log=log)
+        with _count_compiles() as compiles:
+            for t in (3, 16, 5, 32, 17):  # buckets 16 and 32, sizes at and below them
+                offsets, seeds, nv, ids, pos, loc = _write_case(rng, t)
+                plan = canary_jax.WritePlan(
+                    write_offsets=_pairs(offsets),
+                    write_seed_slot_indices=_pairs(seeds),
+                    write_num_valid_reqs=np.array([nv], np.int32),
+                )
+                ctx = canary_jax.write(ctx, plan, np.array(ids), np.array(pos), np.array(loc), backend="reference")
+                slots, prev, vpos, vnv = _verify_case(rng, t)
+                vplan = canary_jax.VerifyPlan.from_entries(slots=slots, positions=vpos, prev_slots=prev, num_valid=vnv)
+                ctx = canary_jax.verify(ctx, vplan, backend="reference")
+        return compiles[0], _state(ctx), ctx.canary_buf.committed
+
+    n_committed, committed, still = run(True)
+    n_default, default, _ = run(False)
+    assert still  # the buffer stays on its device
+    assert n_committed == 4, f"{n_committed} programs for 2 buckets (16, 32) x 2 ops"
+    assert n_default <= 4  # (fewer when earlier tests in this process compiled them already)
+    _assert_same(committed, default, "committed vs default placement")
+
+
 def test_program_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(launch, "MAX_PROGRAMS_PER_OP", 2)
     ctx = canary_jax.VerifyOrWriteContext(

@@ -93,6 +93,26 @@ def test_random_launches_match_sglang_reference_bytes(config, backend):
         assert int(ours.state.slot_run_counters.sum()) > 10
 
 
+@pytest.mark.skipif("pallas" not in BACKENDS, reason="no Pallas kernels")
+def test_cpu_tensors_on_a_gpu_host_run_the_pallas_kernels_interpreted(monkeypatch):
+    """Interpret mode follows the tensors' device, not JAX's default backend: on a GPU host, CPU tensors with
+    backend="pallas" run the kernels interpreted (compiled for the GPU they cannot run on CPU data). Simulated
+    by making JAX's default backend report a GPU."""
+    import jax
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    rng = random.Random(21)
+    ours = World.make(rng)
+    ref = ours.clone()
+    tag = int(sglang.CanaryLaunchTag.TAIL_K_FULL)
+    for step in range(2):
+        ours.buf[rng.randrange(1, 61), rng.randrange(32)] ^= 0x10  # something for verify to find
+        ref.buf.copy_(ours.buf)
+        _run_pair(rng, ours, ref, "verify", tag, "pallas")
+        assert_same_bytes(ours.tensors(), ref.tensors(), f"verify {step}")
+    assert int(ours.state.violation_write_index.item()) > 0
+
+
 def test_tensors_are_updated_in_place():
     rng = random.Random(3)
     w = World.make(rng)
@@ -355,13 +375,29 @@ ERROR_CASES = {
     ),
     "counter_shape": (
         ValueError,
-        r"slot_run_counter must have shape \(1,\), got \(2,\)",
+        r"slot_run_counter must have shape \[1\], got \[2\]$",
         lambda w: dict(context=_ctx(w, slot_run_counter=w.state.slot_run_counters[2:4])),
     ),
     "length_mismatch": (
         ValueError,
-        r"out_cache_loc must have shape \(2,\), got \(3,\)",
+        r"^kv-canary: input_ids \(2 entries\) is shorter than out_cache_loc \(3 entries\); they must have the same "
+        r"length$",
         lambda w: dict(out_cache_loc=torch.tensor([3, 4, 5])),
+    ),
+    "ids_shorter_than_positions": (
+        ValueError,
+        r"^kv-canary: input_ids \(2 entries\) is shorter than positions \(3 entries\)",
+        lambda w: dict(positions=torch.tensor([0, 1, 2])),
+    ),
+    "bool_positions": (
+        TypeError,
+        r"^kv-canary: positions must have dtype torch.int64, got torch.bool$",
+        lambda w: dict(positions=torch.tensor([True, False])),
+    ),
+    "uint64_ids": (
+        TypeError,
+        r"^kv-canary: input_ids must have dtype torch.int64, got torch.uint64$",
+        lambda w: dict(input_ids=torch.tensor([2**63, 1], dtype=torch.uint64)),
     ),
     "expected_missing": (
         ValueError,

@@ -23,6 +23,26 @@ class StrictHostInputsTest(absltest.TestCase):
         with self.assertRaisesRegex(ValueError, r"kv-canary: num_valid must be <= 2147483647, got 1099511627776"):
             canary_jax.VerifyPlan.from_entries(slots=[3], positions=[0], prev_slots=[-1], num_valid=2**40)
 
+    def test_plan_builders_refuse_bools_and_uint64_past_int64(self):
+        # A mask is not a slot; a uint64 of 2**63 or more is no int64 (its bits would read as a negative slot).
+        with self.assertRaisesRegex(TypeError, r"^kv-canary: slots must hold integers, got bool data$"):
+            canary_jax.VerifyPlan.from_entries(slots=[True], positions=[0], prev_slots=[-1])
+        with self.assertRaisesRegex(TypeError, r"^kv-canary: counts must hold integers, got bool data$"):
+            canary_jax.WritePlan.from_requests(counts=np.array([True, False]), seed_slots=[-1, -1])
+        with self.assertRaisesRegex(
+            ValueError, r"^kv-canary: slots holds a value that does not fit int64: 9223372036854775808 \(uint64\)$"
+        ):
+            canary_jax.VerifyPlan.from_entries(slots=np.array([2**63], np.uint64), positions=[0], prev_slots=[-1])
+        with self.assertRaisesRegex(
+            ValueError, r"^kv-canary: seed_slots holds a value that does not fit int64: 18446744073709551616$"
+        ):
+            canary_jax.WritePlan.from_requests(counts=[1], seed_slots=[2**64])
+        plan = canary_jax.VerifyPlan.from_entries(
+            slots=np.array([2**63 - 1], np.uint64), positions=np.array([3], np.uint8), prev_slots=[-1]
+        )
+        self.assertEqual(int(canary_jax.pairs_to_int64_np(plan.verify_slot_indices)[0]), 2**63 - 1)
+        self.assertEqual(int(canary_jax.pairs_to_int64_np(plan.verify_expected_positions)[0]), 3)
+
     def test_plan_builders_keep_int64_extremes_exact(self):
         plan = canary_jax.VerifyPlan.from_entries(slots=[2**63 - 1], positions=[-(2**63)], prev_slots=[-1])
         self.assertEqual(int(canary_jax.pairs_to_int64_np(plan.verify_slot_indices)[0]), 2**63 - 1)

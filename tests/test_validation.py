@@ -330,7 +330,7 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
             (
                 dict(verify_slot_indices=jnp.zeros((4,), jnp.uint32)),
                 ValueError,
-                r"plan\.verify_slot_indices must have shape \(4, 2\), got \(4,\)",
+                r"plan\.verify_slot_indices must have shape \[4, 2\], got \[4\]$",
             ),
             (
                 dict(verify_slot_indices=jnp.zeros((4,), jnp.int32)),
@@ -345,7 +345,7 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
             (
                 dict(verify_expected_positions=jnp.zeros((5, 2), jnp.uint32)),
                 ValueError,
-                r"plan\.verify_expected_positions must have shape \(4, 2\), got \(5, 2\)",
+                r"plan\.verify_expected_positions must have shape \[4, 2\], got \[5, 2\]$",
             ),
             (
                 dict(verify_prev_slot_indices=jnp.zeros((4, 2), jnp.float32)),
@@ -355,7 +355,7 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
             (
                 dict(verify_num_valid=jnp.zeros((2,), jnp.int32)),
                 ValueError,
-                r"plan\.verify_num_valid must have shape \(1,\)",
+                r"plan\.verify_num_valid must have shape \[1\], got \[2\]$",
             ),
             (
                 dict(verify_num_valid=jnp.zeros((1,), jnp.uint32)),
@@ -408,7 +408,11 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
     def test_log_field_checks(self):
         base = canary_jax.ViolationLog.allocate(ring_capacity=4)
         cases = [
-            (dict(ring=jnp.zeros((4, 8), jnp.uint32)), ValueError, r"violation_ring must have shape"),
+            (
+                dict(ring=jnp.zeros((4, 8), jnp.uint32)),
+                ValueError,
+                r"^kv-canary: violation_ring must have shape \[\*, 8, 2\], got \[4, 8\]$",
+            ),
             (dict(ring=jnp.zeros((4, 8, 2), jnp.int32)), TypeError, r"violation_ring must have dtype uint32"),
             (dict(write_index=jnp.zeros((1,), jnp.uint32)), TypeError, r"violation_write_index must have dtype int32"),
             (dict(slot_run_counters=jnp.zeros((11, 2), jnp.uint32)), ValueError, r"slot_run_counters shape"),
@@ -437,17 +441,24 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
             (
                 lambda: canary_jax.write(ctx, p, f, tok(), tok(), backend="reference"),
                 TypeError,
-                r"input_ids must be an int64-valued integer array, got shape \(4,\) dtype float32",
+                r"input_ids must be an int64-valued integer array, got shape \[4\] dtype float32$",
             ),
             (
                 lambda: canary_jax.write(ctx, p, tok(), tok((1, 2, 3)), tok(), backend="reference"),
                 ValueError,
-                r"positions must have shape \(4,\) \(int64\), got shape \(3,\)",
+                r"^kv-canary: positions \(3 entries\) is shorter than input_ids \(4 entries\); they must have the "
+                r"same length$",
+            ),
+            (
+                # input_ids is the shorter one: it is named as such, not positions (SGLang binds T to input_ids)
+                lambda: canary_jax.write(ctx, p, tok((1, 2, 3)), tok(), tok((1, 2, 3)), backend="reference"),
+                ValueError,
+                r"^kv-canary: input_ids \(3 entries\) is shorter than positions \(4 entries\)",
             ),
             (
                 lambda: canary_jax.write(ctx, p, tok(), tok(), np.zeros((4, 3), np.int64), backend="reference"),
                 ValueError,
-                r"out_cache_loc must have shape \(4,\) \(int64\), got shape \(4, 3\)",
+                r"out_cache_loc must have shape \[\*\] \(int64\), got shape \[4, 3\]$",
             ),
             (
                 lambda: canary_jax.write(ctx, p, tok(), tok(), jnp.zeros(4, jnp.float32), backend="reference"),
@@ -467,7 +478,7 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
                     backend="reference",
                 ),
                 ValueError,
-                r"expected_input_positions must have shape \(4,\)",
+                r"expected_input_positions \(2 entries\) is shorter than input_ids \(4 entries\)",
             ),
             (
                 lambda: canary_jax.write(
@@ -521,6 +532,107 @@ class LaunchRefusalTest(RefusalMixin, absltest.TestCase):
         ]
         for fn, exc, msg in cases:
             self.assertRefused(ctx, exc, msg, fn)
+
+
+class PlanLaunchCheckTest(absltest.TestCase):
+    """``validation.check_plan_launch``: SGLang's plan-launch checks, shared by ``build_plans`` (kernel path) and
+    the torch launcher (kernel path for CUDA tensors, the reference's for CPU tensors)."""
+
+    GOOD = dict(
+        swa_window_size=0,
+        has_lut=False,
+        lut_len=0,
+        verify_capacity=8,
+        plan_capacity=8,
+        bs=2,
+        write_req_capacity=4,
+        has_pool=False,
+        has_valid_lens=False,
+    )
+    # Every fault at once; each path names them one by one, in its own order.
+    FAULTS = dict(swa_window_size=4, bs=5000, verify_capacity=9, has_pool=True)
+    MESSAGES = {
+        "swa": r"^kv-canary: launch_canary_plan_kernels requires full_to_swa_index_mapping when swa_window_size > 0$",
+        "max_bs": r"^kv-canary: launch_canary_plan_kernels supports at most bs=4096 reqs per launch, got bs=5000\. "
+        r"Bump _PLAN_BS_BLOCK_SIZE if real workloads need this\.$",
+        "capacity_kernel": r"^kv-canary: launch_canary_plan_kernels verify_capacity=9 does not match "
+        r"verify_plan_out\.verify_slot_indices\.shape\[0\]=8$",
+        "capacity_reference": r"^kv-canary: launch_canary_plan_kernels_torch_reference verify_capacity=9 does not "
+        r"match verify_plan_out\.verify_slot_indices\.shape\[0\]=8$",
+        "bs": r"^kv-canary: bs=5000 exceeds write_req_capacity=4$",
+        "lens_kernel": r"^kv-canary: launch_plan_entries_kernel requires req_to_verify_expected_tokens_valid_lens "
+        r"when req_to_verify_expected_tokens is set$",
+        "lens_reference": r"^kv-canary: launch_canary_plan_kernels_torch_reference requires "
+        r"req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set$",
+    }
+
+    def _order(self, path, max_bs):
+        """The messages, in the order ``path`` reports them, fixing each fault after it is reported."""
+        from canary_jax import validation
+
+        kw = {**self.GOOD, **self.FAULTS}
+        fixes = dict(swa_window_size=0, bs=2, verify_capacity=8, has_pool=False)
+        seen = []
+        for _ in range(10):
+            try:
+                validation.check_plan_launch(**kw, path=path, max_bs=max_bs)
+            except ValueError as e:
+                seen.append(str(e))
+                key = next(k for k, m in self.MESSAGES.items() if re.search(m, str(e)))
+                field = dict(swa="swa_window_size", max_bs="bs", bs="bs")
+                field = field.get(key, "verify_capacity" if key.startswith("capacity") else "has_pool")
+                kw[field] = fixes[field]
+                continue
+            return seen
+        self.fail("never passed")
+
+    def _assert_order(self, seen, keys):
+        self.assertEqual(len(seen), len(keys), seen)
+        for msg, key in zip(seen, keys):
+            self.assertRegex(msg, self.MESSAGES[key])
+
+    def test_kernel_path_order(self):
+        # SGLang's launch_canary_plan_kernels: SWA LUT, bs limit, capacity, then (offsets kernel) bs against the
+        # write capacity, then (launch_plan_entries_kernel) the valid lengths.
+        self._assert_order(self._order("kernel", 4096), ["swa", "max_bs", "capacity_kernel", "lens_kernel"])
+        # Without the CUDA bs limit (canary-jax's build_plans), bs > Cw is what is left.
+        self._assert_order(self._order("kernel", None), ["swa", "capacity_kernel", "bs", "lens_kernel"])
+
+    def test_reference_path_order(self):
+        # SGLang's CPU reference: SWA LUT, capacity, valid lengths; it has no bs limit (max_bs is ignored) and
+        # silently caps bs > Cw, which canary-jax refuses last.
+        self._assert_order(self._order("reference", 4096), ["swa", "capacity_reference", "lens_reference", "bs"])
+
+    def test_lut_length_and_passing_launches(self):
+        from canary_jax import validation
+
+        with self.assertRaisesRegex(
+            ValueError, r"^kv-canary: lut_len must be positive when has_swa_lut is True, got 0$"
+        ):
+            validation.check_plan_launch(**{**self.GOOD, "swa_window_size": 4, "has_lut": True})
+        validation.check_plan_launch(**{**self.GOOD, "swa_window_size": 4, "has_lut": True, "lut_len": 1})
+        validation.check_plan_launch(**{**self.GOOD, "verify_capacity": None, "has_pool": True, "has_valid_lens": True})
+        validation.check_plan_launch(**{**self.GOOD, "bs": 4}, path="reference", max_bs=4)
+        with self.assertRaisesRegex(ValueError, r"path must be 'kernel' or 'reference', got 'cuda'"):
+            validation.check_plan_launch(**self.GOOD, path="cuda")
+
+    def test_build_plans_uses_the_kernel_path(self):
+        from canary_jax.plan_builder import build_plans
+
+        kw = dict(
+            req_pool_indices=np.array([1, 2]),
+            prefix_lens=np.array([1, 1]),
+            extend_seq_lens=np.array([1, 1]),
+            req_to_token=np.zeros((4, 8), np.int32),
+            verify_capacity=8,
+            write_req_capacity=4,
+        )
+        with self.assertRaisesRegex(ValueError, self.MESSAGES["lens_kernel"]):
+            build_plans(**kw, req_to_verify_expected_tokens=np.zeros((4, 8), np.int32))
+        with self.assertRaisesRegex(ValueError, self.MESSAGES["capacity_kernel"]):
+            build_plans(
+                **{**kw, "verify_capacity": 9}, verify_plan_out=canary_jax.VerifyPlan.allocate(verify_capacity=8)
+            )
 
 
 class PlanAllocationTest(absltest.TestCase):
@@ -605,7 +717,6 @@ class Int64InputTest(absltest.TestCase):
         forms = [
             values,
             want,
-            want.astype(np.uint64),
             ints.int64_to_pairs_np(want),
             jnp.asarray(ints.int64_to_pairs_np(want)),
             jnp.asarray(ints.int64_to_pairs_np(want)).astype(jnp.int32),
@@ -613,6 +724,70 @@ class Int64InputTest(absltest.TestCase):
         for form in forms:
             got = ints.pairs_to_int64_np(ints.as_int64_pairs(form, name="x", shape=(4,)))
             np.testing.assert_array_equal(got, want)
+        # uint64 whose values fit int64: exact.
+        big = np.array([0, 7, 2**32 + 1, 2**63 - 1], np.uint64)
+        got = ints.pairs_to_int64_np(ints.as_int64_pairs(big, name="x", shape=(4,)))
+        self.assertEqual(got.tolist(), [0, 7, 2**32 + 1, 2**63 - 1])
+
+    def test_uint64_past_int64_refused(self):
+        # -1 cast to uint64 is 2**64 - 1: an int64 tensor cannot hold it, and its bits would read as -1.
+        for bad, value in (
+            (np.array([-1, 5], np.int64).astype(np.uint64), 2**64 - 1),
+            (np.array([3, 2**63], np.uint64), 2**63),
+        ):
+            with self.assertRaisesRegex(
+                ValueError, rf"^kv-canary: x holds a value that does not fit int64: {value} \(uint64\)$"
+            ):
+                ints.as_int64_pairs(bad, name="x", shape=(2,))
+            with self.assertRaisesRegex(ValueError, rf"^kv-canary: x holds a value that does not fit int64: {value}"):
+                ints.int64_to_pairs_np(bad, name="x")
+        # At a launch: refused naming the argument, and nothing changes.
+        ctx = ctx_with()
+        pos = np.array([0, 2**63 + 4, 0, 0], np.uint64)
+        fn = lambda: canary_jax.write(ctx, wplan(), tok(), pos, tok(), backend="reference")  # noqa: E731
+        RefusalMixin.assertRefused(self, ctx, ValueError, r"^kv-canary: positions holds a value that does not fit", fn)
+
+    def test_uint64_jax_arrays_with_x64(self):
+        with jax.enable_x64(True):
+            ok = jnp.asarray(np.array([5, 2**63 - 1], np.uint64))
+            self.assertEqual(ints.pairs_to_int64_np(ints.as_int64_pairs(ok, name="x")).tolist(), [5, 2**63 - 1])
+            bad = jnp.asarray(np.array([5, 2**63], np.uint64))
+            with self.assertRaisesRegex(
+                ValueError, r"^kv-canary: x holds a value that does not fit int64: 9223372036854775808"
+            ):
+                ints.as_int64_pairs(bad, name="x")
+            # Traced, the values cannot be checked: the dtype is refused.
+            with self.assertRaisesRegex(TypeError, r"^kv-canary: x is a uint64 array inside a traced function"):
+                jax.jit(lambda a: ints.as_int64_pairs(a, name="x"))(ok)
+
+    def test_bools_refused(self):
+        forms = ([True, False], np.array([True, False]), jnp.asarray([True, False]))
+        for form in forms:
+            with self.assertRaisesRegex(
+                TypeError, r"^kv-canary: x must be an int64-valued integer array, got shape \[2\] dtype bool$"
+            ):
+                ints.as_int64_pairs(form, name="x", shape=(2,))
+        with self.assertRaisesRegex(TypeError, r"expected integer data"):
+            ints.int64_to_pairs_np([1, True])
+        # Object arrays go through the exact path: a float inside is refused, not truncated.
+        with self.assertRaisesRegex(TypeError, r"expected integer data"):
+            ints.int64_to_pairs_np(np.array([1, 2.5], dtype=object))
+        self.assertEqual(
+            ints.int64_to_pairs_np(np.array([2**62, -3], dtype=object)).tolist(), [[0, 2**30], [2**32 - 3, 2**32 - 1]]
+        )
+        ctx = ctx_with()
+        mask = np.array([True, False, True, True])
+        for arg in ("input_ids", "positions", "out_cache_loc"):
+            arrays = dict(input_ids=tok(), positions=tok(), out_cache_loc=tok())
+            arrays[arg] = mask
+            fn = lambda a=arrays: canary_jax.write(ctx, wplan(), **a, backend="reference")  # noqa: E731
+            RefusalMixin.assertRefused(
+                self,
+                ctx,
+                TypeError,
+                rf"^kv-canary: {arg} must be an int64-valued integer array, got shape \[4\] dtype bool$",
+                fn,
+            )
 
     def test_narrow_forms_sign_or_zero_extend(self):
         self.assertEqual(
@@ -653,7 +828,7 @@ class Int64InputTest(absltest.TestCase):
             ints.as_int32(jnp.zeros((1,), jnp.uint32), name="n")
         with self.assertRaisesRegex(TypeError, r"n must have dtype int32, got float64"):
             ints.as_int32(np.zeros((1,)), name="n")
-        with self.assertRaisesRegex(ValueError, r"n must have shape \(1,\), got \(2,\)"):
+        with self.assertRaisesRegex(ValueError, r"n must have shape \[1\], got \[2\]$"):
             ints.as_int32(np.zeros((2,), np.int32), name="n", shape=(1,))
 
     def test_pairs_round_trip(self):
@@ -689,6 +864,54 @@ class Int64InputTest(absltest.TestCase):
             ctx = canary_jax.write(ctx, wplan(), tok(), tok((0, 0, 0, 0)), tok((6, 0, 0, 0)), backend="reference")
             want = oracle.real_kv_hash([oracle.Source.of(want_bytes, 1, 16, 16)], oracle.ALL, 6)
             self.assertEqual(canary_jax.read_slot(ctx.canary_buf, 6).real_kv_hash, oracle.s64(want), tensor.dtype)
+
+
+class BackendPlatformTest(absltest.TestCase):
+    """The backend and the Pallas interpret mode follow where the canary buffer lives, not JAX's default backend
+    (a GPU host keeps CPU arrays too: compiling Pallas for the GPU on them fails). Simulated on a CPU by making
+    JAX's default backend report a GPU."""
+
+    def test_platform_of_arrays(self):
+        from canary_jax import backends
+
+        self.assertEqual(backends.array_platform(jnp.zeros(2)), "cpu")
+        self.assertIsNone(backends.array_platform(np.zeros(2)))
+        seen = []
+        jax.jit(lambda a: seen.append(backends.array_platform(a)) or a)(jnp.zeros(2))
+        self.assertEqual(seen, [None])  # a tracer's device is unknown
+        bound = backends.implementation("verify", "pallas", platform="cpu")
+        self.assertEqual(bound.keywords, {"interpret": True})
+        self.assertIs(bound, backends.implementation("verify", "pallas", platform="cpu"))  # one program cache key
+        self.assertEqual(backends.implementation("write", "pallas", platform="cuda").keywords, {"interpret": False})
+        self.assertEqual(backends.implementation("write", "pallas", platform="gpu").keywords, {"interpret": False})
+        self.assertIs(backends.implementation("verify", "reference", platform="gpu"), canary_jax.verify_reference)
+
+    def test_cpu_buffer_on_a_gpu_host(self):
+        from unittest import mock
+
+        from pallas_kernels.verify import verify_pallas
+
+        def run(launch, ctx):
+            ctx = canary_jax.write(
+                ctx, wplan(), tok((7, 8, 9, 9)), tok((0, 1, 2, 2)), tok((4, 0, 0, 0)), backend="reference"
+            )
+            plan = canary_jax.VerifyPlan.from_entries(slots=[4, 5], positions=[1, 0], prev_slots=[-1, -1])
+            return snapshot(launch(ctx, plan))
+
+        want = run(
+            lambda c, p: canary_jax.verify(c, p, backend="reference"), ctx_with(mode=constants.RealKvHashMode.NONE)
+        )
+        self.assertEqual(int(want[2][0]), 2)  # two violations: position and chain of slot 4, empty slot 5
+        with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+            self.assertEqual(canary_jax.resolve_backend(None), "pallas")  # the default backend's choice
+            for launch in (
+                lambda c, p: canary_jax.verify(c, p),  # auto: the CPU buffer picks the reference
+                lambda c, p: canary_jax.verify(c, p, backend="pallas"),  # Pallas, interpreted on the CPU
+                lambda c, p: verify_pallas(c, p),  # the wrapper called directly, on concrete CPU arrays
+            ):
+                got = run(launch, ctx_with(mode=constants.RealKvHashMode.NONE))
+                for a, b in zip(got, want):
+                    np.testing.assert_array_equal(a, b)
 
 
 class LaunchMechanicsTest(absltest.TestCase):
