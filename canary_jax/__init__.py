@@ -27,7 +27,7 @@ from canary_jax.layout import (
 )
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
 from canary_jax.reference import verify_reference, write_reference
-from canary_jax.sources import RealKvSource, SourceDescriptor, check_real_kv_sources
+from canary_jax.sources import RealKvSource, SlotChunks, SourceDescriptor, check_real_kv_sources
 
 __version__ = "0.1.0"
 
@@ -39,6 +39,7 @@ __all__ = [
     "FailReason",
     "RealKvHashMode",
     "RealKvSource",
+    "SlotChunks",
     "SlotRecord",
     "SourceDescriptor",
     "VerifyOrWriteContext",

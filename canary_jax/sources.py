@@ -1,10 +1,25 @@
 """Real-KV sources: which bytes of the live KV pool feed each slot's ``real_kv_hash`` (SPEC 2.5, 3).
 
-A :class:`RealKvSource` names a 2-D view of a KV pool buffer and how slots map onto it: slot ``idx`` owns
+A :class:`RealKvSource` names a view of a KV pool buffer and how slots map onto it: slot ``idx`` owns
 ``tensor_u8[idx // page_size, (idx % page_size) * num_bytes_per_token : + num_bytes_per_token]``, of which the
 first ``read_bytes`` (ALL) or 16 (PARTIAL) are hashed. Row bytes beyond ``page_size * num_bytes_per_token``
 are ignored. The validation order and messages are SGLang's (``verify.py``: ``RealKvSource.__post_init__``
 and ``_build_real_kv_source_abi``; ``verify_ref.py``: the row-too-narrow check).
+
+**Chunked sources (canary-jax's extension, not SGLang's contract).** With ``chunks=SlotChunks(...)`` a slot's
+hashed bytes are the concatenation, in order, of ``num_chunks`` chunks of ``chunk_bytes`` each; chunk ``c``
+starts ``offset_bytes + c * chunk_stride_bytes`` bytes after the slot's first byte (``row * row_bytes +
+(idx % page_size) * num_bytes_per_token`` in the tensor's flat bytes, rows being dim 0). The sequence is
+zero-padded to a multiple of 16 bytes; PARTIAL hashes its first 16 bytes, ALL its first ``read_bytes``. So a
+heads-major pool ``[heads, pages, page_size, dim]`` hashes exactly the bytes, in the same order, of the
+token-major ``[pages, page_size, heads, dim]`` pool holding the same values, and a fused K/V pool can hash its
+K heads or its V heads alone. A chunked source may be N-D (rows are dim 0), needs only 4-byte alignment, and
+with one chunk of ``num_bytes_per_token`` bytes at offset 0 (multiples of 16) it is exactly SGLang's dense
+source (same descriptor, same program). :mod:`canary_jax.adapters.layouts` builds them for real pool layouts.
+
+Element sizes come from the dtype's bit width, so packed sub-byte dtypes (``int4``, ``float4_e2m1fn``) are
+hashed as their packed bytes (XLA's layout: element ``2i`` in the low nibble of byte ``i``); ml_dtypes reports
+one byte per such element, which used to give twice the real row width.
 
 JAX arrays are always dense and row-major, so the row stride of a source is its uint8 row width; numpy
 sources are checked by their real ``strides[0]``. Launches see sources as a *static descriptor array* of at
@@ -14,6 +29,7 @@ most 4 :class:`SourceDescriptor` (hashable; baked into the traced program) plus 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -24,51 +40,172 @@ import numpy as np
 from canary_jax import constants, hashing, pairs, validation
 
 
+# --- element sizes and facts ----------------------------------------------------------------------------------
+def element_bits(dtype: Any) -> int:
+    """Bits per element of ``dtype``: 4 for ``int4`` / ``float4_e2m1fn``, 8 for bool, ``8 * itemsize`` else."""
+    dt = np.dtype(dtype)
+    if dt.kind in "iuf":
+        return 8 * dt.itemsize
+    for info in (jnp.iinfo, jnp.finfo):
+        try:
+            return int(info(dt).bits)
+        except (TypeError, ValueError):
+            continue
+    return 8 * dt.itemsize
+
+
+def source_facts(tensor: Any) -> validation.ArrayFacts:
+    """:func:`canary_jax.validation.array_facts` of a source tensor, in bytes.
+
+    A packed sub-byte tensor (``int4``, ``float4_e2m1fn``, ...) is described as the uint8 array of its packed
+    bytes (last dim ``shape[-1] * bits / 8``), so the row width is its real byte width.
+
+    Raises:
+      TypeError: ``tensor`` is not an array (no ``shape`` / ``dtype``).
+      ValueError: a sub-byte tensor's last dim does not fill whole bytes.
+    """
+    if not (hasattr(tensor, "shape") and hasattr(tensor, "dtype")):
+        raise TypeError(
+            f"kv-canary: RealKvSource.tensor must be an array (a JAX or numpy array of the KV pool), "
+            f"got {type(tensor).__name__}"
+        )
+    bits = element_bits(tensor.dtype)
+    if bits >= 8:
+        return validation.array_facts(tensor)
+    shape = tuple(int(d) for d in tensor.shape)
+    if not shape or (shape[-1] * bits) % 8:
+        raise ValueError(
+            f"kv-canary: RealKvSource.tensor of {bits}-bit dtype {np.dtype(tensor.dtype)} must hold whole bytes "
+            f"along its last dim (a multiple of {8 // bits} elements), got shape {shape}"
+        )
+    packed = shape[:-1] + (shape[-1] * bits // 8,)
+    contiguous = bool(tensor.flags.c_contiguous) if isinstance(tensor, np.ndarray) else True
+    name = f"{np.dtype(tensor.dtype)} (packed, {8 // bits} per byte)"
+    return validation.ArrayFacts(packed, name, 1, validation.dense_strides_bytes(packed, 1), contiguous)
+
+
+# --- the source -------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SlotChunks:
+    """How a slot's hashed bytes are laid out in a chunked source (canary-jax's extension; see the module doc).
+
+    A slot's byte sequence is ``num_chunks`` chunks of ``chunk_bytes``, chunk ``c`` starting
+    ``offset_bytes + c * chunk_stride_bytes`` bytes after the slot's first byte in the tensor's flat bytes,
+    zero-padded to a multiple of 16. Sizes are multiples of 4 (``chunk_bytes`` >= 4, ``num_chunks`` >= 1;
+    strides and offsets >= 0). No chunk of any slot may cross the end of its row (dim 0).
+
+    Fields:
+      chunk_bytes: bytes per chunk.
+      num_chunks: chunks per slot.
+      chunk_stride_bytes: bytes between the starts of consecutive chunks (e.g. one head's plane, or two heads).
+      offset_bytes: bytes from the slot's first byte to chunk 0 (e.g. a V half, or a layer of a stacked pool).
+      slot_rows: rows holding slots, or None for every row whose chunks lie inside the tensor. Slots past
+        ``slot_rows * page_size`` read as zero bytes (e.g. one layer of a stacked pool whose rows are layers).
+    """
+
+    chunk_bytes: int
+    num_chunks: int = 1
+    chunk_stride_bytes: int = 0
+    offset_bytes: int = 0
+    slot_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("chunk_bytes", "num_chunks", "chunk_stride_bytes", "offset_bytes", "slot_rows"):
+            value = getattr(self, field)
+            if value is None and field == "slot_rows":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"kv-canary: SlotChunks.{field} must be an int, got {value!r}")
+            object.__setattr__(self, field, int(value))
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of a slot's sequence before padding: ``num_chunks * chunk_bytes``."""
+        return self.num_chunks * self.chunk_bytes
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RealKvSource:
     """One piece of real KV folded into the fingerprint.
 
     Fields:
-      tensor: the KV buffer, any dtype: rows (dim 0) are pages of ``page_size`` slots. Construction accepts
-        any rank >= 2 (as SGLang does); a launch needs it exactly 2-D (``[num_pages, row_elems]``, SGLang's
-        "viewed as uint8 must be 2-D"), so reshape a ``[pages, page_size, heads, dim]`` pool first. A JAX array
-        (inside your own ``jit`` always a JAX array), or a numpy array for host-side tests.
-        PARTIAL mode hashes the first 16 bytes of each slot whatever ``read_bytes`` says.
+      tensor: the KV buffer, any dtype (packed sub-byte dtypes count their packed bytes): rows (dim 0) are pages
+        of ``page_size`` slots. A JAX array (inside your own ``jit`` always a JAX array), or a numpy array for
+        host-side tests. Without ``chunks`` (SGLang's source) construction accepts any rank >= 2, as SGLang
+        does, but a launch needs it exactly 2-D (``[num_pages, row_elems]``, SGLang's "viewed as uint8 must be
+        2-D"); with ``chunks`` it may be N-D and is viewed as ``uint8[shape[0], row_bytes]`` inside the launch
+        (no copy). PARTIAL mode hashes the first 16 bytes of each slot whatever ``read_bytes`` says.
       page_size: slots per row of dim 0, ``>= 1``.
-      num_bytes_per_token: bytes each slot owns in its row, a positive multiple of 16.
-      read_bytes: leading bytes of each slot hashed in ALL mode, a positive multiple of 16,
-        ``<= num_bytes_per_token``.
+      num_bytes_per_token: bytes between consecutive slots of a row; without ``chunks`` also the bytes each slot
+        owns, a positive multiple of 16 (with ``chunks``: a positive multiple of 4).
+      read_bytes: leading bytes of each slot's sequence hashed in ALL mode, a positive multiple of 16,
+        ``<= num_bytes_per_token`` (with ``chunks``: ``<=`` the sequence rounded up to 16 bytes).
+      chunks: None for SGLang's dense slot, or a :class:`SlotChunks` (canary-jax's extension).
 
-    Raises (``__post_init__``, SGLang's order and messages, all ``ValueError``):
+    Raises (``__post_init__``, SGLang's order and messages, all ``ValueError``, for a source without chunks):
       page_size < 1; bad num_bytes_per_token; bad read_bytes; tensor below 2-D; row stride not a multiple of 16.
+      With ``chunks``: :func:`canary_jax.validation.check_source_chunks`. First, ``TypeError`` for a field of
+      the wrong kind (``tensor`` that is not an array, ``chunks`` that is not a SlotChunks, a non-int size) and
+      ``ValueError`` for a sub-byte tensor whose last dim does not fill whole bytes.
     """
 
     tensor: Any
     page_size: int
     num_bytes_per_token: int
     read_bytes: int
+    chunks: SlotChunks | None = None
 
     def __post_init__(self) -> None:
         for field in ("page_size", "num_bytes_per_token", "read_bytes"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"kv-canary: RealKvSource.{field} must be an int, got {value!r}")
-        validation.check_source_fields(
-            page_size=self.page_size,
-            num_bytes_per_token=self.num_bytes_per_token,
-            read_bytes=self.read_bytes,
-            tensor=validation.array_facts(self.tensor),
+        if self.chunks is not None and not isinstance(self.chunks, SlotChunks):
+            raise TypeError(f"kv-canary: RealKvSource.chunks must be a SlotChunks or None, got {self.chunks!r}")
+        facts = source_facts(self.tensor)
+        if self.chunks is None:
+            validation.check_source_fields(
+                page_size=self.page_size,
+                num_bytes_per_token=self.num_bytes_per_token,
+                read_bytes=self.read_bytes,
+                tensor=facts,
+            )
+            return
+        if len(facts.shape) < 2:
+            raise ValueError(f"kv-canary: RealKvSource.tensor must be at least 2-D, got shape {facts.shape}")
+        num_rows, row_bytes = _rows_of(facts)
+        validation.check_source_chunks(
+            "RealKvSource",
+            page_size=int(self.page_size),
+            num_bytes_per_token=int(self.num_bytes_per_token),
+            read_bytes=int(self.read_bytes),
+            chunk_bytes=self.chunks.chunk_bytes,
+            num_chunks=self.chunks.num_chunks,
+            chunk_stride_bytes=self.chunks.chunk_stride_bytes,
+            offset_bytes=self.chunks.offset_bytes,
+            slot_rows=self.chunks.slot_rows,
+            num_rows=num_rows,
+            row_bytes=row_bytes,
+            row_stride_bytes=facts.strides_bytes[0],
         )
 
 
-jax.tree_util.register_pytree_node(
-    RealKvSource,
-    lambda s: ((s.tensor,), (s.page_size, s.num_bytes_per_token, s.read_bytes)),
-    lambda aux, ch: prechecked_source(ch[0], page_size=aux[0], num_bytes_per_token=aux[1], read_bytes=aux[2]),
-)
+def _source_flatten(s: RealKvSource):
+    return (s.tensor,), (s.page_size, s.num_bytes_per_token, s.read_bytes, s.chunks)
 
 
-def prechecked_source(tensor: Any, *, page_size: int, num_bytes_per_token: int, read_bytes: int) -> RealKvSource:
+def _source_unflatten(aux, children) -> RealKvSource:
+    return prechecked_source(
+        children[0], page_size=aux[0], num_bytes_per_token=aux[1], read_bytes=aux[2], chunks=aux[3]
+    )
+
+
+jax.tree_util.register_pytree_node(RealKvSource, _source_flatten, _source_unflatten)
+
+
+def prechecked_source(
+    tensor: Any, *, page_size: int, num_bytes_per_token: int, read_bytes: int, chunks: SlotChunks | None = None
+) -> RealKvSource:
     """A :class:`RealKvSource` built without running its checks again.
 
     For fields that were already validated (a source's own fields, pytree unflattening inside
@@ -80,12 +217,24 @@ def prechecked_source(tensor: Any, *, page_size: int, num_bytes_per_token: int, 
     object.__setattr__(obj, "page_size", page_size)
     object.__setattr__(obj, "num_bytes_per_token", num_bytes_per_token)
     object.__setattr__(obj, "read_bytes", read_bytes)
+    object.__setattr__(obj, "chunks", chunks)
     return obj
 
 
+def _rows_of(facts: validation.ArrayFacts) -> tuple[int, int]:
+    """``(num_rows, row_bytes)`` of a source viewed as ``uint8[shape[0], rest]``."""
+    return facts.shape[0], math.prod(facts.shape[1:]) * facts.itemsize
+
+
+# --- descriptors ------------------------------------------------------------------------------------------------
 class SourceDescriptor(NamedTuple):
     """Static description of one source for a launch (one row of SGLang's ``int32[4, 3]`` params table,
-    plus the derived sizes a kernel needs)."""
+    plus the derived sizes a kernel needs, plus the chunk geometry of a chunked source).
+
+    A dense (SGLang) source has ``chunk_bytes == 0`` and every chunk field at its default; a chunked source
+    stores its :class:`SlotChunks` strides and offset split into whole rows and the bytes within a row (the
+    split is exact because no chunk crosses a row).
+    """
 
     page_size: int
     num_bytes_per_token: int
@@ -93,6 +242,90 @@ class SourceDescriptor(NamedTuple):
     effective_read_bytes: int  # 16 in PARTIAL, read_bytes in ALL
     row_bytes: int  # uint8 width of one row (== row stride for dense arrays)
     num_rows: int
+    chunk_bytes: int = 0  # 0: SGLang's dense slot (the slot's first effective_read_bytes bytes)
+    num_chunks: int = 1
+    chunk_stride_rows: int = 0
+    chunk_stride_cols: int = 0  # bytes
+    offset_rows: int = 0
+    offset_cols: int = 0  # bytes
+    row_limit: int = 0  # SlotChunks.slot_rows, 0 = none
+
+    @property
+    def dense(self) -> bool:
+        """SGLang's slot layout: the hashed bytes are the leading bytes of the slot's own run."""
+        return self.chunk_bytes == 0
+
+    @property
+    def slot_rows(self) -> int:
+        """Rows holding slots whose chunks all lie inside the source: slots ``< slot_rows * page_size`` hash,
+        the others read as zero bytes."""
+        fit = self.num_rows - self.offset_rows - (self.num_chunks - 1) * self.chunk_stride_rows
+        return min(fit, self.row_limit) if self.row_limit else fit
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of a slot's sequence before padding (``num_bytes_per_token`` for a dense source)."""
+        return self.num_bytes_per_token if self.dense else self.num_chunks * self.chunk_bytes
+
+    def word_address(self, k: int) -> tuple[int, int, bool]:
+        """``(row_delta, col_word_delta, in_sequence)`` of word ``k`` (static) of a slot's sequence, relative to
+        the slot's ``(row, first word)``; words past the sequence are padding (zero)."""
+        if self.dense:
+            return 0, k, True
+        cw = self.chunk_bytes // 4
+        c, w = divmod(k, cw)
+        if c >= self.num_chunks:
+            return 0, 0, False
+        return (
+            self.offset_rows + c * self.chunk_stride_rows,
+            (self.offset_cols + c * self.chunk_stride_cols) // 4 + w,
+            True,
+        )
+
+
+def _descriptor(s: RealKvSource, mode: constants.RealKvHashMode) -> SourceDescriptor:
+    facts = source_facts(s.tensor)
+    num_rows, row_bytes = _rows_of(facts)
+    eff = constants.PARTIAL_READ_BYTES if mode == constants.RealKvHashMode.PARTIAL else int(s.read_bytes)
+    base = SourceDescriptor(
+        page_size=int(s.page_size),
+        num_bytes_per_token=int(s.num_bytes_per_token),
+        read_bytes=int(s.read_bytes),
+        effective_read_bytes=int(eff),
+        row_bytes=row_bytes,
+        num_rows=num_rows,
+    )
+    ch = s.chunks
+    if ch is None:
+        return base
+    if _is_dense_equivalent(s, row_bytes):
+        return base._replace(row_limit=ch.slot_rows or 0)
+    off_rows, off_cols = divmod(ch.offset_bytes, row_bytes)
+    stride_rows, stride_cols = divmod(ch.chunk_stride_bytes, row_bytes) if ch.num_chunks > 1 else (0, 0)
+    return base._replace(
+        chunk_bytes=ch.chunk_bytes,
+        num_chunks=ch.num_chunks,
+        chunk_stride_rows=stride_rows,
+        chunk_stride_cols=stride_cols,
+        offset_rows=off_rows,
+        offset_cols=off_cols,
+        row_limit=ch.slot_rows or 0,
+    )
+
+
+def _is_dense_equivalent(s: RealKvSource, row_bytes: int) -> bool:
+    """A chunked source whose sequence is the leading bytes of each slot's SGLang run (one chunk at offset 0,
+    SGLang's 16-byte alignment): it gets SGLang's dense descriptor, hence the very same program."""
+    ch = s.chunks
+    nbpt = int(s.num_bytes_per_token)
+    return (
+        ch.num_chunks == 1
+        and ch.offset_bytes == 0
+        and ch.chunk_bytes % 16 == 0
+        and ch.chunk_bytes <= nbpt
+        and nbpt % 16 == 0
+        and row_bytes % 16 == 0
+    )
 
 
 def check_real_kv_sources(
@@ -101,18 +334,18 @@ def check_real_kv_sources(
     """Launch-time checks of the sources (SGLang ``_build_real_kv_source_abi``), then their descriptors.
 
     The checks are :mod:`canary_jax.validation`'s, on each tensor's facts: the count (first, every mode),
-    each source's kind, contiguity and 2-D uint8 view (every mode), and, when the launch hashes, each row's
-    width and, given ``num_slots`` (the canary buffer's slots), that it covers every slot. A launch runs
-    this once, before tracing (:func:`canary_jax.plans.check_context` passes ``num_slots``); backends read
-    :func:`source_descriptors`.
+    each source's kind, contiguity and 2-D uint8 view (every mode; a chunked source may be N-D), and, when the
+    launch hashes, each row's width and, given ``num_slots`` (the canary buffer's slots), that it covers every
+    slot. A launch runs this once, before tracing (:func:`canary_jax.plans.check_context` passes
+    ``num_slots``); backends read :func:`source_descriptors`.
 
     Returns:
       ``source_descriptors(sources, mode)``: empty when ``mode`` is NONE or there are no sources.
 
     Raises:
       ValueError: more than 4 sources, a source that is not contiguous or not 2-D viewed as uint8, or (PARTIAL
-        / ALL) a row narrower than ``page_size * num_bytes_per_token`` or a source whose
-        ``num_rows * page_size`` is below ``num_slots``.
+        / ALL) a row narrower than ``page_size * num_bytes_per_token`` or a source whose slots
+        (``slot_rows * page_size``) are fewer than ``num_slots``.
       TypeError: an entry that is not a RealKvSource.
     """
     sources = tuple(sources)
@@ -122,13 +355,20 @@ def check_real_kv_sources(
             raise TypeError(f"kv-canary: real_kv_sources[{i}] must be a RealKvSource, got {type(s).__name__}")
     hashing_on = validation.check_hash_mode(mode) != constants.RealKvHashMode.NONE
     for i, s in enumerate(sources):
-        num_rows, row_bytes = validation.check_source_layout(i, validation.array_facts(s.tensor))
+        facts = source_facts(s.tensor)
+        if s.chunks is None:
+            num_rows, row_bytes = validation.check_source_layout(i, facts)
+        else:
+            validation.check_contiguous(facts, f"real_kv_sources[{i}].tensor")
+            num_rows, row_bytes = _rows_of(facts)
         if hashing_on:
-            validation.check_source_row_width(
-                row_bytes, page_size=s.page_size, num_bytes_per_token=s.num_bytes_per_token
-            )
+            if s.chunks is None:
+                validation.check_source_row_width(
+                    row_bytes, page_size=s.page_size, num_bytes_per_token=s.num_bytes_per_token
+                )
             if num_slots is not None:
-                validation.check_source_coverage(i, num_rows=num_rows, page_size=s.page_size, num_slots=num_slots)
+                d = _descriptor(s, constants.RealKvHashMode.ALL)
+                validation.check_source_coverage(i, num_rows=d.slot_rows, page_size=s.page_size, num_slots=num_slots)
     return source_descriptors(sources, mode)
 
 
@@ -143,58 +383,47 @@ def source_descriptors(
     mode = constants.RealKvHashMode(int(mode))
     if mode == constants.RealKvHashMode.NONE or not sources:
         return ()
-    descs = []
-    for s in sources:
-        shape = tuple(int(d) for d in s.tensor.shape)
-        eff = constants.PARTIAL_READ_BYTES if mode == constants.RealKvHashMode.PARTIAL else s.read_bytes
-        descs.append(
-            SourceDescriptor(
-                page_size=int(s.page_size),
-                num_bytes_per_token=int(s.num_bytes_per_token),
-                read_bytes=int(s.read_bytes),
-                effective_read_bytes=int(eff),
-                row_bytes=shape[1] * np.dtype(s.tensor.dtype).itemsize,
-                num_rows=shape[0],
-            )
-        )
-    return tuple(descs)
+    return tuple(_descriptor(s, mode) for s in sources)
 
 
 def device_sources(sources: Sequence[RealKvSource]) -> tuple[RealKvSource, ...]:
     """Sources ready to cross ``jit`` without losing a byte.
 
     numpy tensors become JAX ``uint8`` views of the same bytes: with ``jax_enable_x64`` off, ``jit`` would
-    otherwise narrow 8-byte numpy dtypes (int64, float64) to 4 bytes. JAX arrays pass unchanged. Call after
-    :func:`check_real_kv_sources` (which checks 2-D and contiguity).
+    otherwise narrow 8-byte numpy dtypes (int64, float64) to 4 bytes. numpy sub-byte tensors (one element per
+    byte in numpy) become packed JAX arrays of their dtype. JAX arrays pass unchanged. Call after
+    :func:`check_real_kv_sources` (which checks the layout and contiguity).
     """
     out = []
     for s in sources:
         if isinstance(s.tensor, np.ndarray):
-            u8 = np.ascontiguousarray(s.tensor).view(np.uint8)
+            t = np.ascontiguousarray(s.tensor)
+            dev = jax.device_put(t) if element_bits(t.dtype) < 8 else jax.device_put(t.view(np.uint8))
             s = prechecked_source(
-                jax.device_put(u8),
+                dev,
                 page_size=s.page_size,
                 num_bytes_per_token=s.num_bytes_per_token,
                 read_bytes=s.read_bytes,
+                chunks=s.chunks,
             )
         out.append(s)
     return tuple(out)
 
 
 def source_words(tensor: jax.Array) -> jax.Array:
-    """A 2-D source of any dtype as ``uint32[rows, row_bytes // 4]`` (bitcast; row_bytes % 16 == 0)."""
+    """A source of any dtype and rank >= 2 as ``uint32[shape[0], row_bytes // 4]`` (a reshape and a bitcast,
+    no copy inside ``jit``; ``row_bytes % 4 == 0``). Packed sub-byte dtypes bitcast ``32 / bits`` elements
+    per word (XLA's packing: element ``k`` of a word in bits ``k * bits ..``)."""
     tensor = jnp.asarray(tensor)
     if tensor.dtype == jnp.bool_:  # bitcast refuses bool; a bool element is one byte holding 0 or 1
         tensor = tensor.astype(jnp.uint8)
     rows = tensor.shape[0]
-    itemsize = np.dtype(tensor.dtype).itemsize
-    if itemsize == 4:
+    bits = element_bits(tensor.dtype)
+    if bits == 32:
         return jax.lax.bitcast_convert_type(tensor, jnp.uint32).reshape(rows, -1)
-    if itemsize < 4:
-        per = 4 // itemsize
-        t = tensor.reshape(rows, -1, per)
-        return jax.lax.bitcast_convert_type(t, jnp.uint32)
-    # itemsize 8 (x64 on): each element becomes two words
+    if bits < 32:
+        return jax.lax.bitcast_convert_type(tensor.reshape(rows, -1, 32 // bits), jnp.uint32)
+    # 64 bits (x64 on): each element becomes two words
     return jax.lax.bitcast_convert_type(tensor, jnp.uint32).reshape(rows, -1)
 
 
@@ -203,7 +432,9 @@ def real_kv_hash_reference(
 ) -> pairs.U64:
     """Combined real-KV fingerprint of ``slots`` (int32, any shape), pure jnp (SPEC 2.5).
 
-    Slots whose row lies outside a source read as zero bytes there (canary-jax never reads outside a
+    Per source: the first ``effective_read_bytes`` bytes of each slot's sequence (dense: the slot's own run;
+    chunked: its chunks in order, zero-padded), folded as little-endian 8-byte words. Slots whose rows lie
+    outside a source (``row >= slot_rows``) read as zero bytes there (canary-jax never reads outside a
     buffer); negative slots likewise. With no descriptors the result is 0.
 
     Returns:
@@ -214,13 +445,18 @@ def real_kv_hash_reference(
     per_source = []
     for tensor, d in zip(tensors, descs):
         words = source_words(tensor)  # u32[rows, row_bytes/4]
+        nw = d.effective_read_bytes // 4
+        addr = [d.word_address(k) for k in range(nw)]
+        row_off = np.asarray([a[0] for a in addr], np.int32)
+        col_off = np.asarray([a[1] for a in addr], np.int32)
+        in_seq = np.asarray([a[2] for a in addr], bool)
         row = slots // d.page_size
         col0 = (slots % d.page_size) * (d.num_bytes_per_token // 4)
-        nw = d.effective_read_bytes // 4
-        ok = (slots >= 0) & (row < d.num_rows)
-        row_c = jnp.where(ok, row, 0)
-        cols = col0[..., None] + jnp.arange(nw, dtype=jnp.int32)
-        gathered = words[row_c[..., None], jnp.where(ok[..., None], cols, 0)]
-        gathered = jnp.where(ok[..., None], gathered, jnp.uint32(0))
+        ok = (slots >= 0) & (row < d.slot_rows)
+        rows = jnp.where(ok, row, 0)[..., None] + row_off
+        cols = jnp.where(ok, col0, 0)[..., None] + col_off
+        take = ok[..., None] & in_seq
+        gathered = words[jnp.where(take, rows, 0), jnp.where(take, cols, 0)]
+        gathered = jnp.where(take, gathered, jnp.uint32(0))
         per_source.append(hashing.fold_words(gathered, nw // 2))
     return hashing.combine_sources(per_source)

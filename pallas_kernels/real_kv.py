@@ -6,6 +6,12 @@ the next iteration's loads in flight; ``source_gather`` (see :class:`~pallas_ker
 picks how the bytes are loaded: 2-D row tiles (``tile``, ``tile_contiguous``) or per-lane pieces of 4, 8 or 16
 bytes (``word``, ``pair``, ``quad``). ``pallas_kernels/README.md`` explains the choice;
 ``benchmarks/results/2026-11-30_h200_pallas.md`` has the figures.
+
+Chunked sources (``canary_jax.sources.SlotChunks``, canary-jax's extension): word ``k`` of a slot's sequence
+lives in chunk ``c = k // chunk_words`` at ``(row + offset_rows + c * stride_rows, first word + (offset_cols +
+c * stride_cols) / 4 + k % chunk_words)``; words past ``num_chunks`` chunks are zero padding. A dense (SGLang)
+descriptor takes exactly the code it always took; a chunked one computes each word's address with int32
+division by the static ``chunk_words`` and loads it with the same masked gathers (explicit ``other``).
 """
 
 from __future__ import annotations
@@ -60,19 +66,45 @@ def real_kv_hash(
         else:
             row = jax.lax.div(slot, jnp.asarray(d.page_size, I32))
             col0 = jax.lax.rem(slot, jnp.asarray(d.page_size, I32)) * (d.num_bytes_per_token // 4)
-        geo.append((ref, row, col0, mask & (row < d.num_rows), d.effective_read_bytes // 16))
+        geo.append((ref, row, col0, mask & (row < d.slot_rows), d.effective_read_bytes // 16))
     if mode in ("tile", "tile_contiguous"):
-        return _hash_tiles(geo, shape, hasher, unroll, tile_words, mode == "tile_contiguous")
+        return _hash_tiles(geo, descs, shape, hasher, unroll, tile_words, mode == "tile_contiguous")
 
-    def load_chunk(si, c):  # 16-byte chunk c of source si: 4 words
+    def load_chunk(si, c):  # 16-byte piece c of source si: 4 words
         ref, row, col0, ok, n = geo[si]
-        return tuple(refs.load_words(ref, row, col0 + 4 * c, 4, ok & (c < n), mode))
+        d = descs[si]
+        if d.dense:
+            return tuple(refs.load_words(ref, row, col0 + 4 * c, 4, ok & (c < n), mode))
+        if (d.chunk_bytes // 4) % 4 == 0:  # the piece lies inside one chunk: one 4-word run
+            dr, dc, in_seq = word_address(d, 4 * c)
+            return tuple(refs.load_words(ref, row + dr, col0 + dc, 4, ok & (c < n) & in_seq, mode))
+        out = []
+        for u in range(4):  # pieces may straddle chunks: word by word
+            dr, dc, in_seq = word_address(d, 4 * c + u)
+            out.append(refs.load_word(ref, row + dr, col0 + dc, ok & (c < n) & in_seq))
+        return tuple(out)
 
     def fold_chunk(h, si, w, c, full):
         folded = hasher.fold_step(hasher.fold_step(h, U64(w[0], w[1])), U64(w[2], w[3]))
         return folded if full else pairs.where(c < geo[si][4], folded, h)
 
     return _pipelined_fold(shape, [g[4] for g in geo], load_chunk, fold_chunk, hasher, unroll)
+
+
+def word_address(d, k):
+    """``(row_delta, col_word_delta, in_sequence)`` of word ``k`` of a chunked source's slot sequence
+    (``k``: static int, int32 scalar or int32 vector); see the module docstring. Static ``k`` gives Python
+    ints (``canary_jax.sources.SourceDescriptor.word_address``)."""
+    if isinstance(k, int):
+        return d.word_address(k)
+    k = jnp.asarray(k).astype(I32)  # a loop index is int64 with x64 on
+    cw = d.chunk_bytes // 4
+    c = jax.lax.div(k, jnp.asarray(cw, I32)) if cw > 1 else k
+    w = k - c * cw
+    in_seq = c < d.num_chunks
+    row_delta = d.offset_rows + c * d.chunk_stride_rows
+    col_delta = d.offset_cols // 4 + c * (d.chunk_stride_cols // 4) + w
+    return jnp.where(in_seq, row_delta, 0), jnp.where(in_seq, col_delta, 0), in_seq
 
 
 def _pipelined_fold(shape, pieces, load_piece, fold_piece, hasher: PairHash, unroll: int) -> U64:
@@ -119,7 +151,7 @@ def _pipelined_fold(shape, pieces, load_piece, fold_piece, hasher: PairHash, unr
     return acc
 
 
-def _hash_tiles(geo, shape, hasher: PairHash, unroll: int, tile_words: int, contiguous: bool = False) -> U64:
+def _hash_tiles(geo, descs, shape, hasher: PairHash, unroll: int, tile_words: int, contiguous: bool = False) -> U64:
     """Real-KV fingerprint from 2-D tile loads: ``[B, tile]`` words of every entry's row per load, then the
     fold walks the columns in order. A source's tile is ``tile_words`` wide, or narrower when it hashes fewer
     words (PARTIAL: 4). On Triton (offline PTX, sm_90) each thread holds its own row and loads it 4 bytes at a
@@ -130,17 +162,24 @@ def _hash_tiles(geo, shape, hasher: PairHash, unroll: int, tile_words: int, cont
 
     ``contiguous``: leave the column indices unmasked so Triton can prove them contiguous. Offline (triton
     3.6, sm_90) that turns the 4-byte loads into 16-byte loads plus a shared-memory layout hand-over
-    (``source_gather="tile_contiguous"``)."""
+    (``source_gather="tile_contiguous"``; dense sources only: a chunked source's words are addressed one by
+    one, see :func:`word_address`)."""
     srcs = []
-    for ref, row, col0, ok, n in geo:
+    for (ref, row, col0, ok, n), d in zip(geo, descs, strict=True):
         n_words = 4 * n  # words to hash
         tw = min(tile_words, 1 << (n_words - 1).bit_length())
-        srcs.append((ref, row, col0, ok, n_words, tw, -(-n_words // tw)))
+        srcs.append((ref, row, col0, ok, n_words, tw, -(-n_words // tw), d))
 
     def load_tile(src, t):
-        ref, row, col0, ok, n_words, tw, _ = src
+        ref, row, col0, ok, n_words, tw, _, d = src
         c = t * tw + refs.iota(tw)
         m = ok[:, None] & (c < n_words)[None, :]
+        if not d.dense:  # per-word chunk addresses; padding words past the chunks load nothing (other 0)
+            dr, dc, in_seq = word_address(d, c)
+            m = m & in_seq[None, :]
+            rows = jnp.where(m, row[:, None] + dr[None, :], 0)
+            cols = jnp.where(m, col0[:, None] + dc[None, :], 0)
+            return pltriton.load(ref.at[rows, cols], mask=m, other=0)
         if contiguous:  # indices Triton can prove contiguous along a row: 16-byte loads, then a shared-memory
             rows = jnp.where(ok, row, 0)[:, None]  # hand-over (masked lanes load nothing on Triton and clamp
             cols = col0[:, None] + c[None, :]  # in interpret mode)
@@ -150,7 +189,7 @@ def _hash_tiles(geo, shape, hasher: PairHash, unroll: int, tile_words: int, cont
         return pltriton.load(ref.at[rows, cols], mask=m, other=0)
 
     def fold(h, si, x, t, full):
-        _, _, _, _, n_words, tw, n_tiles = srcs[si]
+        _, _, _, _, n_words, tw, n_tiles, _ = srcs[si]
         exact = full and n_words == n_tiles * tw  # else the last tile is partly past the hashed words
         cols = refs.columns(x)
         for c in range(0, tw, 2):
