@@ -38,23 +38,42 @@ Decisions where SGLang's reference and kernels differ or are undefined (SPEC 13 
   ``allocate()`` plans when not given): entries past ``num_valid`` (all of them on overflow) and seeds past
   ``bs``. ``write_offsets`` past ``bs`` are zero, as in SGLang.
 
+Slot tables (:class:`SlotTable`) generalise the gather from ``req_to_token`` to the layouts JAX serving stacks
+keep: SGLang's dense ``req_to_token`` (:class:`ReqToTokenTable`, the default), vLLM-style block tables computing
+``block_table[r, p // block_size] * block_size + p % block_size`` in the gather (:class:`BlockTable`), and
+sglang-jax's ragged ``cache_loc`` (:class:`RaggedSlotTable`); :class:`GroupSlotTables` gives an SWA group its
+own table. Every table is read only at the planned entries (work proportional to the entries, no dense table
+is built), and a table that agrees with SGLang's ``req_to_token`` on the positions read gives byte-identical
+plans. ``canary_jax.adapters.batches`` builds them from each stack's batch.
+
 ``scatter_req_token_ids`` fills the expected-token pool (SPEC 7.4; SGLang ``scatter_req_token_ids.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants, ints, pairs
+from canary_jax import constants, ints, pairs, validation
 from canary_jax.plans import VerifyPlan, WritePlan
 
 _INT32_MAX = 2**31 - 1
 
-__all__ = ["build_plans", "scatter_req_token_ids", "swa_translate"]
+__all__ = [
+    "BlockTable",
+    "ExpectedTokenTable",
+    "GroupSlotTables",
+    "RaggedSlotTable",
+    "ReqToTokenTable",
+    "SlotTable",
+    "build_plans",
+    "scatter_req_token_ids",
+    "swa_translate",
+]
 
 
 def _saturating_cumsum(x: jax.Array, bound: int) -> jax.Array:
@@ -97,6 +116,359 @@ def swa_translate(slots: jax.Array, lut: jax.Array | None) -> jax.Array:
     return jnp.where(neg[..., None], slots, lut[idx])
 
 
+# --- slot tables: where (request row, position) lives ------------------------------------------------------
+def _register_table(cls, data_fields: tuple[str, ...], meta_fields: tuple[str, ...] = ()):
+    """Registers ``cls`` as a pytree whose unflatten skips ``__post_init__`` (safe on tracers)."""
+
+    def flatten(t):
+        return tuple(getattr(t, n) for n in data_fields), tuple(getattr(t, n) for n in meta_fields)
+
+    def unflatten(meta, children):
+        obj = object.__new__(cls)
+        for n, v in zip(data_fields, children):
+            object.__setattr__(obj, n, v)
+        for n, v in zip(meta_fields, meta):
+            object.__setattr__(obj, n, v)
+        return obj
+
+    jax.tree_util.register_pytree_node(cls, flatten, unflatten)
+    return cls
+
+
+def _dtype_of(x: Any) -> np.dtype:
+    dt = getattr(x, "dtype", None)  # tracers have one; never convert them
+    return np.dtype(np.asarray(x).dtype if dt is None else dt)
+
+
+def _check_table_array(x: Any, name: str, ndim: int, what: str) -> None:
+    """Static check (works on tracers): ``x`` is an int32 array of rank ``ndim``."""
+    shape = tuple(np.shape(x))
+    if len(shape) != ndim:
+        raise ValueError(f"kv-canary: {name} must be {what}, got shape {shape}")
+    dt = _dtype_of(x)
+    if dt != np.dtype(np.int32):
+        raise TypeError(f"kv-canary: {name} must be {what} of dtype int32, got dtype {dt}")
+
+
+def _check_pairs(x: Any, name: str, what: str) -> None:
+    """Static check (works on tracers): ``x`` is an int64-valued ``uint32[n, 2]`` pairs array."""
+    shape = tuple(np.shape(x))
+    dt = _dtype_of(x)
+    if len(shape) != 2 or shape[1] != 2 or dt != np.dtype(np.uint32):
+        raise TypeError(f"kv-canary: {name} must be {what} as uint32[n, 2] pairs, got shape {shape} dtype {dt}")
+
+
+def _row_gather(values: jax.Array, batch_row: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(values[batch_row], batch_row < len(values))`` for int32 ``batch_row >= 0`` (never out of bounds)."""
+    n = values.shape[0]
+    ok = batch_row < n
+    if n == 0:
+        return jnp.zeros(batch_row.shape + values.shape[1:], values.dtype), ok
+    return values[jnp.where(ok, batch_row, 0)], ok
+
+
+class SlotTable:
+    """Where each (request row, position) of a batch lives in the KV pool: the plan builder's gather source.
+
+    ``build_plans`` reads a slot for every verify entry (position ``p`` and its predecessor ``p - 1``) and for
+    every write seed (position ``P - 1``), so its work is proportional to those entries, never to the table.
+    Three layouts, one per serving-stack convention:
+
+    * :class:`ReqToTokenTable`: SGLang's dense ``req_to_token[req_pool_indices[r], p]`` (the default: a raw
+      ``int32`` array passed as ``req_to_token`` is wrapped in one);
+    * :class:`BlockTable`: vLLM-style block tables, ``block_table[r, p // block_size] * block_size +
+      p % block_size`` computed in the gather (tpu-inference, eSurge, vLLM);
+    * :class:`RaggedSlotTable`: sglang-jax's ragged per-token ``cache_loc[row_start[r] + p]``.
+
+    ``lookup(batch_row, rpi, pos)`` takes the batch row ``r`` (``int32[n]``), that row's
+    ``req_pool_indices[r]`` and the position ``p`` (both int64 pairs ``uint32[n, 2]``), and returns the slot as
+    int64 pairs ``uint32[n, 2]``; a read outside the table gives ``TOKEN_TO_KV_SLOT_PADDING`` (0), which verify
+    skips (the decision of the module docstring for reads outside ``req_to_token``).
+    """
+
+    __slots__ = ()
+
+    @property
+    def max_seq_len(self) -> int:
+        """Positions ``[0, max_seq_len)`` the table can hold (the seed column is clamped below it, like SGLang)."""
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Static checks of dtypes and ranks (tracer-safe); raises ``TypeError`` / ``ValueError``."""
+        raise NotImplementedError
+
+    def lookup(self, batch_row: jax.Array, rpi: jax.Array, pos: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ReqToTokenTable(SlotTable):
+    """SGLang's ``req_to_token``: ``slot(r, p) = req_to_token[req_pool_indices[r], p]`` (SPEC 7.1).
+
+    Fields:
+      req_to_token: ``int32[max_reqs, max_seq_len]`` full-pool slot of each (request pool row, position).
+
+    Raises:
+      TypeError / ValueError: not a 2-D int32 table (numpy data outside int32 is refused), or a dimension
+        ``>= 2**31 - 1``.
+    """
+
+    req_to_token: Any
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "req_to_token", _check_2d_int32(self.req_to_token, "req_to_token"))
+        self.check()
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.req_to_token.shape[1])
+
+    def check(self) -> None:
+        _check_table_array(self.req_to_token, "req_to_token", 2, "a 2-D int32 table [max_reqs, max_seq_len]")
+        if max(self.req_to_token.shape) >= _INT32_MAX:
+            raise ValueError(f"kv-canary: req_to_token shape {tuple(self.req_to_token.shape)} is too large")
+
+    def lookup(self, batch_row: jax.Array, rpi: jax.Array, pos: jax.Array) -> jax.Array:
+        del batch_row  # SGLang addresses rows by req_pool_indices
+        v, _ = _gather_2d(self.req_to_token, rpi, pos, constants.TOKEN_TO_KV_SLOT_PADDING)
+        return pairs.pack(pairs.from_int32(v))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BlockTable(SlotTable):
+    """vLLM-style block table: ``slot(r, p) = block_table[r, p // block_size] * block_size + p % block_size``.
+
+    The convention of vLLM's ``BlockTable`` / ``CommonAttentionMetadata.block_table_tensor``, tpu-inference's
+    ``AttentionMetadata.block_tables`` (stored flat there: reshape it to ``[max_num_reqs, -1]``) and EasyDeL
+    eSurge's ``RaggedPagesMetadata.pages_tables``. Rows are *batch rows* (the row a request occupies in this
+    step's batch), not request ids: a request that moves to another row between steps is read from its new row.
+    The slot is computed in int64 inside the gather (no dense table is built).
+
+    Fields:
+      block_table: ``int32[num_rows, max_blocks_per_req]`` physical block (page) ids.
+      block_size: tokens per block (static; the page size of the KV pool).
+      null_block: the block id a stack uses for "no block" (vLLM's null block, id 0, fills freed sliding-window
+        blocks and padding), read as slot 0 (``TOKEN_TO_KV_SLOT_PADDING``: verify skips it and a predecessor
+        slot 0 disables the chain check, like an evicted SWA slot); None if every id is a real block.
+
+    Raises:
+      TypeError / ValueError: a table that is not 2-D int32, ``block_size <= 0``, ``max_blocks_per_req *
+        block_size >= 2**31``, or a ``null_block`` outside int32.
+    """
+
+    block_table: Any
+    block_size: int
+    null_block: int | None = 0
+
+    def __post_init__(self) -> None:
+        bs = ints.check_int(self.block_size, name="block_size")
+        if bs <= 0:
+            raise ValueError(f"kv-canary: block_size must be positive, got {bs}")
+        object.__setattr__(self, "block_size", bs)
+        if self.null_block is not None:
+            nb = ints.check_int(self.null_block, name="null_block", minimum=-(2**31), maximum=_INT32_MAX)
+            object.__setattr__(self, "null_block", nb)
+        if len(np.shape(self.block_table)) != 2:
+            raise ValueError(
+                "kv-canary: block_table must be a 2-D int32 array [num_rows, max_blocks_per_req], "
+                f"got shape {tuple(np.shape(self.block_table))}"
+            )
+        object.__setattr__(self, "block_table", ints.as_int32(self.block_table, name="block_table"))
+        self.check()
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.block_table.shape[1]) * self.block_size
+
+    def check(self) -> None:
+        _check_table_array(self.block_table, "block_table", 2, "a 2-D int32 array [num_rows, max_blocks_per_req]")
+        rows, blocks = (int(d) for d in self.block_table.shape)
+        if rows >= _INT32_MAX or blocks * self.block_size >= _INT32_MAX:
+            raise ValueError(
+                f"kv-canary: block_table shape {(rows, blocks)} with block_size {self.block_size} is too large "
+                "(max_blocks_per_req * block_size must be < 2**31 - 1)"
+            )
+
+    def lookup(self, batch_row: jax.Array, rpi: jax.Array, pos: jax.Array) -> jax.Array:
+        del rpi  # block tables are addressed by batch row
+        rows, blocks = self.block_table.shape
+        bsz = self.block_size
+        p = pairs.unpack(pos)
+        ok = (batch_row < rows) & pairs.in_range(p, blocks * bsz)
+        if rows == 0 or blocks == 0:
+            return pairs.pack(pairs.const(constants.TOKEN_TO_KV_SLOT_PADDING, batch_row.shape))
+        col = jnp.where(ok, p.lo, jnp.uint32(0)).astype(jnp.int32)
+        blk = self.block_table[jnp.where(ok, batch_row, 0), col // bsz]
+        slot = pairs.add(pairs.mul_const(pairs.from_int32(blk), bsz), pairs.from_int32(col % bsz))
+        dead = ~ok if self.null_block is None else ~ok | (blk == self.null_block)
+        return pairs.pack(pairs.where(dead, pairs.const(constants.TOKEN_TO_KV_SLOT_PADDING, batch_row.shape), slot))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RaggedSlotTable(SlotTable):
+    """A ragged per-token slot list: ``slot(r, p) = cache_loc[row_starts[r] + p]`` for ``0 <= p < row_lens[r]``.
+
+    sglang-jax's ``ForwardBatch.cache_loc``: ``req_to_token[req_pool_indices[r], :seq_lens[r]]`` of every
+    request, concatenated in batch order (each span padded to a multiple of the page size in its paged
+    versions; ``sgl_jax/srt/managers/schedule_batch.py`` ``get_model_worker_batch``), because sglang-jax keeps
+    ``req_to_token`` on the host. Rows are batch rows.
+
+    Fields:
+      cache_loc: ``int32[N]`` slots.
+      row_starts: int64-valued ``[bs]`` offset of each batch row's span in ``cache_loc`` (any lossless int form;
+        held as ``uint32[bs, 2]`` pairs).
+      row_lens: int64-valued ``[bs]`` valid positions of each row's span (its ``seq_lens``); reads at or past
+        it give slot 0.
+
+    Raises:
+      TypeError / ValueError: ``cache_loc`` not 1-D int32, row arrays not 1-D integers of one length, or
+        ``N >= 2**31 - 1``.
+    """
+
+    cache_loc: Any
+    row_starts: Any
+    row_lens: Any
+
+    def __post_init__(self) -> None:
+        if len(np.shape(self.cache_loc)) != 1:
+            raise ValueError(
+                f"kv-canary: cache_loc must be a 1-D int32 array [N], got shape {tuple(np.shape(self.cache_loc))}"
+            )
+        object.__setattr__(self, "cache_loc", ints.as_int32(self.cache_loc, name="cache_loc"))
+        starts = ints.as_int64_pairs(self.row_starts, name="row_starts", shape=(None,))
+        lens = ints.as_int64_pairs(self.row_lens, name="row_lens", shape=(int(starts.shape[0]),))
+        object.__setattr__(self, "row_starts", starts)
+        object.__setattr__(self, "row_lens", lens)
+        self.check()
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.cache_loc.shape[0])
+
+    def check(self) -> None:
+        _check_table_array(self.cache_loc, "cache_loc", 1, "a 1-D int32 array [N]")
+        _check_pairs(self.row_starts, "row_starts", "int64-valued [bs]")
+        _check_pairs(self.row_lens, "row_lens", "int64-valued [bs]")
+        if self.row_starts.shape != self.row_lens.shape:
+            raise ValueError(
+                f"kv-canary: row_starts and row_lens must have one length, got {self.row_starts.shape[0]} and "
+                f"{self.row_lens.shape[0]}"
+            )
+        if int(self.cache_loc.shape[0]) >= _INT32_MAX:
+            raise ValueError(f"kv-canary: cache_loc length {self.cache_loc.shape[0]} is too large")
+
+    def lookup(self, batch_row: jax.Array, rpi: jax.Array, pos: jax.Array) -> jax.Array:
+        del rpi  # ragged spans are in batch-row order
+        n = self.cache_loc.shape[0]
+        start, ok_s = _row_gather(self.row_starts, batch_row)
+        length, _ = _row_gather(self.row_lens, batch_row)
+        p = pairs.unpack(pos)
+        col = pairs.add(pairs.unpack(start), p)
+        ok = ok_s & ~pairs.is_negative(p) & pairs.lt(p, pairs.unpack(length)) & pairs.in_range(col, n)
+        if n == 0:
+            return pairs.pack(pairs.const(constants.TOKEN_TO_KV_SLOT_PADDING, batch_row.shape))
+        v = self.cache_loc[jnp.where(ok, col.lo, jnp.uint32(0)).astype(jnp.int32)]
+        v = jnp.where(ok, v, jnp.int32(constants.TOKEN_TO_KV_SLOT_PADDING))
+        return pairs.pack(pairs.from_int32(v))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class GroupSlotTables:
+    """One slot table per buffer group, for stacks whose sliding-window layers have their own block tables
+    (vLLM's hybrid KV-cache groups: one block table per ``kv_cache_group``).
+
+    ``build_plans`` reads ``full`` for a FULL group (``swa_window_size == 0``) and ``swa`` for an SWA group. The
+    ``swa`` table already holds SWA-pool slots, so the group's ``full_to_swa_index_mapping`` is **not** applied
+    to what it reads (an SWA block freed out of the window should read as the null block, i.e. slot 0 =
+    evicted). The LUT is still what the SWA endpoints apply to ``out_cache_loc`` when they write; see
+    :func:`canary_jax.adapters.batches.update_swa_lut`.
+
+    Fields:
+      full: the FULL group's :class:`SlotTable` (full-pool slots).
+      swa: the SWA group's :class:`SlotTable` (SWA-pool slots), or None (then SWA groups read ``full`` through
+        the LUT, as SGLang).
+
+    Raises:
+      TypeError: a member that is not a SlotTable.
+    """
+
+    full: SlotTable
+    swa: SlotTable | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("full", "swa"):
+            t = getattr(self, name)
+            if not (t is None and name == "swa") and not isinstance(t, SlotTable):
+                raise TypeError(f"kv-canary: GroupSlotTables.{name} must be a SlotTable, got {type(t).__name__}")
+
+    def select(self, swa_window_size: int) -> tuple[SlotTable, bool]:
+        """``(table, already_translated)`` for a group planned with window ``swa_window_size``."""
+        if swa_window_size > 0 and self.swa is not None:
+            return self.swa, True
+        return self.full, False
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ExpectedTokenTable:
+    """An expected-token pool addressed by batch row or by an explicit row per request (verify-token assert).
+
+    ``token(r, p) = tokens[row(r), p]`` with ``row(r) = row_index[r]`` if given, else the batch row ``r``
+    (vLLM's ``InputBatch.token_ids_cpu`` is per batch row and moves with it). A raw ``int32`` pool passed to
+    ``build_plans`` is SGLang's, addressed by ``req_pool_indices[r]``. Reads outside the pool give -1 (no token
+    check), like SGLang's pool.
+
+    Fields:
+      tokens: ``int32[rows, max_context_len]`` token ids (prompt + output) per row.
+      row_index: int64-valued ``[bs]`` pool row of each batch row (e.g. sglang-jax's 0-based
+        ``req_pool_indices``), or None for the batch row itself.
+
+    Raises:
+      TypeError / ValueError: ``tokens`` not 2-D int32 (numpy data outside int32 refused), ``row_index`` not a
+        1-D integer array.
+    """
+
+    tokens: Any
+    row_index: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", _check_2d_int32(self.tokens, "expected tokens"))
+        if self.row_index is not None:
+            object.__setattr__(
+                self, "row_index", ints.as_int64_pairs(self.row_index, name="expected token row_index", shape=(None,))
+            )
+        self.check()
+
+    def check(self) -> None:
+        _check_table_array(self.tokens, "expected tokens", 2, "a 2-D int32 array [rows, max_context_len]")
+        if self.row_index is not None:
+            _check_pairs(self.row_index, "expected token row_index", "int64-valued [bs]")
+        if max(self.tokens.shape) >= _INT32_MAX:
+            raise ValueError(f"kv-canary: expected tokens shape {tuple(self.tokens.shape)} is too large")
+
+    def lookup(self, batch_row: jax.Array, rpi: jax.Array, col: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(int32 token, in_pool)`` for int64-pair ``col``; -1 where the read falls outside the pool."""
+        del rpi
+        if self.row_index is None:
+            row = pairs.pack(pairs.from_int32(batch_row))
+        else:
+            row, ok = _row_gather(self.row_index, batch_row)
+            row = jnp.where(ok[..., None], row, pairs.pack(pairs.const(-1, batch_row.shape)))
+        return _gather_2d(self.tokens, row, col, -1)
+
+
+_register_table(ReqToTokenTable, ("req_to_token",))
+_register_table(BlockTable, ("block_table",), ("block_size", "null_block"))
+_register_table(RaggedSlotTable, ("cache_loc", "row_starts", "row_lens"))
+_register_table(GroupSlotTables, ("full", "swa"))
+_register_table(ExpectedTokenTable, ("tokens", "row_index"))
+
+
+def _pool_lookup(pool: Any, batch_row: jax.Array, rpi: jax.Array, col: jax.Array) -> tuple[jax.Array, jax.Array]:
+    if isinstance(pool, ExpectedTokenTable):
+        return pool.lookup(batch_row, rpi, col)
+    return _gather_2d(pool, rpi, col, -1)  # SGLang: rows are req_pool_indices
+
+
 # --- build_plans ------------------------------------------------------------------------------------------
 @jax.jit
 def _build_plans_impl(
@@ -105,9 +477,9 @@ def _build_plans_impl(
     rpi: jax.Array,  # u32[bs, 2]
     prefix: jax.Array,  # u32[bs, 2]
     extend: jax.Array,  # u32[bs, 2]
-    req_to_token: jax.Array,  # i32[max_reqs, L]
+    table: SlotTable,  # slot of (request row, position): SGLang's req_to_token or another layout
     lut: jax.Array | None,  # u32[lut_len, 2]
-    pool: jax.Array | None,  # i32[rows, ctx]
+    pool: jax.Array | ExpectedTokenTable | None,  # i32[rows, ctx] (rows = req_pool_indices) or a table
     valid_lens: jax.Array | None,  # u32[bs, 2]
     swa_window_size: jax.Array,  # i32[]: W (data, so each window size does not recompile)
     kv_token_id_vs_position_offset: jax.Array,  # i32[]: k
@@ -115,7 +487,7 @@ def _build_plans_impl(
     bs = rpi.shape[0]
     cap = verify_out.verify_slot_indices.shape[0]
     cw = write_out.write_seed_slot_indices.shape[0]
-    max_seq_len = req_to_token.shape[1]
+    max_seq_len = table.max_seq_len
     w = swa_window_size
 
     is_pad = pairs.is_zero(pairs.unpack(rpi))  # REQ_POOL_IDX_PADDING == 0
@@ -142,17 +514,17 @@ def _build_plans_impl(
         back = count[r] - (i - excl)  # P - p, in [1, count[r]] for live entries
         pos = pairs.pack(pairs.sub(pairs.unpack(prefix[r]), pairs.from_int32(back)))  # p as int64
         row = rpi[r]
-        slot_full, _ = _gather_2d(req_to_token, row, pos, constants.TOKEN_TO_KV_SLOT_PADDING)
+        slot_full = table.lookup(r, row, pos)
         prev_pos = pairs.pack(pairs.sub(pairs.unpack(pos), pairs.const(1, (cap,))))
-        prev_full, _ = _gather_2d(req_to_token, row, prev_pos, constants.TOKEN_TO_KV_SLOT_PADDING)
-        slot = swa_translate(pairs.pack(pairs.from_int32(slot_full)), lut)
-        prev = swa_translate(pairs.pack(pairs.from_int32(prev_full)), lut)
+        prev_full = table.lookup(r, row, prev_pos)
+        slot = swa_translate(slot_full, lut)
+        prev = swa_translate(prev_full, lut)
         prev = jnp.where(pairs.is_zero(pairs.unpack(pos))[..., None], pairs.pack(pairs.const(-1, (cap,))), prev)
         if pool is not None:
             k = pairs.from_int32(jnp.broadcast_to(kv_token_id_vs_position_offset, (cap,)))
             sot = pairs.add(pairs.unpack(pos), k)  # position + k: the expected token's column
             want = ~pairs.is_negative(sot) & pairs.lt(sot, pairs.unpack(valid_lens[r]))
-            tok, tok_ok = _gather_2d(pool, row, pairs.pack(sot), -1)
+            tok, tok_ok = _pool_lookup(pool, r, row, pairs.pack(sot))
             tok = jnp.where(want & tok_ok, tok, -1)
             exp_tok = pairs.pack(pairs.from_int32(tok))
         else:
@@ -179,8 +551,7 @@ def _build_plans_impl(
         offsets = offsets.at[1 : bs + 1].set(pairs.pack(pairs.cumsum(pairs.unpack(wlen))))
         seed_col = pairs.clamp(pairs.sub(pairs.unpack(prefix), pairs.const(1, (bs,))), max(max_seq_len - 1, 0))
         seed_col = pairs.pack(pairs.from_int32(seed_col))
-        seed_full, _ = _gather_2d(req_to_token, rpi, seed_col, constants.TOKEN_TO_KV_SLOT_PADDING)
-        seed = swa_translate(pairs.pack(pairs.from_int32(seed_full)), lut)
+        seed = swa_translate(table.lookup(jnp.arange(bs, dtype=jnp.int32), rpi, seed_col), lut)
         seed = jnp.where((is_pad | ~e_pos | ~p_pos)[..., None], pairs.pack(pairs.const(-1, (bs,))), seed)
         seeds = write_out.write_seed_slot_indices.at[:bs].set(seed)
     else:
@@ -199,6 +570,29 @@ def _check_2d_int32(x: Any, name: str) -> jax.Array:
     if len(np.shape(x)) != 2:
         raise ValueError(f"kv-canary: {name} must be 2-D, got shape {tuple(np.shape(x))}")
     return ints.as_int32(x, name=name, shape=(None, None))
+
+
+def _resolve_table(req_to_token: Any, swa_window_size: int) -> tuple[SlotTable, bool]:
+    """The group's :class:`SlotTable` and whether its slots are already SWA-pool slots (LUT not applied)."""
+    if isinstance(req_to_token, GroupSlotTables):
+        table, translated = req_to_token.select(swa_window_size)
+        table.check()
+        return table, translated
+    if isinstance(req_to_token, SlotTable):
+        req_to_token.check()
+        return req_to_token, False
+    r2t = _check_2d_int32(req_to_token, "req_to_token")
+    if int(r2t.shape[1]) >= _INT32_MAX or int(r2t.shape[0]) >= _INT32_MAX:
+        raise ValueError(f"kv-canary: req_to_token shape {tuple(r2t.shape)} is too large")
+    return _unchecked(ReqToTokenTable, req_to_token=r2t), False
+
+
+def _unchecked(cls, **fields):
+    """An instance of a registered table class from already-checked fields (no ``__post_init__``)."""
+    obj = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(obj, name, value)
+    return obj
 
 
 def build_plans(
@@ -229,16 +623,23 @@ def build_plans(
         :func:`canary_jax.ints.as_int64_pairs`); 0 = padding row (must come after the real rows).
       prefix_lens: int64-valued ``[bs]``: tokens already written before this step.
       extend_seq_lens: int64-valued ``[bs]``: tokens written this step.
-      req_to_token: ``int32[max_reqs, max_seq_len]``: full-pool slot of each (request row, position).
+      req_to_token: where each (request row, position) lives: SGLang's ``int32[max_reqs, max_seq_len]`` table
+        (rows = ``req_pool_indices``), or any :class:`SlotTable` (:class:`BlockTable` for vLLM-style block
+        tables, :class:`RaggedSlotTable` for sglang-jax's ``cache_loc``; rows = batch rows), or a
+        :class:`GroupSlotTables` with one table per group kind. The builder gathers only the entries it
+        plans; a table equal to SGLang's ``req_to_token`` on every position read gives byte-identical plans.
       verify_capacity: C, the verify plan length (static). Optional when ``verify_plan_out`` is given; both
         given must agree.
       write_req_capacity: Cw, the write plan's request capacity (static; ``bs <= Cw``). Optional when
         ``write_plan_out`` is given.
-      swa_window_size: W (static); 0 = FULL group, > 0 = SWA group (requires the LUT).
+      swa_window_size: W (static); 0 = FULL group, > 0 = SWA group (requires the LUT, unless
+        ``req_to_token`` is a :class:`GroupSlotTables` with an ``swa`` table).
       full_to_swa_index_mapping: int64-valued ``[full_pool_size + 1]`` LUT (int32 or int64 forms), or None.
-        Applied whenever given (also with W == 0), like SGLang. 0 in the LUT = evicted.
-      req_to_verify_expected_tokens: ``int32[rows, max_context_len]`` expected-token pool, or None (all
-        expected tokens -1).
+        Applied whenever given (also with W == 0), like SGLang, except to the ``swa`` table of a
+        :class:`GroupSlotTables` (already SWA-pool slots). 0 in the LUT = evicted.
+      req_to_verify_expected_tokens: ``int32[rows, max_context_len]`` expected-token pool (rows =
+        ``req_pool_indices``, SGLang), or an :class:`ExpectedTokenTable` (rows = batch rows or its
+        ``row_index``), or None (all expected tokens -1).
       req_to_verify_expected_tokens_valid_lens: int64-valued ``[bs]``; required iff the pool is given.
       kv_token_id_vs_position_offset: k (static): 0 for target pools, +1 for EAGLE-draft pools.
       verify_plan_out, write_plan_out: optional plans whose shapes fix the capacities and whose contents
@@ -257,22 +658,13 @@ def build_plans(
         raise ValueError(f"kv-canary: swa_window_size must be non-negative, got {swa_window_size}")
     if w > _INT32_MAX:
         raise ValueError(f"kv-canary: swa_window_size must be < 2**31, got {swa_window_size}")
-    if w > 0 and full_to_swa_index_mapping is None:
-        raise ValueError(
-            "kv-canary: launch_canary_plan_kernels requires full_to_swa_index_mapping when swa_window_size > 0"
-        )
+    table, translated = _resolve_table(req_to_token, w)
 
     # Capacities.
     if verify_plan_out is not None:
         if not isinstance(verify_plan_out, VerifyPlan):
             raise TypeError(f"kv-canary: verify_plan_out must be a VerifyPlan, got {type(verify_plan_out).__name__}")
         verify_plan_out.check()
-        plan_cap = int(verify_plan_out.verify_slot_indices.shape[0])
-        if verify_capacity is not None and int(verify_capacity) != plan_cap:
-            raise ValueError(
-                f"kv-canary: launch_canary_plan_kernels verify_capacity={verify_capacity} does not match "
-                f"verify_plan_out.verify_slot_indices.shape[0]={plan_cap}"
-            )
     else:
         if verify_capacity is None:
             raise ValueError("kv-canary: build_plans needs verify_capacity or verify_plan_out")
@@ -304,28 +696,32 @@ def build_plans(
     for name, arr in (("prefix_lens", prefix), ("extend_seq_lens", extend)):
         if arr.shape[0] != bs:
             raise ValueError(f"kv-canary: {name} length must be {bs}, got {arr.shape[0]}")
-    if bs > cw:
-        raise ValueError(f"kv-canary: bs={bs} exceeds write_req_capacity={cw}")
-    r2t = _check_2d_int32(req_to_token, "req_to_token")
-    if int(r2t.shape[1]) >= _INT32_MAX or int(r2t.shape[0]) >= _INT32_MAX:
-        raise ValueError(f"kv-canary: req_to_token shape {tuple(r2t.shape)} is too large")
 
     lut = None
-    if full_to_swa_index_mapping is not None:
+    if full_to_swa_index_mapping is not None and not translated:
         lut = ints.as_int64_pairs(full_to_swa_index_mapping, name="full_to_swa_index_mapping", shape=(None,))
-        if lut.shape[0] < 1:
-            raise ValueError(f"kv-canary: lut_len must be positive when has_swa_lut is True, got {lut.shape[0]}")
         if lut.shape[0] >= _INT32_MAX:
             raise ValueError(f"kv-canary: full_to_swa_index_mapping length {lut.shape[0]} is too large")
 
     pool = valid = None
     if req_to_verify_expected_tokens is not None:
-        if req_to_verify_expected_tokens_valid_lens is None:
-            raise ValueError(
-                "kv-canary: launch_canary_plan_kernels requires req_to_verify_expected_tokens_valid_lens when "
-                "req_to_verify_expected_tokens is set"
-            )
-        pool = _check_2d_int32(req_to_verify_expected_tokens, "req_to_verify_expected_tokens")
+        if isinstance(req_to_verify_expected_tokens, ExpectedTokenTable):
+            req_to_verify_expected_tokens.check()
+            pool = req_to_verify_expected_tokens
+        else:
+            pool = _check_2d_int32(req_to_verify_expected_tokens, "req_to_verify_expected_tokens")
+    validation.check_plan_launch(  # SGLang's launch checks, shared with the torch launcher (kernel path)
+        swa_window_size=w,
+        has_lut=lut is not None or translated,
+        lut_len=None if lut is None else int(lut.shape[0]),
+        verify_capacity=None if verify_capacity is None else int(verify_capacity),
+        plan_capacity=cap,
+        bs=bs,
+        write_req_capacity=cw,
+        has_pool=pool is not None,
+        has_valid_lens=req_to_verify_expected_tokens_valid_lens is not None,
+    )
+    if pool is not None:
         valid = ints.as_int64_pairs(
             req_to_verify_expected_tokens_valid_lens, name="req_to_verify_expected_tokens_valid_lens", shape=(bs,)
         )
@@ -339,7 +735,7 @@ def build_plans(
         rpi,
         prefix,
         extend,
-        r2t,
+        table,
         lut,
         pool,
         valid,

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from canary_jax import buckets as buckets_lib
-from canary_jax import constants, ints, layout
+from canary_jax import constants, ints, layout, plan_builder
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.groups import CanaryBufferGroup
 
@@ -110,11 +110,14 @@ class CanaryBatch:
       extend_seq_lens: int64-valued ``[bs]``: tokens written this step (decode: 1).
       input_ids, positions: int64-valued ``[T]``.
       out_cache_loc: int64-valued ``[T]`` full-pool slots written this step (SWA groups translate them).
-      req_to_token: ``int32[max_reqs, max_seq_len]``, already holding this step's slots.
+      req_to_token: ``int32[max_reqs, max_seq_len]``, already holding this step's slots (SGLang), or any
+        :class:`~canary_jax.plan_builder.SlotTable` / :class:`~canary_jax.plan_builder.GroupSlotTables`
+        (block tables, sglang-jax's ragged ``cache_loc``; see :mod:`canary_jax.adapters.batches`).
       expected_inputs: :class:`~canary_jax.runtime.endpoints.ExpectedInputs` (int64-valued ``[T]`` each) when
         ``enable_write_input_assert``; else None.
       req_to_verify_expected_tokens: ``int32[rows, max_context_len]`` token pool when
-        ``enable_verify_token_assert`` (see :func:`canary_jax.plan_builder.scatter_req_token_ids`); else None.
+        ``enable_verify_token_assert`` (see :func:`canary_jax.plan_builder.scatter_req_token_ids`), or an
+        :class:`~canary_jax.plan_builder.ExpectedTokenTable`; else None.
       req_to_verify_expected_tokens_valid_lens: int64-valued ``[bs]`` with the pool.
 
     Construction converts every int64-valued field, exactly, to ``uint32[..., 2]`` pairs (little-endian words,
@@ -154,7 +157,7 @@ class CanaryBatch:
             "input_ids": ids,
             "positions": _pairs(self.positions, "positions", (t,)),
             "out_cache_loc": _pairs(self.out_cache_loc, "out_cache_loc", (t,)),
-            "req_to_token": ints.as_int32(self.req_to_token, name="req_to_token", shape=(None, None)),
+            "req_to_token": _slot_table(self.req_to_token),
         }
         ex = self.expected_inputs
         if ex is not None:
@@ -165,9 +168,7 @@ class CanaryBatch:
                 positions=_pairs(ex.positions, "expected_inputs.positions", (t,)),
             )
         if self.req_to_verify_expected_tokens is not None:
-            conv["req_to_verify_expected_tokens"] = ints.as_int32(
-                self.req_to_verify_expected_tokens, name="req_to_verify_expected_tokens", shape=(None, None)
-            )
+            conv["req_to_verify_expected_tokens"] = _token_pool(self.req_to_verify_expected_tokens)
         if self.req_to_verify_expected_tokens_valid_lens is not None:
             conv["req_to_verify_expected_tokens_valid_lens"] = _pairs(
                 self.req_to_verify_expected_tokens_valid_lens, "req_to_verify_expected_tokens_valid_lens", (bs,)
@@ -193,6 +194,29 @@ class CanaryBatch:
     def prechecked(cls, **fields) -> CanaryBatch:
         """A batch from fields that are already converted (pairs, int32 tables): no checks, no conversion."""
         return _batch_unflatten(None, [fields.get(n) for n in _BATCH_FIELDS])
+
+
+def _slot_table(table: Any) -> Any:
+    """``req_to_token`` as the plan builder reads it: a checked :class:`~canary_jax.plan_builder.SlotTable` or
+    :class:`~canary_jax.plan_builder.GroupSlotTables` as given, else SGLang's ``int32[max_reqs, max_seq_len]``."""
+    if isinstance(table, plan_builder.GroupSlotTables):
+        for t in (table.full, table.swa):
+            if t is not None:
+                t.check()
+        return table
+    if isinstance(table, plan_builder.SlotTable):
+        table.check()
+        return table
+    return ints.as_int32(table, name="req_to_token", shape=(None, None))
+
+
+def _token_pool(pool: Any) -> Any:
+    """The expected-token pool: a checked :class:`~canary_jax.plan_builder.ExpectedTokenTable` as given, else
+    SGLang's ``int32[rows, max_context_len]`` addressed by ``req_pool_indices``."""
+    if isinstance(pool, plan_builder.ExpectedTokenTable):
+        pool.check()
+        return pool
+    return ints.as_int32(pool, name="req_to_verify_expected_tokens", shape=(None, None))
 
 
 def _batch_unflatten(_, children) -> CanaryBatch:
