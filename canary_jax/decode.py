@@ -1,5 +1,14 @@
 """Violation ring rows to records and SGLang's report text (SPEC 9; SGLang ``violation_reporter.py``).
 
+* :class:`ViolationRecord`, :func:`decode_violations`: ring rows (SGLang's ``int64[R, 8]``, or canary-jax's
+  ``uint32[R, 8, 2]``) as records.
+* :func:`format_violation`, :func:`format_violations`: SGLang's frozen report text, byte for byte.
+* canary-jax additions, printed only as extra lines after SGLang's text, never inside it:
+  :class:`CollapsedViolation` / :func:`collapse_violations` / :func:`format_repeat` (one record per distinct
+  row with a count: the same fault seen again by later steps), and :class:`ViolationDetail` /
+  :func:`format_detail` (what a ring row does not carry: the expected position of a verify row, the stored
+  and the recomputed real-KV hash of its slot, where ``req_to_token`` maps the slot).
+
 Host-side only: these read device arrays back (a device-to-host copy) and must stay off the hot path.
 """
 
@@ -88,6 +97,20 @@ class ViolationRecord:
         """Rows of the write kernel carry write bits (8 / 16)."""
         return bool(self.fail_reason_bits & _WRITE_BITS)
 
+    @property
+    def key(self) -> tuple[int, ...]:
+        """The row's 8 ring columns (``index`` left out): two reports of one fault have equal keys."""
+        return (
+            self.kernel_kind,
+            self.slot_idx,
+            self.position,
+            self.stored_token,
+            self.expected_token,
+            self.stored_chain_hash,
+            self.expected_aux,
+            self.fail_reason_bits,
+        )
+
     @classmethod
     def from_row(cls, index: int, row: Sequence[int]) -> ViolationRecord:
         return cls(index, *(int(v) for v in row))
@@ -99,7 +122,12 @@ class ViolationRecord:
         return d
 
 
-def _ring_and_index(log_or_ring: Any, write_index: Any | None) -> tuple[np.ndarray, int]:
+def ring_and_index(log_or_ring: Any, write_index: Any | None = None) -> tuple[np.ndarray, int]:
+    """``(ring int64[R, 8], write_index)`` on the host from a ViolationLog, or from a bare ring and its index.
+
+    Raises:
+      TypeError / ValueError: as :func:`decode_violations`.
+    """
     if write_index is None:
         if not (hasattr(log_or_ring, "ring") and hasattr(log_or_ring, "write_index")):
             raise TypeError("kv-canary: pass write_index together with a bare violation ring (or pass a ViolationLog)")
@@ -139,7 +167,7 @@ def decode_violations(log_or_ring: Any, write_index: Any | None = None, *, start
       TypeError: a bare ring without ``write_index``, or a ring that is not 32-bit pairs / int64.
       ValueError: a ring of the wrong shape, or a ``write_index`` that is not one value.
     """
-    ring, wi = _ring_and_index(log_or_ring, write_index)
+    ring, wi = ring_and_index(log_or_ring, write_index)
     n = recorded_rows(wi, ring.shape[0])
     return [ViolationRecord.from_row(i, ring[i]) for i in range(max(0, start), n)]
 
@@ -186,9 +214,100 @@ def format_violations(
     log_or_ring: Any, write_index: Any | None = None, *, start: int = 0, step_when_pumped: int = 0
 ) -> list[str]:
     """One formatted message per recorded row from ``start`` (what SGLang's reporter logs or raises)."""
-    ring, wi = _ring_and_index(log_or_ring, write_index)
+    ring, wi = ring_and_index(log_or_ring, write_index)
     overflow = wi > ring.shape[0] or wi < 0
     return [
         format_violation(r, total=wi, ring_overflow=overflow, step_when_pumped=step_when_pumped)
         for r in decode_violations(ring, np.array([wi]), start=start)
     ]
+
+
+# --- canary-jax additions: collapsed repeats and debugging details (extra lines, after SGLang's text) ---------
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CollapsedViolation:
+    """One distinct ring row and how often it was reported.
+
+    Fields:
+      record: the first occurrence.
+      count: occurrences (>= 1).
+      first, last: the first and last step it was reported at (:class:`~canary_jax.runtime.report.ViolationReporter`),
+        or ring row indices (:func:`collapse_violations` without ``steps``).
+    """
+
+    record: ViolationRecord
+    count: int
+    first: int
+    last: int
+
+
+def collapse_violations(
+    records: Sequence[ViolationRecord], *, steps: Sequence[int] | None = None
+) -> list[CollapsedViolation]:
+    """Groups records with equal :attr:`ViolationRecord.key` (all 8 columns), in first-seen order.
+
+    Args:
+      records: decoded rows.
+      steps: the step of each record (same length), or None to use each record's ring row index.
+
+    Raises:
+      ValueError: ``steps`` of another length than ``records``.
+    """
+    if steps is not None and len(steps) != len(records):
+        raise ValueError(f"kv-canary: steps has {len(steps)} entries for {len(records)} records")
+    out: dict[tuple[int, ...], CollapsedViolation] = {}
+    for i, r in enumerate(records):
+        at = int(steps[i]) if steps is not None else r.index
+        c = out.get(r.key)
+        out[r.key] = (
+            CollapsedViolation(record=r, count=1, first=at, last=at)
+            if c is None
+            else dataclasses.replace(c, count=c.count + 1, last=at)
+        )
+    return list(out.values())
+
+
+def format_repeat(c: CollapsedViolation, *, unit: str = "step") -> str:
+    """``kv_canary violation repeated: launch_tag=T fail_reason=R slot_idx=S position=P count=N first_<unit>=A
+    last_<unit>=B`` (canary-jax's line; SGLang logs every repeat in full)."""
+    r = c.record
+    return (
+        f"kv_canary violation repeated: launch_tag={r.tag} fail_reason={'+'.join(r.reasons) or 'none'} "
+        f"slot_idx={r.slot_idx} position={r.position} count={c.count} first_{unit}={c.first} last_{unit}={c.last}"
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ViolationDetail:
+    """What a debugger needs that SGLang's 8-column row does not carry (each field None / empty when unknown).
+
+    Fields:
+      expected_position: the position the failing verify entry expected (the row holds the *stored* one).
+      stored_real_kv_hash: the slot's stored real-KV fingerprint (signed int64, as stored).
+      recomputed_real_kv_hash: the fingerprint of the slot's KV bytes as dumped (signed int64).
+      mapped_at: ``(req_pool_index, position)`` pairs where ``req_to_token`` maps the slot (live requests).
+    """
+
+    expected_position: int | None = None
+    stored_real_kv_hash: int | None = None
+    recomputed_real_kv_hash: int | None = None
+    mapped_at: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return self.expected_position is None and self.stored_real_kv_hash is None and not self.mapped_at
+
+
+def format_detail(detail: ViolationDetail) -> str:
+    """The extra line printed after SGLang's text: ``  detail:   expected_position=P stored_real_kv_hash=0x...
+    recomputed_real_kv_hash=0x... req_to_token=[(rpi, pos), ...]`` (only the known parts; "" if none)."""
+    mask = constants.U64_MASK
+    parts = []
+    if detail.expected_position is not None:
+        parts.append(f"expected_position={detail.expected_position}")
+    if detail.stored_real_kv_hash is not None:
+        parts.append(f"stored_real_kv_hash={detail.stored_real_kv_hash & mask:#018x}")
+    if detail.recomputed_real_kv_hash is not None:
+        parts.append(f"recomputed_real_kv_hash={detail.recomputed_real_kv_hash & mask:#018x}")
+    if detail.mapped_at:
+        parts.append("req_to_token=[" + ", ".join(f"({r}, {p})" for r, p in detail.mapped_at) + "]")
+    return ("  detail:   " + " ".join(parts)) if parts else ""

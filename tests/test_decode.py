@@ -222,3 +222,39 @@ class DecodeEdgeCasesTest(absltest.TestCase):
 
 if __name__ == "__main__":
     absltest.main()
+
+
+class CollapseAndDetailTest(absltest.TestCase):
+    ROW = [2, 5, 3, 42, -1, H_S, 7, 4]
+
+    def test_key_and_collapse(self):
+        ring = ring_of([self.ROW, [0, 5, 3, 42, -1, H_S, 7, 4], self.ROW, self.ROW], capacity=6)
+        recs = canary_jax.decode_violations(ring, 4)
+        self.assertEqual(recs[0].key, tuple(self.ROW))
+        self.assertEqual(recs[0].key, recs[2].key)
+        self.assertNotEqual(recs[0].key, recs[1].key)  # another tag: another record
+        c = decode.collapse_violations(recs)
+        self.assertEqual([(x.record.index, x.count, x.first, x.last) for x in c], [(0, 3, 0, 3), (1, 1, 1, 1)])
+        c = decode.collapse_violations(recs, steps=[10, 11, 12, 15])
+        self.assertEqual([(x.count, x.first, x.last) for x in c], [(3, 10, 15), (1, 11, 11)])
+        self.assertEqual(
+            decode.format_repeat(c[0], unit="step"),
+            "kv_canary violation repeated: launch_tag=TAIL_K_FULL fail_reason=verify_real_kv_hash slot_idx=5 "
+            "position=3 count=3 first_step=10 last_step=15",
+        )
+        with self.assertRaisesRegex(ValueError, "steps has 1 entries for 4 records"):
+            decode.collapse_violations(recs, steps=[1])
+
+    def test_detail_line(self):
+        d = decode.ViolationDetail(
+            expected_position=9, stored_real_kv_hash=-1, recomputed_real_kv_hash=5, mapped_at=((2, 9), (3, 1))
+        )
+        self.assertEqual(
+            decode.format_detail(d),
+            "  detail:   expected_position=9 stored_real_kv_hash=0xffffffffffffffff "
+            "recomputed_real_kv_hash=0x0000000000000005 req_to_token=[(2, 9), (3, 1)]",
+        )
+        only_map = decode.ViolationDetail(mapped_at=((1, 0),))
+        self.assertEqual(decode.format_detail(only_map), "  detail:   req_to_token=[(1, 0)]")
+        self.assertEqual(decode.format_detail(decode.ViolationDetail()), "")
+        self.assertTrue(decode.ViolationDetail().empty)

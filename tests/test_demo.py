@@ -70,13 +70,22 @@ def test_verify_dump_of_demo_state(short_demo, capsys):
     assert rc == 1  # the saved episode holds the injected fault's violations
     assert "kv_canary violation: launch_tag=TAIL_K_FULL fail_reason=verify_real_kv_hash" in out
     # A re-verified buffer reports the entries it checked, not a "ring capacity".
-    line = next(x for x in out.splitlines() if x.startswith("verify of tail_buf:"))
+    line = next(x for x in out.splitlines() if x.startswith("verify of g0_k_tail:"))
     m = re.fullmatch(
-        r"verify of tail_buf: (\d+) violations in (\d+) verified entries \(the live requests' slots\), "
+        r"verify of g0_k_tail: (\d+) violations in (\d+) verified entries \(the live requests' slots\), "
         r"(\d+) decoded",
         line,
     )
     assert m and int(m.group(1)) >= 1 and int(m.group(2)) > int(m.group(1)), line
+    # The saved episode (kv_flip_lo) names the flipped slot's expected position and both real-KV hashes.
+    detail = next(x for x in out.splitlines() if x.startswith("  detail:   expected_position="))
+    assert re.fullmatch(
+        r"  detail:   expected_position=\d+ stored_real_kv_hash=0x[0-9a-f]{16} recomputed_real_kv_hash=0x[0-9a-f]{16}"
+        r" req_to_token=\[.*\]",
+        detail,
+    ), detail
+    stored, recomputed = re.findall(r"real_kv_hash=(0x[0-9a-f]{16})", detail)
+    assert stored != recomputed
 
 
 def test_report_fits_120_columns_with_footnote(short_demo):

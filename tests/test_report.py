@@ -13,6 +13,8 @@ from absl.testing import absltest
 from canary_jax import constants, ints
 from canary_jax.layout import ViolationLog
 from canary_jax.runtime.report import (
+    CanaryViolationError,
+    EnableWarner,
     HealthChecker,
     StatsLogger,
     ViolationMonitor,
@@ -160,6 +162,92 @@ class ModeTest(absltest.TestCase):
         mon = ViolationMonitor(ViolationReporter("log"), delayed=True)
         with self.assertLogs("canary_jax", level=logging.WARNING):
             self.assertLen(mon.flush(dirty, step=5), 2)
+
+
+class CollapseAndPumpTest(absltest.TestCase):
+    def test_raise_mode_error_carries_rows_and_sglangs_text(self):
+        rep = ViolationReporter("raise")
+        with self.assertRaises(CanaryViolationError) as cm:
+            rep.log_or_raise(make_log([VERIFY_CHAIN_ROW, WRITE_TOKEN_ROW]), step=7)
+        e = cm.exception
+        self.assertIsInstance(e, RuntimeError)
+        self.assertEqual(str(e), VERIFY_CHAIN_TEXT + "\n" + WRITE_TOKEN_TEXT)
+        self.assertEqual(e.messages, [VERIFY_CHAIN_TEXT, WRITE_TOKEN_TEXT])
+        self.assertEqual([r.slot_idx for r in e.records], [5, 9])
+        self.assertEqual((e.step, e.recorded_step, e.kv_state), (7, None, None))
+
+    def test_collapse_reports_a_repeated_row_once_and_counts_it(self):
+        rep = ViolationReporter("log", collapse=True)
+        with self.assertLogs("canary_jax", level=logging.WARNING) as cm:
+            msgs = rep.log_or_raise(make_log([VERIFY_CHAIN_ROW, WRITE_TOKEN_ROW]), step=7)
+        self.assertEqual(msgs, [VERIFY_CHAIN_TEXT, WRITE_TOKEN_TEXT])  # first reports: SGLang's text, unchanged
+        self.assertLen(cm.records, 2)
+        rows = [VERIFY_CHAIN_ROW, WRITE_TOKEN_ROW, VERIFY_CHAIN_ROW, VERIFY_CHAIN_ROW]
+        self.assertEqual(rep.log_or_raise(make_log(rows), step=8), [])  # two repeats: counted, not logged
+        self.assertEqual(rep.log_or_raise(make_log(rows + [VERIFY_CHAIN_ROW]), step=10), [])
+        self.assertLen(rep.last_records, 1)
+        c = rep.collapsed
+        self.assertEqual([(x.record.slot_idx, x.count, x.first, x.last) for x in c], [(5, 4, 7, 10), (9, 1, 7, 7)])
+        self.assertEqual(
+            rep.repeat_lines(),
+            [
+                "kv_canary violation repeated: launch_tag=TAIL_K_FULL fail_reason=verify_chain_hash slot_idx=5 "
+                "position=3 count=4 first_step=7 last_step=10"
+            ],
+        )
+        # A row differing in any column is a new record (here: the fail bits).
+        other = VERIFY_CHAIN_ROW[:7] + [F.VERIFY_CHAIN_HASH_MISMATCH | F.VERIFY_POSITION_MISMATCH]
+        with self.assertLogs("canary_jax", level=logging.WARNING):
+            self.assertLen(rep.log_or_raise(make_log(rows + [VERIFY_CHAIN_ROW, other]), step=11), 1)
+        # Without collapse every row is reported (SGLang), while the counts are kept all the same.
+        plain = ViolationReporter("log")
+        self.assertLen(plain.messages(make_log(rows), step=1), 4)
+        self.assertEqual(plain.collapsed[0].count, 3)
+
+    def test_none_mode_decodes_without_reporting(self):
+        rep = ViolationReporter("none")
+        self.assertEqual(rep.log_or_raise(make_log([VERIFY_CHAIN_ROW]), step=2), [])
+        self.assertEqual([r.slot_idx for r in rep.last_records], [5])
+        self.assertEqual(rep.last_logged, 1)
+
+    def test_delayed_monitor_reads_the_previous_steps_log_not_the_current_one(self):
+        mon = ViolationMonitor(ViolationReporter("log"), delayed=True)
+        step1 = make_log([VERIFY_CHAIN_ROW])
+        step2 = make_log([VERIFY_CHAIN_ROW, WRITE_TOKEN_ROW])  # step 2 recorded a second row
+        self.assertEqual(mon.step(step1, step=1), [])  # stages step 1's snapshot
+        with self.assertLogs("canary_jax", level=logging.WARNING) as cm:
+            msgs = mon.step(step2, step=2)
+        # Only step 1's row, with step 1's write index; step 2's row waits for the next pump.
+        want = VERIFY_CHAIN_TEXT.replace("total_violations=2", "total_violations=1").replace("=7", "=2")
+        self.assertEqual(msgs, [want])
+        self.assertLen(cm.records, 1)
+        self.assertEqual((mon.last_recorded_step, [r.slot_idx for r in mon.last_records]), (1, [5]))
+        with self.assertLogs("canary_jax", level=logging.WARNING):
+            self.assertEqual(mon.step(step2, step=3), [WRITE_TOKEN_TEXT.replace("=7", "=3")])
+        self.assertEqual(mon.last_recorded_step, 2)
+        self.assertEqual(mon.step(step2, step=4), [])  # the write index did not grow: nothing read
+        with self.assertRaises(CanaryViolationError) as cm:
+            raising = ViolationMonitor(ViolationReporter("raise"), delayed=True)
+            raising.step(step1, step=5)
+            raising.step(step2, step=6)
+        self.assertEqual(cm.exception.recorded_step, 5)
+
+    def test_enable_warner_is_one_step_late_with_sglangs_text(self):
+        w = EnableWarner(verify_capacity=300)
+        with self.assertNoLogs("canary_jax", level=logging.WARNING):
+            self.assertFalse(w.tick(jnp.array([1, 0], jnp.int32)))  # staged: the SWA group overflowed
+        with self.assertLogs("canary_jax", level=logging.WARNING) as cm:
+            self.assertTrue(w.tick(jnp.array([1, 1], jnp.int32)))
+        self.assertEqual(
+            cm.records[0].getMessage(),
+            "kv-canary: per-forward verify skipped this step due to overflow (total=1, capacity=300); "
+            "check ServerArgs / pool sizing",
+        )
+        self.assertFalse(w.tick(jnp.array([0], jnp.int32)))  # reads the clean step
+        with self.assertLogs("canary_jax", level=logging.WARNING) as cm:
+            self.assertTrue(w.tick(jnp.array([1], jnp.int32)))
+        self.assertIn("(total=2, capacity=300)", cm.records[0].getMessage())
+        self.assertEqual(w.overflow_count_total, 2)
 
 
 class StatsTest(absltest.TestCase):

@@ -7,7 +7,7 @@ reverse).
 * :mod:`~canary_jax.cli.outputs`: output files (``--json``, ``--plot``, ``--dump``), checked before a run.
 * :mod:`~canary_jax.cli.progress`: the demo's progress bar.
 * :mod:`~canary_jax.cli.render`: the demo's text tables and PNG chart, and verify-dump's tables.
-* :mod:`~canary_jax.cli.verify_dump`: ``verify-dump``: saves and decodes a ring or canary buffer.
+* :mod:`~canary_jax.cli.verify_dump`: ``verify-dump``: decodes a saved ring, canary buffer or dump file.
 * :mod:`canary_jax.cli.demo`: ``demo``: the serving loop under the canary and its fault campaign.
 
 The progress bar (tqdm) and the chart (matplotlib) need the ``demo`` extra

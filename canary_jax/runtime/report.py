@@ -2,15 +2,21 @@
 
 Everything here reads device arrays back to the host, so it runs outside the jitted step, between steps.
 SGLang pumps one step late so the device never waits for the host; :class:`ViolationMonitor`,
-:class:`HealthChecker` and :class:`StatsLogger` do the same with ``copy_to_host_async`` snapshots taken at
-step ``s`` and read at step ``s + 1`` (pass ``delayed=False`` to read immediately, e.g. in tests or at shutdown).
+:class:`HealthChecker`, :class:`StatsLogger` and :class:`EnableWarner` do the same with ``copy_to_host_async``
+snapshots taken at step ``s`` and read at step ``s + 1`` (pass ``delayed=False`` to read immediately, e.g. in
+tests or at shutdown).
 
 * :class:`ViolationReporter` (SGLang ``violation_reporter.py``): formats ring rows
   ``[last_logged, min(write_index, R))`` in SGLang's frozen text (:func:`canary_jax.decode.format_violation`);
-  ``log`` mode warns once per row, ``raise`` mode raises one RuntimeError with all rows joined by newlines
-  and then never again, ``none`` does nothing.
-* :class:`ViolationMonitor` (SGLang ``ViolationManager``): the delayed ``write_index > 0`` pump that calls the
-  reporter.
+  ``log`` mode warns once per row, ``raise`` mode raises one :class:`CanaryViolationError` (a RuntimeError
+  whose text is SGLang's: all rows joined by newlines) and then never again, ``none`` does nothing. With
+  ``collapse=True`` (a canary-jax addition, off by default) a row identical in all 8 columns to one already
+  reported is counted instead of reported again (:attr:`ViolationReporter.collapsed`).
+* :class:`ViolationMonitor` (SGLang ``ViolationManager``): the delayed ``write_index`` pump that calls the
+  reporter. Delayed, it reads the rows from the log of the previous step (complete once its snapshot is read),
+  never the current one, so even log mode never waits for the step in flight.
+* :class:`EnableWarner` (SGLang ``CanaryEnableWarner``): one step late, SGLang's warning when a per-forward
+  verify plan overflowed its capacity and the verify was skipped.
 * :func:`canary_stats` / :class:`CanaryStats` / :class:`StatsLogger`: ``[canary] step=%d protected_tokens=%d
   sweep_passes=%d violations=%d launch_tags_active=%d/%d`` with protected tokens = sum of slot_run_counters.
 * :class:`HealthChecker` (SGLang ``KernelRunCounterHealthChecker``): every 100 steps from step 100, every
@@ -33,6 +39,8 @@ logger = logging.getLogger("canary_jax")
 
 __all__ = [
     "CanaryStats",
+    "CanaryViolationError",
+    "EnableWarner",
     "HealthChecker",
     "validate_mode",
     "StatsLogger",
@@ -71,20 +79,53 @@ def _snapshot(x: Any) -> Any:
     return x
 
 
+def _first(x: Any) -> int:
+    """``x.reshape(-1)[0]`` as a Python int (a device-to-host read when ``x`` is a device array)."""
+    return int(np.asarray(x).reshape(-1)[0])
+
+
+class CanaryViolationError(RuntimeError):
+    """What raise mode raises: ``str(error)`` is SGLang's text (every new row's message joined by newlines).
+
+    Attributes:
+      messages: the formatted messages, one per reported row.
+      records: the :class:`~canary_jax.decode.ViolationRecord` of each reported row.
+      step: the outer step the rows were pumped at (SGLang's ``step_when_pumped``).
+      recorded_step: the step whose log held the rows (one step before ``step`` when pumped late), or None.
+      kv_state, outputs: set by :class:`canary_jax.integration.CanaryGuard` to what the step that raised
+        returned (its input was donated), else None.
+    """
+
+    def __init__(self, messages: Sequence[str], records: Sequence[decode.ViolationRecord], *, step: int) -> None:
+        super().__init__("\n".join(messages))
+        self.messages = list(messages)
+        self.records = list(records)
+        self.step = int(step)
+        self.recorded_step: int | None = None
+        self.kv_state: Any = None
+        self.outputs: Any = None
+
+
 class ViolationReporter:
     """Formats new ring rows and logs or raises them (SGLang ``ViolationReporter``).
 
     Args:
-      mode: ``log`` (one WARNING per row, keep running), ``raise`` (one RuntimeError with every new row,
-        once) or ``none``.
+      mode: ``log`` (one WARNING per row, keep running), ``raise`` (one :class:`CanaryViolationError` with
+        every new row, once) or ``none``.
       log: the ``logging.Logger`` to warn on (default ``logging.getLogger("canary_jax")``).
+      collapse: report a row only the first time its 8 columns are seen; later identical rows (the same fault
+        seen again by a later step: same tag, slot, fields and fail bits) only count, in :attr:`collapsed`
+        (canary-jax addition; SGLang reports every row). The first report's text is SGLang's, unchanged.
     """
 
-    def __init__(self, mode: str = "log", *, log: logging.Logger | None = None) -> None:
+    def __init__(self, mode: str = "log", *, log: logging.Logger | None = None, collapse: bool = False) -> None:
         self.mode = validate_mode(mode)
         self._logger = log or logger
         self._last_logged = 0
         self._raised = False
+        self.collapse = bool(collapse)
+        self._seen: dict[tuple[int, ...], decode.CollapsedViolation] = {}
+        self.last_records: list[decode.ViolationRecord] = []
 
     @property
     def is_raised(self) -> bool:
@@ -95,11 +136,38 @@ class ViolationReporter:
         """Ring rows already reported (SGLang's ``_last_logged_write_index``)."""
         return self._last_logged
 
+    @property
+    def collapsed(self) -> list[decode.CollapsedViolation]:
+        """Every distinct row seen so far (in first-seen order) with its count and the first / last step it was
+        pumped at (``first`` / ``last``). Kept with ``collapse`` on or off."""
+        return list(self._seen.values())
+
+    def repeat_lines(self) -> list[str]:
+        """One line per distinct row seen more than once (:func:`canary_jax.decode.format_repeat`)."""
+        return [decode.format_repeat(c, unit="step") for c in self._seen.values() if c.count > 1]
+
     def messages(self, log_or_ring: Any, write_index: Any | None = None, *, step: int = 0) -> list[str]:
-        """Formats the not-yet-reported rows and advances the cursor (no logging, no raising)."""
-        rows = decode.format_violations(log_or_ring, write_index, start=self._last_logged, step_when_pumped=step)
-        self._last_logged += len(rows)
-        return rows
+        """Formats the not-yet-reported rows and advances the cursor (no logging, no raising).
+
+        With ``collapse``, rows already seen are counted and left out. :attr:`last_records` holds the decoded
+        rows (repeats included).
+        """
+        ring, wi = decode.ring_and_index(log_or_ring, write_index)
+        records = decode.decode_violations(ring, np.array([wi]), start=self._last_logged)
+        overflow = wi > ring.shape[0] or wi < 0
+        self._last_logged += len(records)
+        self.last_records = records
+        out = []
+        for r in records:
+            seen = self._seen.get(r.key)
+            if seen is None:
+                self._seen[r.key] = decode.CollapsedViolation(record=r, count=1, first=int(step), last=int(step))
+            else:
+                self._seen[r.key] = dataclasses.replace(seen, count=seen.count + 1, last=int(step))
+                if self.collapse:
+                    continue
+            out.append(decode.format_violation(r, total=wi, ring_overflow=overflow, step_when_pumped=step))
+        return out
 
     def log_or_raise(self, log_or_ring: Any, write_index: Any | None = None, *, step: int = 0) -> list[str]:
         """Reports rows ``[last_logged, min(write_index, R))``.
@@ -110,14 +178,25 @@ class ViolationReporter:
           step: the outer step, printed as ``step_when_pumped``.
 
         Returns:
-          The formatted messages (empty in ``none`` mode or when nothing is new).
+          The formatted messages (empty in ``none`` mode or when nothing is new; with ``collapse``, repeats are
+          logged at DEBUG and left out). ``none`` mode still decodes the rows (:attr:`last_records`,
+          :attr:`collapsed`), it only reports nothing.
 
         Raises:
-          RuntimeError: in ``raise`` mode, once, with the messages joined by newlines.
+          CanaryViolationError: in ``raise`` mode, once, with the messages joined by newlines (a RuntimeError,
+            as SGLang's).
         """
-        if self.mode == "none" or self._raised:
+        if self._raised:
             return []
-        msgs = self.messages(log_or_ring, write_index, step=step)
+        msgs = self.messages(log_or_ring, write_index, step=step)  # none mode too: last_records, collapsed
+        if self.mode == "none":
+            return []
+        if self.collapse and len(msgs) < len(self.last_records):
+            self._logger.debug(
+                "kv-canary: %d violation rows repeat rows already reported (step %d)",
+                len(self.last_records) - len(msgs),
+                step,
+            )
         if not msgs:
             return []
         if self.mode == "log":
@@ -125,45 +204,125 @@ class ViolationReporter:
                 self._logger.warning(m)
             return msgs
         self._raised = True
-        raise RuntimeError("\n".join(msgs))
+        raise CanaryViolationError(msgs, self.last_records, step=step)
 
 
 class ViolationMonitor:
-    """SGLang's violation pump: each step, check ``write_index > 0`` as snapshotted one step earlier and, if
-    set, let the reporter log or raise the rows recorded so far.
+    """SGLang's violation pump: each step, check the write index as snapshotted one step earlier and, when it
+    grew, let the reporter log or raise the rows recorded since.
+
+    Delayed, :meth:`step` keeps the log it is given with a non-blocking snapshot of its write index, and at the
+    next call reads that snapshot and, when it grew, the rows of that same (previous) log: the host waits only
+    for the previous step, which has finished by then, never for the step in flight (SGLang's reporter reads
+    the current ring once the delayed flag is set, so its ``total_violations`` can include rows of the step in
+    flight; here it is the write index of the step that recorded the rows). Not delayed, it reads the log now.
 
     Args:
       reporter: the :class:`ViolationReporter` (its mode decides log / raise / none).
-      delayed: read the previous step's snapshot (True, non-blocking like SGLang) or the current log (False).
+      delayed: read the previous step's log (True, non-blocking like SGLang) or the current log (False).
+
+    Attributes:
+      last_records: the rows read by the latest pump (repeats included), or [].
+      last_recorded_step: the ``step`` the latest pump's rows were recorded at: the previous call's ``step``
+        when delayed, else this call's; None before any rows were read.
     """
 
     def __init__(self, reporter: ViolationReporter, *, delayed: bool = True) -> None:
         self.reporter = reporter
         self.delayed = bool(delayed)
         self._pending = None
+        self._seen_index = 0
+        self.last_records: list[decode.ViolationRecord] = []
+        self.last_recorded_step: int | None = None
 
     def step(self, log: layout.ViolationLog, *, step: int) -> list[str]:
         """Pumps once (call after every outer step). Returns the messages reported now.
 
+        Args:
+          log: the log after this step (kept until the next call when delayed; never donated by the step API).
+          step: this outer step (printed as ``step_when_pumped``).
+
         Raises:
-          RuntimeError: in raise mode, on the first pump that sees violations.
+          CanaryViolationError: in raise mode, on the first pump that sees violations (``recorded_step`` set).
         """
+        self.last_records = []
         if self.delayed:
-            prev, self._pending = self._pending, _snapshot(log.write_index)
+            prev, self._pending = self._pending, (log, _snapshot(log.write_index), int(step))
             if prev is None:
                 return []
-            errored = int(np.asarray(prev).reshape(-1)[0]) > 0
+            log, wi, recorded = prev
+            n = _first(wi)
         else:
-            errored = int(np.asarray(log.write_index).reshape(-1)[0]) > 0
-        if not errored or self.reporter.is_raised:
+            n, recorded = _first(log.write_index), int(step)
+        return self._report(log, n, step=step, recorded=recorded)
+
+    def _report(self, log: layout.ViolationLog, n: int, *, step: int, recorded: int) -> list[str]:
+        if n == self._seen_index or self.reporter.is_raised:
             return []
-        return self.reporter.log_or_raise(log, step=step)
+        self._seen_index = n
+        try:
+            msgs = self.reporter.log_or_raise(log, step=step)
+        except CanaryViolationError as e:
+            e.recorded_step = recorded
+            self.last_records, self.last_recorded_step = e.records, recorded
+            raise
+        self.last_records, self.last_recorded_step = self.reporter.last_records, recorded
+        return msgs
 
     def flush(self, log: layout.ViolationLog, *, step: int) -> list[str]:
-        """Reports whatever the current log holds (e.g. at shutdown), without the one-step delay."""
-        if self.reporter.is_raised or log.num_violations() == 0:
-            return []
-        return self.reporter.log_or_raise(log, step=step)
+        """Reports whatever the current log holds (e.g. at shutdown), without the one-step delay.
+
+        Raises:
+          CanaryViolationError: in raise mode, when there are rows not yet reported.
+        """
+        self._pending = None
+        self.last_records = []
+        return self._report(log, log.num_violations(), step=step, recorded=int(step))
+
+
+class EnableWarner:
+    """SGLang's ``CanaryEnableWarner``: when a per-forward verify plan overflowed (``enable == 0``: the verify was
+    skipped, nothing was checked that step), warn once per such step, one step late.
+
+    The warning is SGLang's text: ``kv-canary: per-forward verify skipped this step due to overflow (total=%d,
+    capacity=%d); check ServerArgs / pool sizing``, where ``total`` counts the overflowed steps so far.
+
+    Args:
+      verify_capacity: the per-forward verify capacity (printed).
+      delayed: read the previous step's snapshot (True) or the current flags (False).
+      log: the logger (default ``canary_jax``).
+
+    Attributes:
+      overflow_count_total: steps seen with a skipped verify.
+    """
+
+    def __init__(self, *, verify_capacity: int, delayed: bool = True, log: logging.Logger | None = None) -> None:
+        self.verify_capacity = int(verify_capacity)
+        self.delayed = bool(delayed)
+        self._logger = log or logger
+        self._pending = None
+        self.overflow_count_total = 0
+
+    def tick(self, verify_enable: Any) -> bool:
+        """Call once per step with the step's ``StepSummary.verify_enable`` (``int32[G]``, one flag per group).
+
+        Returns:
+          True if the step read now (the previous one when delayed) skipped its verify.
+        """
+        if self.delayed:
+            verify_enable, self._pending = self._pending, _snapshot(verify_enable)
+            if verify_enable is None:
+                return False
+        if int(np.asarray(verify_enable).min()) != 0:
+            return False
+        self.overflow_count_total += 1
+        self._logger.warning(
+            "kv-canary: per-forward verify skipped this step due to overflow "
+            "(total=%d, capacity=%d); check ServerArgs / pool sizing",
+            self.overflow_count_total,
+            self.verify_capacity,
+        )
+        return True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

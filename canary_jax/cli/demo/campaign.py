@@ -6,7 +6,9 @@ request); the episode then runs until the canary reports a violation (plus one s
 fail reasons) or until ``detect_window`` steps have passed. A violation before the injection is a false
 positive. The clean phase serves the whole workload with no fault; every violation there is a false
 positive. Jitted functions are shared by all episodes (fixed shapes), so only the first step compiles.
-:func:`canary_jax.cli.demo.summary.summarize` turns the :class:`CampaignResult` into the report.
+The bookkeeping (injection, detection, latency, fail reasons, false positives) is the public
+:class:`canary_jax.faults.FaultCampaign`; :func:`canary_jax.cli.demo.summary.summarize` turns the
+:class:`CampaignResult` into the report.
 
 ``inject_at`` is ``inject_after`` plus a per-trial offset in ``[0, 8)``, capped at the last step where the
 fault can still act and be seen before the workload ends. Those steps come from a scheduler-only dry run of
@@ -17,14 +19,15 @@ no episodes and is reported as not applicable.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable
 
 import jax
 import numpy as np
 
-from canary_jax.cli.demo import workload
+from canary_jax import dump as dump_lib
+from canary_jax import faults as faults_lib
+from canary_jax.cli.demo import canary_ops, workload
 from canary_jax.cli.demo.engine import ConfigError, Engine, EngineConfig
 from canary_jax.cli.demo.faults import FAULT_KINDS, Fault, WorkloadTrace
 from canary_jax.cli.demo.model import PAD_TOKEN, ModelConfig, init_params
@@ -149,14 +152,6 @@ def dry_run(cfg: CampaignConfig, kinds: list[Fault], requests=None) -> WorkloadT
     )
 
 
-def _reason_keys(records) -> collections.Counter:
-    out = collections.Counter()
-    for r in records:
-        for reason in r.reasons or ["none"]:
-            out[f"{r.tag}:{reason}"] += 1
-    return out
-
-
 class Campaign:
     """Runs the clean phase and the fault episodes; ``on_step(label, step)`` feeds a progress bar."""
 
@@ -186,6 +181,7 @@ class Campaign:
         self.dumped: str | None = None
         self.dump_error: str | None = None  # why --dump could not be written (the CLI reports it, exit 2)
         self.last_engine: Engine | None = None
+        self.tracker = faults_lib.FaultCampaign()
 
     def _latest_inject_steps(self) -> dict[str, int]:
         """Per kind, the last step at which it can act and still be seen; refuses a too-short workload."""
@@ -224,8 +220,7 @@ class Campaign:
         self.on_episode("clean")
         eng = self._engine()
         stats = PhaseStats()
-        reasons = collections.Counter()
-        fps = sweeps = 0
+        sweeps = 0
         while True:
             res = eng.step()
             if res is None:
@@ -241,12 +236,11 @@ class Campaign:
                 if sweeps > 1:
                     stats.sweep_s.append(res.sweep_s)
                     stats.sweep_entries.append(res.swept)
-            fps += len(res.new_violations)
-            reasons.update(_reason_keys(res.new_violations))
+            self.tracker.observe(res.new_violations, step=res.step)  # no episode open: false positives
             self.on_step("clean", res.step)
-        fps = max(fps, eng.canary.log.num_violations())
+        fps = max(self.tracker.false_positives, eng.canary.log.num_violations())
         self.clean_health_errors = list(eng.health_errors)
-        return fps, dict(reasons), stats, dict(eng.scheduler.stats)
+        return fps, dict(self.tracker.false_positive_reasons), stats, dict(eng.scheduler.stats)
 
     def run_trial(self, fault: Fault, trial: int) -> TrialResult:
         label = f"{fault.kind}#{trial}"
@@ -257,65 +251,71 @@ class Campaign:
         eng = self._engine()
         window = max(cfg.detect_window, cfg.engine.sweep_interval + 1)  # a sweep must get its chance
         out = TrialResult(kind=fault.kind, trial=trial)
-        reasons = collections.Counter()
+        ep = self.tracker.begin(fault.kind, label=label)
 
         def hook(engine, batch):
-            if out.injected or engine.step_index < inject_at:
+            if ep.injected or engine.step_index < inject_at:
                 return
             info = fault.try_inject(engine, batch, rng, trial)
             if info is not None:
-                out.injected = True
-                out.inject_step = engine.step_index
-                out.details = info
+                self.tracker.injected(step=engine.step_index, **info)
 
-        while True:
-            res = eng.step(hooks=(hook,))
-            if res is None:
-                break
-            out.steps += 1
-            self.on_step(label, res.step)
-            if res.new_violations:
-                if not out.injected:
-                    out.false_positives += len(res.new_violations)
-                else:
-                    out.violations += len(res.new_violations)
-                    reasons.update(_reason_keys(res.new_violations))
-                    if not out.detected:
-                        out.detected = True
-                        out.detect_step = res.step
-                        out.steps_to_detect = res.step - out.inject_step
-                        r = res.new_violations[0]
-                        out.first_violation = f"{r.tag} {'+'.join(r.reasons)} slot={r.slot_idx} position={r.position}"
-                        n = eng.canary.log.num_violations()
-                        out.first_violation_text = format_violation(
-                            r, total=n, ring_overflow=n > eng.canary.log.ring_capacity, step_when_pumped=res.step
-                        )
-            if out.detected and res.step >= out.detect_step + 1:
-                break
-            if out.injected and res.step - out.inject_step >= window:
-                break
-        out.reasons = dict(reasons)
+        try:
+            while True:
+                res = eng.step(hooks=(hook,))
+                if res is None:
+                    break
+                out.steps += 1
+                self.on_step(label, res.step)
+                was_detected = ep.detected
+                self.tracker.observe(res.new_violations, step=res.step)
+                if ep.detected and not was_detected:
+                    r = ep.first_violation
+                    out.first_violation = f"{r.tag} {'+'.join(r.reasons)} slot={r.slot_idx} position={r.position}"
+                    n = eng.canary.log.num_violations()
+                    out.first_violation_text = format_violation(
+                        r, total=n, ring_overflow=n > eng.canary.log.ring_capacity, step_when_pumped=res.step
+                    )
+                if ep.detected and res.step >= ep.detect_step + 1:
+                    break
+                if ep.injected and res.step - ep.inject_step >= window:
+                    break
+        finally:
+            self.tracker.end()
+        for name in (
+            "injected",
+            "inject_step",
+            "detected",
+            "detect_step",
+            "steps_to_detect",
+            "violations",
+            "false_positives",
+            "details",
+        ):
+            setattr(out, name, getattr(ep, name))
+        out.reasons = dict(ep.reasons)
         out.health_errors = list(eng.health_errors)
         if self.dump_path and out.detected and self.dumped is None and self.dump_error is None:
             self._dump(eng, label)
         return out
 
     def _dump(self, eng: Engine, label: str) -> None:
-        from canary_jax.cli.verify_dump import save_dump
-
+        """Saves the episode's canary state, layer 0 of the pools it fingerprints and the live requests
+        (:func:`canary_jax.dump.save_dump`; ``canary-jax verify-dump`` reads it)."""
         running = eng.scheduler.running
+        rt = eng.canary
         try:
-            save_dump(
+            dump_lib.save_dump(
                 self.dump_path,
-                log=eng.canary.log,
-                head_buf=eng.canary.buffer("k_head"),
-                tail_buf=eng.canary.buffer("k_tail"),
+                rt.state,
+                real_kv_sources=canary_ops.pool_sources(
+                    eng.k_pool, eng.v_pool, page_size=rt.page_size, kv_bytes=rt.kv_bytes, config=rt.config
+                ),
+                real_kv_hash_mode=rt.config.real_kv_hash_mode,
                 req_to_token=eng.scheduler.req_to_token,
-                req_pool_indices=[r.row for r in running],
-                seq_lens=[r.kv_len for r in running],
-                k_pool_layer0=eng.k_pool[0],
-                page_size=self.cfg.engine.page_size,
-                real_kv_hash_mode=self.cfg.engine.real_kv_hash_mode,
+                req_pool_indices=np.array([r.row for r in running], np.int64),
+                seq_lens=np.array([r.kv_len for r in running], np.int64),
+                step=eng.step_index,
             )
         except OSError as e:  # disk full, /dev/full, permissions: reported by the CLI after the run
             self.dump_error = e.strerror or str(e)

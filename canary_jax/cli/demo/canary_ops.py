@@ -39,7 +39,7 @@ def _pool_sources(pool, *, page_size: int, kv_bytes: int, mode: constants.RealKv
     return (RealKvSource(tensor=pool[0], page_size=page_size, num_bytes_per_token=kv_bytes, read_bytes=read),)
 
 
-def _sources(k_pool, v_pool, *, page_size: int, kv_bytes: int, config: CanaryStepConfig) -> tuple:
+def pool_sources(k_pool, v_pool, *, page_size: int, kv_bytes: int, config: CanaryStepConfig) -> tuple:
     """The one group's ``(sources_k, sources_v)``: layer 0 of each pool, built inside the caller's ``jit`` (a
     slice there, not a copy); the V pool only when the V half is launched."""
     mode = config.real_kv_hash_mode
@@ -50,13 +50,13 @@ def _sources(k_pool, v_pool, *, page_size: int, kv_bytes: int, config: CanarySte
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "kv_bytes"))
 def _tail(state, plans, batch, k_pool, v_pool, *, config, page_size, kv_bytes):
-    srcs = _sources(k_pool, v_pool, page_size=page_size, kv_bytes=kv_bytes, config=config)
+    srcs = pool_sources(k_pool, v_pool, page_size=page_size, kv_bytes=kv_bytes, config=config)
     return canary_tail(state, plans, batch, config=config, real_kv_sources=srcs)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "kv_bytes"))
 def _sweep(state, plan, k_pool, v_pool, *, config, page_size, kv_bytes):
-    srcs = _sources(k_pool, v_pool, page_size=page_size, kv_bytes=kv_bytes, config=config)
+    srcs = pool_sources(k_pool, v_pool, page_size=page_size, kv_bytes=kv_bytes, config=config)
     return canary_sweep(state, (plan,), config=config, real_kv_sources=srcs)
 
 

@@ -23,6 +23,10 @@ canary_corrupt     one field (token / position / prev_hash) of a canary record  
 orphan_flip        one bit in bytes [0, 16) of a cached prefix slot that no       SWEEP verify real_kv
                    running request reads                                          (PARTIAL, ALL; sweep on)
 =================  =============================================================  ===============================
+
+The array edits are the public pure functions of :mod:`canary_jax.faults` (``flip_kv_bits``,
+``flip_canary_bits``, ``remap_req_to_token``, ``shift_position``, ``swap_token``); this module only picks the
+demo engine's targets (it knows its scheduler, prefix cache and pools) and records what it broke.
 """
 
 from __future__ import annotations
@@ -30,10 +34,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from canary_jax import constants
+from canary_jax import faults as faults_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,20 +111,22 @@ def _pick_verified_position(batch, rng):
 
 
 def _flip_k_bit(engine, slot: int, byte: int, bit: int) -> None:
-    """XOR one bit of ``slot``'s layer-0 K bytes (a host round trip; the pool is small)."""
-    ps = engine.cfg.page_size
-    nbpt = engine.model_cfg.kv_bytes_per_token
-    k = np.array(engine.k_pool)  # bf16 [layers, pages, ps * kv_dim]
-    u8 = k.view(np.uint8)  # [layers, pages, ps * kv_bytes]
-    u8[0, slot // ps, (slot % ps) * nbpt + byte] ^= np.uint8(1 << bit)
-    engine.k_pool = jnp.asarray(k)
+    """XOR one bit of ``slot``'s layer-0 K bytes (:func:`canary_jax.faults.flip_kv_bits` on the pool's layer 0)."""
+    layer0 = faults_lib.flip_kv_bits(
+        engine.k_pool[0],  # bf16 [pages, page_size * kv_dim]
+        slot,
+        page_size=engine.cfg.page_size,
+        num_bytes_per_token=engine.model_cfg.kv_bytes_per_token,
+        byte=byte,
+        xor=1 << bit,
+    )
+    engine.k_pool = engine.k_pool.at[0].set(layer0)
 
 
 def _flip_canary_field(engine, buffer: str, slot: int, field: int, bit: int) -> None:
+    """Flip one bit of a canary record field (:func:`canary_jax.faults.flip_canary_bits`)."""
     name = "k_head" if buffer == "HEAD" else "k_tail"
-    buf = np.array(engine.canary.buffer(name))
-    buf[slot, 8 * field + bit // 8] ^= np.uint8(1 << (bit % 8))
-    engine.canary.set_buffer(name, jnp.asarray(buf))
+    engine.canary.set_buffer(name, faults_lib.flip_canary_bits(engine.canary.buffer(name), slot, field=field, bit=bit))
 
 
 # --- the kinds -------------------------------------------------------------------------------------------
@@ -197,7 +203,7 @@ class ReqToTokenRemap(Fault):
             return None
         slot, q = others[rng.integers(len(others))]
         old = int(sched.req_to_token[row.req.row, p])
-        sched.req_to_token[row.req.row, p] = slot
+        sched.req_to_token = faults_lib.remap_req_to_token(sched.req_to_token, row=row.req.row, position=p, slot=slot)
         return dict(rid=row.req.rid, position=p, old_slot=old, new_slot=slot, new_slot_position=q)
 
 
@@ -266,7 +272,7 @@ class PositionShift(Fault):
         j = int(rng.integers(row.count))
         t = row.token_offset + j
         old = int(batch.positions[t])
-        batch.positions[t] = old + 1
+        batch.positions = faults_lib.shift_position(batch.positions, index=t, delta=1)
         return dict(rid=row.req.rid, position=old, fed_position=old + 1)
 
 
@@ -294,7 +300,7 @@ class TokenSwap(Fault):
         others = [int(batch.input_ids[r.token_offset]) for r in batch.rows if r is not row]
         others = [x for x in others if x != old]
         new = others[rng.integers(len(others))] if others else (old + 1) % 256
-        batch.input_ids[t] = new
+        batch.input_ids = faults_lib.swap_token(batch.input_ids, index=t, token=new)
         return dict(rid=row.req.rid, position=int(batch.positions[t]), token=old, fed_token=new)
 
 

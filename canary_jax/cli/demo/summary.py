@@ -4,11 +4,11 @@ timing of the clean phase. The same dict is printed by :mod:`canary_jax.cli.rend
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import statistics
 
 from canary_jax import constants
+from canary_jax.faults import kind_report
 
 
 def _ms(xs) -> float | None:
@@ -30,12 +30,8 @@ def summarize(result) -> dict:
         trs = [t for t in result.trials if t.kind == fault.kind]
         exp = fault.expected(ecfg)
         na = result.not_applicable.get(fault.kind, "")
-        injected = sum(t.injected for t in trs)
-        detected = sum(t.detected for t in trs)
-        lat = [t.steps_to_detect for t in trs if t.steps_to_detect is not None]
-        reasons = collections.Counter()
-        for t in trs:
-            reasons.update(t.reasons)
+        rep = kind_report(fault.kind, trs)  # injected, detected, latency, fail reasons (canary_jax.faults)
+        injected, detected, lat = rep.injected, rep.detected, list(rep.steps_to_detect)
         # status: a fixed vocabulary for tables and charts; verdict: the words shown to people.
         if na:
             status, verdict = "not_applicable", f"n/a: {na}"
@@ -65,9 +61,9 @@ def summarize(result) -> dict:
                 expected_detect=exp.detect and not na,
                 expected_miss_reason=(na or exp.why_not) or None,
                 steps_to_detect=lat,
-                mean_steps_to_detect=round(statistics.fmean(lat), 2) if lat else None,
-                max_steps_to_detect=max(lat) if lat else None,
-                fail_reasons=dict(sorted(reasons.items())),
+                mean_steps_to_detect=rep.mean_steps_to_detect,
+                max_steps_to_detect=rep.max_steps_to_detect,
+                fail_reasons=rep.fail_reasons,
                 status=status,
                 verdict=verdict,
                 ok=status in ("ok", "expected_miss", "ok_anyway", "not_applicable"),
