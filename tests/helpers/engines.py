@@ -12,7 +12,13 @@ model that writes deterministic layer-0 K bytes into a paged pool, under the can
 the KV write, TAIL with the K pool as real-KV source, and a periodic sweep. Both share a page allocator with a
 prefix cache (shared prompt pages, finished requests' pages freed and reused). ``step(inject=...)`` runs a
 fault-injection hook after scheduling and before HEAD (:func:`inject_kv_flip`, :func:`inject_table_remap`,
-:func:`inject_token_swap`).
+:func:`inject_token_swap`) and ``step(observe=...)`` an observer after HEAD (plan parity checks).
+
+:class:`HybridBlockTableEngine` is vLLM's hybrid KV cache: a full-attention group and a sliding-window group, each
+with its block table and its own pool (the SWA pool smaller), SWA blocks that leave the window freed to the null
+block and reused by other requests, prefix hits across both groups; the canary runs a FULL and an SWA group
+(:func:`inject_swa_kv_flip`, :func:`inject_swa_table_remap`, :func:`flip_freed_swa_block`; ``sglang_view`` writes
+each step in SGLang's convention, dense ``req_to_token`` + full-to-SWA LUT).
 """
 
 from __future__ import annotations
@@ -281,6 +287,8 @@ class Request:
     computed: int = 0  # tokens whose KV is written
     row: int = -1
     cached: bool = False
+    swa_pages: list[int] = dataclasses.field(default_factory=list)  # sliding-window blocks owned (0 = null)
+    swa_table: list[int] = dataclasses.field(default_factory=list)  # what its SWA block-table row says
 
     @property
     def final_len(self) -> int:
@@ -426,7 +434,7 @@ class ToyEngine:
         reserved = sum(-(-r.final_len // self.PAGE_SIZE) - len(r.pages) for r in self.running)
         while self.waiting:
             req = self.waiting[0]
-            matched = self.pages.match(req.prompt[: len(req.prompt) - 1])
+            matched = self.match_prefix(req)
             need = -(-req.final_len // self.PAGE_SIZE) - len(matched)
             for page in matched:
                 self.pages.ref[page] += 1
@@ -439,6 +447,7 @@ class ToyEngine:
             req.table_pages = list(matched)
             req.computed = len(matched) * self.PAGE_SIZE
             self.stats["shared_pages"] += len(matched)
+            self.admitted(req)
             self.running.append(req)
             reserved += need
 
@@ -460,6 +469,7 @@ class ToyEngine:
             if r.computed == len(r.tokens):
                 if not r.cached:  # prompt fully computed: its full pages join the prefix cache
                     self.pages.insert(r.prompt, r.pages)
+                    self.prompt_cached(r)
                     r.cached = True
                 if len(r.tokens) - len(r.prompt) < r.max_new:
                     r.tokens.append((r.tokens[-1] * 31 + len(r.tokens) * 7 + r.rid) % VOCAB + 1)
@@ -468,21 +478,29 @@ class ToyEngine:
             self.remove_row(r)
             for page in r.pages:
                 self.pages.decref(page)
+            self.released(r)
             self.stats["finished"] += 1
 
-    def step(self, inject=None) -> dict | None:
-        """One forward step under the canary. ``inject(engine, work)`` runs after scheduling, before HEAD."""
-        from canary_jax.adapters.batches import sweep_plan_after_step
-        from canary_jax.runtime.step import canary_head, canary_sweep, canary_tail
+    # -- hooks with defaults (the hybrid engine overrides them) ---------------------------------------------
+    def match_prefix(self, req: Request) -> list[int]:
+        """The cached full pages a new request starts from."""
+        return self.pages.match(req.prompt[: len(req.prompt) - 1])
 
+    def admitted(self, req: Request) -> None:
+        """After ``req`` is admitted with ``req.pages`` matched."""
+
+    def prompt_cached(self, req: Request) -> None:
+        """After ``req``'s prompt pages joined the prefix cache."""
+
+    def released(self, req: Request) -> None:
+        """After a finished request's full pages were released."""
+
+    def prepare_step(self, work: list[WorkItem], arrays: dict) -> None:
+        """Before HEAD, with the step's batch arrays (e.g. keep a LUT current)."""
+
+    def write_kv(self, arrays: dict) -> None:
+        """The toy model's KV write for the step's tokens."""
         _, jnp = _jax()
-        self._admit()
-        work = self.schedule()
-        self._allocate(work)
-        info = inject(self, work) if inject is not None else None
-        arrays = self.batch_arrays(work)
-        batch = self.canary_batch(arrays)
-        self.state, plans = canary_head(self.state, batch, config=self.config)
         write = _write_kv_fn(self.source_page_size())
         self.pool = write(
             self.pool,
@@ -490,12 +508,35 @@ class ToyEngine:
             jnp.asarray(arrays["model_tokens"]),
             jnp.asarray(arrays["model_positions"]),
         )
+
+    def sweep_plans(self, batch) -> tuple:
+        """One sweep VerifyPlan per canary group, after the step."""
+        from canary_jax.adapters.batches import sweep_plan_after_step
+
+        return (sweep_plan_after_step(batch, verify_capacity=self.SWEEP_CAPACITY),)
+
+    def step(self, inject=None, observe=None) -> dict | None:
+        """One forward step under the canary. ``inject(engine, work)`` runs after scheduling, before HEAD;
+        ``observe(engine, work, arrays, batch, plans)`` after HEAD (before the step's bookkeeping)."""
+        from canary_jax.runtime.step import canary_head, canary_sweep, canary_tail
+
+        self._admit()
+        work = self.schedule()
+        self._allocate(work)
+        info = inject(self, work) if inject is not None else None
+        arrays = self.batch_arrays(work)
+        batch = self.canary_batch(arrays)
+        self.prepare_step(work, arrays)
+        self.state, plans = canary_head(self.state, batch, config=self.config)
+        if observe is not None:
+            observe(self, work, arrays, batch, plans)
+        self.write_kv(arrays)
         self.state, _ = canary_tail(self.state, plans, batch, config=self.config, real_kv_sources=self.sources())
         self.stats["steps"] += 1
         self._finish(work)
         if self.step_no % self.SWEEP_EVERY == self.SWEEP_EVERY - 1:
-            sweep = sweep_plan_after_step(batch, verify_capacity=self.SWEEP_CAPACITY)
-            self.state = canary_sweep(self.state, (sweep,), config=self.config, real_kv_sources=self.sources())
+            sweeps = self.sweep_plans(batch)
+            self.state = canary_sweep(self.state, sweeps, config=self.config, real_kv_sources=self.sources())
             self.stats["sweeps"] += 1
         self.step_no += 1
         self.last_batch = batch
@@ -503,15 +544,20 @@ class ToyEngine:
 
     def violations(self) -> tuple[int, int]:
         """``(count, OR of the fail-reason bits of the recorded rows)``."""
+        n, rows = self.violation_rows()
+        bits = 0
+        for row in rows:
+            bits |= int(row[7])
+        return n, bits
+
+    def violation_rows(self) -> tuple[int, np.ndarray]:
+        """``(count, the recorded ring rows as int64 [n, 8])`` (row[0] is the launch tag)."""
         from canary_jax import ints
 
         log = self.state.log
         n = int(np.asarray(log.write_index)[0])
         ring = ints.pairs_to_int64_np(np.asarray(log.ring))
-        bits = 0
-        for row in ring[: min(n, ring.shape[0])]:
-            bits |= int(row[7])
-        return n, bits
+        return n, ring[: min(n, ring.shape[0])]
 
     def token_arrays(self, work: list[WorkItem]):
         """Per-token ``(ids fed, true ids, positions, slots)`` in work order, padded to NUM_TOKENS."""
@@ -732,6 +778,7 @@ class BlockTableEngine(ToyEngine):
         from canary_jax.runtime.endpoints import ExpectedInputs
 
         _, jnp = _jax()
+        extra = {"swa_block_table": a["swa_block_table"]} if "swa_block_table" in a else {}
         return from_block_tables(
             input_ids=a["input_ids"],
             positions=a["positions"],
@@ -743,10 +790,271 @@ class BlockTableEngine(ToyEngine):
             expected_inputs=ExpectedInputs(tokens=a["expected_true"], positions=a["positions"]),
             expected_tokens=self.expected_tokens(self.MAX_ROWS, lambda r: r.row),
             expected_tokens_valid_lens=a["valid_lens"],
+            **extra,
         )
 
     def remap(self, req: Request, page_index: int, page: int) -> None:
         req.table_pages[page_index] = page
+
+
+class SwaBlockPool:
+    """The sliding-window KV-cache group's own block pool, vLLM-style (``vllm/v1/core/block_pool.py``): block 0
+    is the null block; freed blocks go to the tail of the free queue and new blocks come from its head; the
+    prefix cache is lazy, so a freed block stays hashable until it is reallocated (then it leaves the cache).
+    A cache entry remembers the full-attention page its block was computed with, so a hit in both groups names
+    one (full slot, SWA slot) pair, as SGLang's full-to-SWA LUT does."""
+
+    def __init__(self, num_blocks: int):
+        self.free = collections.deque(range(1, num_blocks))
+        self.ref = [0] * num_blocks
+        self.cache: dict = {}  # tokens up to the block's end -> (full page, block)
+        self.key_of: dict = {}  # block -> its cache key
+        self.ever_freed: set[int] = set()
+        self.reused = 0  # allocations of a block that had been freed before
+
+    def alloc(self) -> int:
+        if not self.free:
+            raise RuntimeError("SWA block pool exhausted (engine sizing bug)")
+        block = self.free.popleft()
+        key = self.key_of.pop(block, None)
+        if key is not None:
+            del self.cache[key]
+        self.reused += block in self.ever_freed
+        self.ref[block] = 1
+        return block
+
+    def touch(self, block: int) -> None:
+        """A prefix-cache hit on ``block``: it leaves the free queue if it was there."""
+        if self.ref[block] == 0:
+            self.free.remove(block)
+        self.ref[block] += 1
+
+    def decref(self, block: int) -> None:
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            self.free.append(block)
+            self.ever_freed.add(block)
+
+    def insert(self, key: tuple, full_page: int, block: int) -> None:
+        if key not in self.cache and block not in self.key_of:
+            self.cache[key] = (full_page, block)
+            self.key_of[block] = key
+
+
+class HybridBlockTableEngine(BlockTableEngine):
+    """vLLM's hybrid KV cache (``vllm/v1/core/kv_cache_coordinator.py`` ``HybridKVCacheCoordinator``): a
+    full-attention group (block table, pool and prefix cache of :class:`BlockTableEngine`) and a sliding-window
+    group with its own block table and its own, smaller pool (:class:`SwaBlockPool`).
+
+    * Window: vLLM's ``sliding_window`` W counts the token itself (HF convention: a query at q attends to
+      [q - W + 1, q]). SGLang's window is exclusive (``get_attention_sliding_window_size(config) =
+      config.sliding_window - 1`` in its models), and the canary's SWA group covers ``[max(0, P - w), P)`` with
+      w = that exclusive size (SGLang ``plan_ref.py``: ``window_start = max(0, prefix_len - swa_window_size)``).
+      So the canary's ``swa_window_size`` is W - 1: exactly the KV the step's new tokens read.
+    * Freeing: before each step (``SlidingWindowManager.remove_skipped_blocks`` from ``allocate_slots``) the
+      blocks wholly before ``num_computed_tokens - W + 1`` (``get_num_skipped_tokens``) become the null block
+      in the request's SWA row and go back to the pool, where the next allocation may hand them to another
+      request in the same step. The canary never reads them: the window starts at the first kept position and
+      the predecessor of the window's first entry reads the null block (slot 0: chain check skipped).
+    * Prefix hits: the longest hit both groups have: the full pages, and the SWA blocks of the last W - 1
+      matched tokens (earlier SWA blocks are null), computed with those full pages
+      (``SlidingWindowManager.find_longest_cache_hit``).
+    * Canary: a FULL group over the full pool and an SWA group (``PoolKind.SWA``, ``swa_window_size`` W - 1)
+      over the SWA pool; the batch's SWA group reads the SWA block table (``from_block_tables(...,
+      swa_block_table=...)``) and the SWA group's LUT is kept current for the step's tokens with
+      ``update_swa_lut`` (SGLang's SWA write translates ``out_cache_loc`` through it: SPEC 8.2). TAIL and SWEEP
+      hash each group's layer-0 K (SGLang ``pool_patch/adapters/swa.py``: ``full_kv_pool.k_buffer[0]`` and
+      ``swa_kv_pool.k_buffer[0]``).
+    """
+
+    SLIDING_WINDOW = 8  # vLLM / HF sliding_window (inclusive of the token itself)
+    SWA_WINDOW = SLIDING_WINDOW - 1  # the canary's swa_window_size (SGLang's exclusive window)
+    SWA_PAGES = 28  # the SWA pool (block 0 is null): smaller than the full pool's 40 pages
+
+    def __init__(self, **kw):
+        from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
+        from canary_jax.runtime.state import CanaryState
+
+        super().__init__(**kw)
+        _, jnp = _jax()
+        self.swa = SwaBlockPool(self.SWA_PAGES)
+        self.num_swa_slots = self.SWA_PAGES * self.PAGE_SIZE
+        full = CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=self.num_slots, has_v_half=False)
+        swa = CanaryBufferGroup.allocate(
+            kind=PoolKind.SWA,
+            num_slots=self.num_swa_slots,
+            has_v_half=False,
+            swa_index_lut=np.zeros(self.num_slots + 1, np.int64),
+            swa_window_size=self.SWA_WINDOW,
+        )
+        self.state = CanaryState.create([full, swa], ring_capacity=64)
+        self.swa_pool = jnp.zeros((self.SWA_PAGES, self.PAGE_SIZE * KV_BYTES), jnp.uint8)
+        self.watch_block = 0  # an SWA block whose in-window verifications are counted (0: none)
+        self.window_freed: dict[int, int] = {}  # SWA blocks freed out of the window, not reused since -> first position
+
+    # -- prefix cache across both groups ------------------------------------------------------------------
+    def _swa_needed(self, num_tokens: int) -> int:
+        """The first block a request with ``num_tokens`` computed tokens keeps in the SWA group."""
+        return max(0, num_tokens - self.SLIDING_WINDOW + 1) // self.PAGE_SIZE
+
+    def match_prefix(self, req: Request) -> list[int]:
+        matched = self.pages.match(req.prompt[: len(req.prompt) - 1])
+        ps = self.PAGE_SIZE
+        for k in range(len(matched), 0, -1):  # the longest k whose SWA window blocks are cached too
+
+            def cached(j: int) -> bool:
+                entry = self.swa.cache.get(tuple(req.prompt[: (j + 1) * ps]))
+                return entry is not None and entry[0] == matched[j]
+
+            if all(cached(j) for j in range(self._swa_needed(k * ps), k)):
+                self.stats["swa_shortened_hits"] += k < len(matched)
+                return matched[:k]
+        self.stats["swa_shortened_hits"] += bool(matched)
+        return []
+
+    def admitted(self, req: Request) -> None:
+        ps = self.PAGE_SIZE
+        k = len(req.pages)
+        first = self._swa_needed(k * ps)
+        req.swa_pages = [0] * first
+        for j in range(first, k):
+            _, block = self.swa.cache[tuple(req.prompt[: (j + 1) * ps])]
+            self.swa.touch(block)
+            self.window_freed.pop(block, None)
+            req.swa_pages.append(block)
+            self.stats["swa_shared_blocks"] += 1
+        req.swa_table = list(req.swa_pages)
+
+    def prompt_cached(self, req: Request) -> None:
+        ps = self.PAGE_SIZE
+        for j in range(len(req.prompt) // ps):
+            key = tuple(req.prompt[: (j + 1) * ps])
+            if req.swa_pages[j] and self.pages.cache.get(key) == req.pages[j]:
+                self.swa.insert(key, req.pages[j], req.swa_pages[j])
+
+    def released(self, req: Request) -> None:
+        for block in req.swa_pages:
+            if block:
+                self.swa.decref(block)
+
+    def _allocate(self, work: list[WorkItem]) -> None:
+        super()._allocate(work)
+        ps = self.PAGE_SIZE
+        for item in work:  # vLLM's allocate_slots: remove_skipped_blocks, then new blocks
+            r = item.req
+            for j in range(min(self._swa_needed(item.prefix), len(r.swa_pages))):
+                if r.swa_pages[j]:
+                    self.swa.decref(r.swa_pages[j])
+                    if not self.swa.ref[r.swa_pages[j]]:
+                        self.window_freed[r.swa_pages[j]] = j * ps
+                    r.swa_pages[j] = r.swa_table[j] = 0
+                    self.stats["swa_freed"] += 1
+            while len(r.swa_pages) * ps < item.prefix + item.extend:
+                block = self.swa.alloc()
+                self.window_freed.pop(block, None)
+                r.swa_pages.append(block)
+                r.swa_table.append(block)
+            if item.extend == 1 and item.prefix > self.SWA_WINDOW:
+                self.stats["decode_past_window"] += 1
+
+    # -- batch, KV, canary ----------------------------------------------------------------------------------
+    def batch_arrays(self, work):
+        out = super().batch_arrays(work)
+        ps = self.PAGE_SIZE
+        bt = np.zeros((self.MAX_ROWS, self.MAX_BLOCKS), np.int32)
+        slots = []
+        for item in work:
+            r = item.req
+            bt[r.row, : len(r.swa_table)] = r.swa_table
+            for i in range(item.extend):  # where the SWA layers write: the SWA block table at the position
+                p = item.prefix + i
+                slots.append(r.swa_table[p // ps] * ps + p % ps)
+        out["swa_block_table"] = bt
+        out["model_swa_slots"] = np.array(slots + [-1] * (self.NUM_TOKENS - len(slots)), np.int32)
+        return out
+
+    def prepare_step(self, work, arrays):
+        from canary_jax.adapters.batches import update_swa_lut
+
+        full, swa = self.state.groups
+        lut = update_swa_lut(swa.swa_index_lut, arrays["model_slots"], arrays["model_swa_slots"])
+        self.state = self.state.replace(groups=(full, swa.replace(swa_index_lut=lut)))
+        if self.watch_block:
+            ps = self.PAGE_SIZE
+            for item in work:
+                for p in range(max(0, item.prefix - self.SWA_WINDOW), item.prefix):
+                    self.stats["watched_verified"] += item.req.swa_table[p // ps] == self.watch_block
+
+    def write_kv(self, arrays):
+        super().write_kv(arrays)
+        _, jnp = _jax()
+        self.swa_pool = _write_kv_fn(self.PAGE_SIZE)(
+            self.swa_pool,
+            jnp.asarray(arrays["model_swa_slots"]),
+            jnp.asarray(arrays["model_tokens"]),
+            jnp.asarray(arrays["model_positions"]),
+        )
+
+    def sources(self):
+        from canary_jax.sources import RealKvSource
+
+        ps = self.PAGE_SIZE
+        mk = lambda pool: RealKvSource(tensor=pool, page_size=ps, num_bytes_per_token=KV_BYTES, read_bytes=KV_BYTES)  # noqa: E731
+        return (((mk(self.pool),), ()), ((mk(self.swa_pool),), ()))
+
+    def sweep_plans(self, batch):
+        from canary_jax.adapters.batches import sweep_plan_after_step
+
+        cap = self.SWEEP_CAPACITY
+        return (
+            sweep_plan_after_step(batch, verify_capacity=cap),
+            sweep_plan_after_step(batch, verify_capacity=cap, swa_window_size=self.SWA_WINDOW),
+        )
+
+    def remap_swa(self, req: Request, block_index: int, block: int) -> None:
+        req.swa_table[block_index] = block
+
+    def sglang_view(self, work: list[WorkItem], arrays: dict) -> dict:
+        """The step in SGLang's convention: dense ``req_to_token`` (row = batch row + 1) of full-pool slots and
+        the full-to-SWA LUT (0 = evicted), as SGLang's SWA pool keeps them (SPEC 7, 8.1), plus
+        ``prev_conflicts``: the SWA verify entries (batch row, position) whose predecessor this request's SWA
+        row has freed (null: vLLM frees per request) while another request still holds that shared full slot's
+        SWA block, so the global LUT names it (one LUT cannot say both; SGLang reads the live slot there).
+
+        Raises:
+          AssertionError: two live SWA slots for one full slot, or a null SWA block inside a request's canary
+            window or at its write seed (the engine's invariants).
+        """
+        ps, rows = self.PAGE_SIZE, self.MAX_ROWS
+        r2t = np.zeros((rows + 1, self.MAX_LEN), np.int32)
+        lut = np.zeros(self.num_slots + 1, np.int64)
+        for i, item in enumerate(work):
+            r = item.req
+            for p in range(item.prefix + item.extend):
+                f = r.table_pages[p // ps] * ps + p % ps
+                r2t[i + 1, p] = f
+                if r.swa_table[p // ps]:
+                    s = r.swa_table[p // ps] * ps + p % ps
+                    assert lut[f] in (0, s), f"full slot {f} has SWA slots {lut[f]} and {s}"
+                    lut[f] = s
+        conflicts = []
+        for i, item in enumerate(work):
+            r = item.req
+            for p in range(max(0, item.prefix - self.SWA_WINDOW), item.prefix):
+                assert r.swa_table[p // ps], f"null SWA block inside the window (row {i}, position {p})"
+                q = p - 1
+                if q >= 0 and not r.swa_table[q // ps] and lut[r2t[i + 1, q]]:
+                    conflicts.append((i, p))
+        pad = rows - len(work)
+        return dict(
+            req_pool_indices=np.array([i + 1 for i in range(len(work))] + [0] * pad, np.int64),
+            prefix_lens=np.array([w.prefix for w in work] + [0] * pad, np.int64),
+            extend_seq_lens=np.array([w.extend for w in work] + [0] * pad, np.int64),
+            req_to_token=r2t,
+            full_to_swa_index_mapping=lut,
+            expected_tokens=self.expected_tokens(rows + 1, lambda r: r.row + 1),
+            prev_conflicts=conflicts,
+        )
 
 
 # --- fault injection (one per episode; after scheduling, before HEAD) ------------------------------------
@@ -802,5 +1110,75 @@ def inject_token_swap(engine: ToyEngine, work: list[WorkItem]) -> dict | None:
 FAULTS: dict[str, Any] = {
     "kv_flip": inject_kv_flip,
     "table_remap": inject_table_remap,
+    "token_swap": inject_token_swap,
+}
+
+
+def inject_swa_kv_flip(engine: HybridBlockTableEngine, work: list[WorkItem]) -> dict | None:
+    """Flips one bit of the SWA pool's layer-0 K bytes at a slot inside a batch request's canary window (SWA
+    TAIL real_kv)."""
+    cands = _with_prefix(work, 1)
+    if not cands:
+        return None
+    item = engine.rng.choice(cands)
+    ps = engine.PAGE_SIZE
+    p = engine.rng.randrange(max(0, item.prefix - engine.SWA_WINDOW), item.prefix)
+    slot = item.req.swa_pages[p // ps] * ps + p % ps
+    byte, bit = engine.rng.randrange(KV_BYTES), engine.rng.randrange(8)
+    pool = np.array(engine.swa_pool)
+    pool[slot // ps, (slot % ps) * KV_BYTES + byte] ^= np.uint8(1 << bit)
+    _, jnp = _jax()
+    engine.swa_pool = jnp.asarray(pool)
+    return dict(kind="swa_kv_flip", slot=slot, position=p)
+
+
+def inject_swa_table_remap(engine: HybridBlockTableEngine, work: list[WorkItem]) -> dict | None:
+    """Points one SWA block-table entry of a batch request (a fully written block with positions in its canary
+    window) at another live, fully written SWA block holding other positions (SWA HEAD verify: position)."""
+    ps = engine.PAGE_SIZE
+    cands = []
+    for item in work:
+        r = item.req
+        for j in range(item.prefix // ps):
+            if r.swa_table[j] and (j + 1) * ps - 1 >= item.prefix - engine.SWA_WINDOW:
+                cands.append((item, j))
+    if not cands:
+        return None
+    item, j = engine.rng.choice(cands)
+    own = item.req.swa_pages[j]
+    targets = [
+        r.swa_pages[k]
+        for r in engine.running
+        for k in range(min(r.computed // ps, len(r.swa_pages)))
+        if k != j and r.swa_pages[k] and r.swa_pages[k] != own
+    ]
+    if not targets:
+        return None
+    block = engine.rng.choice(targets)
+    engine.remap_swa(item.req, j, block)
+    return dict(kind="swa_table_remap", block_index=j, block=block)
+
+
+def flip_freed_swa_block(engine: HybridBlockTableEngine) -> tuple[int, int]:
+    """Flips one byte of every slot of an SWA block that left every window (freed, ref 0, fully written) and is
+    not in the prefix cache (no request can read it again before it is reallocated); returns ``(block, its first
+    position)``, or ``(0, 0)`` if there is none now. The engine then counts the block's in-window reads."""
+    cands = [b for b in engine.swa.free if b in engine.window_freed and b not in engine.swa.key_of]
+    if not cands:
+        return 0, 0
+    block = cands[0]  # the next one the pool hands out
+    pool = np.array(engine.swa_pool)
+    for i in range(engine.PAGE_SIZE):
+        pool[block, i * KV_BYTES + engine.rng.randrange(KV_BYTES)] ^= np.uint8(1 << engine.rng.randrange(8))
+    _, jnp = _jax()
+    engine.swa_pool = jnp.asarray(pool)
+    engine.watch_block = block
+    return block, engine.window_freed[block]
+
+
+HYBRID_FAULTS: dict[str, Any] = {
+    "swa_kv_flip": inject_swa_kv_flip,
+    "swa_table_remap": inject_swa_table_remap,
+    "kv_flip": inject_kv_flip,
     "token_swap": inject_token_swap,
 }
