@@ -233,6 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="save the canary state (.npz) of the first episode that detected a fault, for verify-dump",
     )
     o.add_argument("--no-progress", action="store_true", help="no progress bar (the bar needs tqdm: the demo extra)")
+    d.add_argument(
+        "--devices",
+        type=_positive("--devices"),
+        default=None,
+        metavar="N",
+        help="shard the canary over N devices by KV heads, one canary per head shard, the shard named in the "
+        "report (on a CPU: N forced host devices)",
+    )
     o.add_argument(
         "-v", "--verbose", action="store_true", help="also print each episode's first violation in SGLang's report text"
     )

@@ -53,6 +53,19 @@ def _demo(args) -> int:
             raise UsageError(f"--plot needs matplotlib, which is not installed: {DEMO_EXTRA_HINT}") from None
     if args.prompts is not None and not os.path.isfile(args.prompts):
         raise UsageError(f"--prompts {args.prompts!r}: file not found")
+    campaign_cls = campaign.Campaign
+    if args.devices is not None:  # the canary sharded over N devices by KV heads
+        from canary_jax.cli.demo import sharded as demo_sharded
+
+        if args.dump:
+            raise UsageError("--dump is not supported with --devices (a dump holds one canary)")
+        why = demo_sharded.force_host_devices(args.devices)
+        if why:
+            raise UsageError(why)
+        args.kv_heads, args.q_heads, why = demo_sharded.fit_kv_heads(args.kv_heads, args.q_heads, args.devices)
+        if why:
+            demo_sharded.note(why)
+        campaign_cls = demo_sharded.campaign_class(args.devices)
     try:
         model_cfg = model.ModelConfig(
             num_layers=args.layers,
@@ -99,7 +112,7 @@ def _demo(args) -> int:
 
     t0 = time.perf_counter()
     try:
-        camp = campaign.Campaign(cfg, kinds, dump_path=args.dump)
+        camp = campaign_cls(cfg, kinds, dump_path=args.dump)
     except (engine.ConfigError, PromptFileError) as e:
         raise UsageError(flagify(str(e))) from None
 
@@ -117,6 +130,8 @@ def _demo(args) -> int:
     if args.verbose:
         render.render_violation_samples(summary)
     render.render_text(summary, verbose=args.verbose)
+    if args.devices is not None:
+        print("\n".join(demo_sharded.shard_lines(result)))
     print(f"{summary['steps']} forward steps in {summary['wall_s']} s (incl. compile)")
     errors: list[str] = []
     if args.json:
