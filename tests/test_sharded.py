@@ -196,10 +196,6 @@ class LayoutErrorsTest(unittest.TestCase):
             sharded.ShardedCanary(1, cfg)
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 class DemoDevicesTest(unittest.TestCase):
     """``canary-jax demo --devices 4`` on forced CPU devices: the campaign passes and names each shard."""
 
@@ -226,3 +222,7 @@ class DemoDevicesTest(unittest.TestCase):
         # a canary-record flip is injected into head shard 3 only: that shard reports it
         corrupt = [ln for ln in lines if ln.lstrip().startswith("canary_corrupt#")]
         self.assertTrue(corrupt[0].endswith(" shard=(0,3)"), corrupt)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -116,6 +116,11 @@ class ViolationReporter:
       collapse: report a row only the first time its 8 columns are seen; later identical rows (the same fault
         seen again by a later step: same tag, slot, fields and fail bits) only count, in :attr:`collapsed`
         (canary-jax addition; SGLang reports every row). The first report's text is SGLang's, unchanged.
+
+    Attributes:
+      last_records: the rows decoded by the latest :meth:`messages` call (repeats included).
+      last_shown: the rows whose messages that call returned, one per message, in order (``last_records``
+        less the repeats left out by ``collapse``).
     """
 
     def __init__(self, mode: str = "log", *, log: logging.Logger | None = None, collapse: bool = False) -> None:
@@ -126,6 +131,7 @@ class ViolationReporter:
         self.collapse = bool(collapse)
         self._seen: dict[tuple[int, ...], decode.CollapsedViolation] = {}
         self.last_records: list[decode.ViolationRecord] = []
+        self.last_shown: list[decode.ViolationRecord] = []
 
     @property
     def is_raised(self) -> bool:
@@ -150,13 +156,14 @@ class ViolationReporter:
         """Formats the not-yet-reported rows and advances the cursor (no logging, no raising).
 
         With ``collapse``, rows already seen are counted and left out. :attr:`last_records` holds the decoded
-        rows (repeats included).
+        rows (repeats included), :attr:`last_shown` the rows of the returned messages.
         """
         ring, wi = decode.ring_and_index(log_or_ring, write_index)
         records = decode.decode_violations(ring, np.array([wi]), start=self._last_logged)
         overflow = wi > ring.shape[0] or wi < 0
         self._last_logged += len(records)
         self.last_records = records
+        self.last_shown = []
         out = []
         for r in records:
             seen = self._seen.get(r.key)
@@ -166,6 +173,7 @@ class ViolationReporter:
                 self._seen[r.key] = dataclasses.replace(seen, count=seen.count + 1, last=int(step))
                 if self.collapse:
                     continue
+            self.last_shown.append(r)
             out.append(decode.format_violation(r, total=wi, ring_overflow=overflow, step_when_pumped=step))
         return out
 

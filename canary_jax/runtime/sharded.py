@@ -777,12 +777,11 @@ class ShardedViolationReporter:
         self.last_records = []
         for shard, slog in sorted(logs.items()):
             r = self._reporter(shard)
-            before = set(r._seen)
             ring, wi = decode.ring_and_index(slog)
-            msgs = r.messages(slog, step=step)
+            r.messages(slog, step=step)  # advances the shard's cursor; its collapse mode picks r.last_shown
             overflow = wi > ring.shape[0] or wi < 0
             self.last_records.extend(ShardedViolationRecord(shard, rec) for rec in r.last_records)
-            for rec in _shown(r.last_records, msgs, self.collapse, before):
+            for rec in r.last_shown:
                 srec = ShardedViolationRecord(shard, rec)
                 out.append(format_sharded_violation(srec, total=wi, ring_overflow=overflow, step_when_pumped=step))
         return out
@@ -833,21 +832,6 @@ class ShardedViolationReporter:
             self._raised = True
             raise CanaryViolationError(msgs, [], step=step)
         return msgs
-
-
-def _shown(records: list[decode.ViolationRecord], msgs: list[str], collapse: bool, before: set | None) -> list:
-    """The records whose messages :meth:`ViolationReporter.messages` kept (all of them unless ``collapse``)."""
-    if not collapse:
-        return list(records)
-    seen = set(before)
-    out = []
-    for r in records:
-        if r.key in seen:
-            continue
-        seen.add(r.key)
-        out.append(r)
-    assert len(out) == len(msgs)
-    return out
 
 
 class ShardedViolationMonitor:
