@@ -46,10 +46,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import backends, constants, decode, ints
+from canary_jax import backends, constants, decode, ints, validation
 from canary_jax.buckets import Buckets
 from canary_jax.plans import VerifyPlan
-from canary_jax.runtime import shapes
+from canary_jax.runtime import phases, shapes
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.report import (
     DEFAULT_STATS_EVERY_N_STEPS,
@@ -65,7 +65,7 @@ from canary_jax.runtime.report import (
     validate_mode,
 )
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig, StepSummary, active_tags
-from canary_jax.runtime.step import canary_step, canary_sweep
+from canary_jax.runtime.step import canary_step, canary_sweep, check_batch_values
 from canary_jax.runtime.sweep import SweepEntries, SweepSchedule, build_sweep_plan_from_radix, sweep_entries_to_plan
 from canary_jax.sources import RealKvSource
 
@@ -80,6 +80,15 @@ __all__ = [
 logger = logging.getLogger("canary_jax")
 
 _BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(CanaryBatch))
+_STEP_INPUT_INT32_FIELDS = (
+    "req_pool_indices",
+    "prefix_lens",
+    "extend_seq_lens",
+    "input_ids",
+    "positions",
+    "out_cache_loc",
+)  # the int64-valued batch fields step_fn receives as int32 (StepInputs)
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 VERIFY_CAPACITY_POOL_FACTOR = 3  # SGLang: per_forward_verify_capacity = pool_slot_count * 3
 
 
@@ -157,8 +166,11 @@ class StepInputs:
         :class:`~canary_jax.plan_builder.SlotTable` pytree, when the batch carries one).
       num_tokens: ``int32[]``, the live tokens of the step.
 
-    The int32 values are the low 32 bits of the canary's exact int64 values (serving-stack ids, positions and
-    slots fit in int32); the canary itself checks the full int64 values, with x64 off or on.
+    The canary itself checks the exact int64 values, with x64 off or on; ``step_fn`` gets them as int32
+    (serving-stack ids, positions and slots fit in int32). :meth:`CanaryGuard.step` refuses host (numpy / list)
+    values outside int32 in these fields, naming the field, so ``step_fn`` never sees a truncated value of host
+    data. Fields given as JAX arrays are not read on the host (no sync): that they fit int32 is then the
+    caller's contract, and ``step_fn`` would see the low 32 bits of a value that does not.
     """
 
     input_ids: jax.Array
@@ -309,7 +321,10 @@ def _guarded_body(groups, log, kv_state, batch, num_tokens, sweep_plans, do_swee
             )
         if box.form is not None and box.form != len(res):
             raise TypeError(f"kv-canary: step_fn returned {len(res)} values after returning {box.form} before")
-        srcs = normalize_sources(res[1], len(groups))
+        srcs = phases.check_sources(normalize_sources(res[1], len(groups)), state, config, "step_fn's result")
+        validation.warn_unhashed_sources(srcs, config.real_kv_hash_mode, who="CanaryGuard")
+        if config.real_kv_hash_mode == constants.RealKvHashMode.NONE:
+            srcs = None  # checked above; NONE hashes nothing (and canary_step need not warn again)
         captured.append((srcs, len(res)))
         return (res[0], res[2] if len(res) == 3 else None), srcs
 
@@ -553,8 +568,13 @@ class CanaryGuard:
 
         Raises:
           TypeError / ValueError: a bad batch (naming the field), more rows than ``max_batch_size``, a
-            ``req_to_token`` of another width or shape, a ``step_fn`` that returns the wrong form or sources
-            that do not fit the hashing mode; all before anything runs, and nothing changes.
+            ``req_to_token`` of another width or shape, host values outside int32 in a field ``step_fn``
+            receives as int32, host values that break SGLang's batch contract
+            (:func:`~canary_jax.runtime.step.check_batch_values`: request rows outside the table, negative
+            lengths on request rows, extends past the tokens, a written slot past the pool), a ``step_fn`` that
+            returns the wrong form or sources that do not fit the hashing mode (naming ``step_fn``); all before
+            anything runs, and nothing changes. Fields given as JAX arrays are not read on the host: their
+            values are the caller's contract.
           CanaryViolationError: raise mode, one step after the step that recorded violations (``.kv_state`` and
             ``.outputs`` hold this step's results: the guard's state is already advanced).
           RuntimeError: the health check found a launch tag whose kernels stopped running (SGLang's message;
@@ -626,6 +646,19 @@ class CanaryGuard:
                 "kv-canary: req_to_token must keep one shape (fixed capacities): got "
                 f"{_describe_signature(sig)} after {_describe_signature(self._r2t_shape)}"
             )
+        for name in _STEP_INPUT_INT32_FIELDS:
+            x = getattr(batch, name)
+            if not isinstance(x, np.ndarray):  # a JAX array: not read on the host (see StepInputs)
+                continue
+            v = ints.pairs_to_int64_np(x)
+            bad = np.flatnonzero((v < _INT32_MIN) | (v > _INT32_MAX))
+            if bad.size:
+                i = int(bad[0])
+                raise ValueError(
+                    f"kv-canary: {name}[{i}] = {int(v[i])} is outside int32, but step_fn receives {name} as int32 "
+                    "(StepInputs); refusing to truncate"
+                )
+        check_batch_values(self._state, batch)
 
     def _sweep_inputs(self, schedule: SweepSchedule) -> tuple[Any, Any]:
         """``(sweep_plans, do_sweep)`` for the program: None, None without sweeps; the idle plans and all-False

@@ -357,7 +357,7 @@ def check_real_kv_sources(
     for i, s in enumerate(sources):
         facts = source_facts(s.tensor)
         if s.chunks is None:
-            num_rows, row_bytes = validation.check_source_layout(i, facts)
+            num_rows, row_bytes = validation.check_source_layout(i, facts, show_shape=True)
         else:
             validation.check_contiguous(facts, f"real_kv_sources[{i}].tensor")
             num_rows, row_bytes = _rows_of(facts)

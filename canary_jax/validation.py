@@ -16,6 +16,7 @@ launch runs each check once: the entry points call these functions before tracin
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -254,8 +255,12 @@ def check_source_fields(*, page_size: int, num_bytes_per_token: int, read_bytes:
         )
 
 
-def check_source_layout(index: int, tensor: ArrayFacts) -> tuple[int, int]:
+def check_source_layout(index: int, tensor: ArrayFacts, *, show_shape: bool = False) -> tuple[int, int]:
     """SGLang's ``_build_real_kv_source_abi`` checks of source ``index`` (every hash mode).
+
+    Args:
+      show_shape: append the tensor's shape and dtype (and how to fix it) to SGLang's 2-D message, which
+        stays its prefix (the JAX entry points; the torch launchers keep SGLang's exact text).
 
     Returns:
       ``(num_rows, row_bytes)`` of the tensor viewed as ``uint8[num_rows, row_bytes]``.
@@ -265,10 +270,56 @@ def check_source_layout(index: int, tensor: ArrayFacts) -> tuple[int, int]:
     """
     check_contiguous(tensor, f"real_kv_sources[{index}].tensor")
     if len(tensor.shape) != 2:
-        raise ValueError(
-            f"kv-canary: real_kv_sources[{index}].tensor (viewed as uint8) must be 2-D, got {len(tensor.shape)}-D"
-        )
+        msg = f"kv-canary: real_kv_sources[{index}].tensor (viewed as uint8) must be 2-D, got {len(tensor.shape)}-D"
+        if show_shape:
+            msg += (
+                f" (shape {tuple(tensor.shape)}, dtype {tensor.dtype}); view the pool as [rows, row_elems] "
+                "(tensor.reshape(tensor.shape[0], -1)), or build the source with canary_jax.adapters.layouts"
+            )
+        raise ValueError(msg)
     return tensor.shape[0], tensor.shape[1] * tensor.itemsize
+
+
+def check_kv_write_result(result: Any) -> tuple[Any, Any]:
+    """``(kv_state, real_kv_sources)``: what the step API's ``kv_write_fn`` must return.
+
+    Raises:
+      TypeError: anything but a 2-tuple (or 2-list), naming ``kv_write_fn`` and what it returned.
+    """
+    if isinstance(result, (tuple, list)) and len(result) == 2:
+        return result[0], result[1]
+    got = f"a {type(result).__name__} of {len(result)}" if isinstance(result, (tuple, list)) else type(result).__name__
+    raise TypeError(
+        "kv-canary: kv_write_fn must return a pair (kv_state, real_kv_sources): the new KV state and one "
+        f"(sources_k, sources_v) pair per group, or None with real_kv_hash_mode NONE; got {got}"
+    )
+
+
+_WARNED_UNHASHED: set = set()  # entry points that already warned about sources in NONE mode
+
+
+def warn_unhashed_sources(real_kv_sources: Sequence, mode: Any, *, who: str) -> None:
+    """Warns (``UserWarning``, once per process per entry point ``who``) that real-KV sources were given while
+    ``mode`` is NONE, which hashes nothing: the call checks the bookkeeping only.
+
+    Args:
+      real_kv_sources: checked ``(sources_k, sources_v)`` pairs, one per group.
+      mode: the call's real-KV hash mode.
+      who: the entry point named in the message (``canary_tail``, ``CanaryGuard``, ...).
+    """
+    if check_hash_mode(mode) != constants.RealKvHashMode.NONE or who in _WARNED_UNHASHED:
+        return
+    count = sum(len(k) + len(v) for k, v in real_kv_sources)
+    if count == 0:
+        return
+    _WARNED_UNHASHED.add(who)
+    warnings.warn(
+        f"kv-canary: {who} got {count} real-KV source(s) but real_kv_hash_mode is NONE, so the real KV is not "
+        "hashed (only the bookkeeping is checked); set real_kv_hash_mode to PARTIAL or ALL to fingerprint it, or "
+        "pass no sources",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def check_source_row_width(row_bytes: int, *, page_size: int, num_bytes_per_token: int) -> None:

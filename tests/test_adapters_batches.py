@@ -377,6 +377,30 @@ class SglangJaxTest(ParityBase):
             with self.subTest(pattern=pattern), self.assertRaisesRegex(exc, pattern):
                 ab.from_sglang_jax(**{**base, **change})
 
+    def test_cache_loc_shorter_than_the_spans_is_refused_for_host_data(self):
+        # Row 0 holds 3 slots, row 1 (padding, -1) 0, row 2 holds 4: spans [0:3], [3:7] of cache_loc.
+        base = dict(
+            forward_mode="DECODE",
+            input_ids=np.zeros(3, np.int32),
+            positions=np.zeros(3, np.int32),
+            out_cache_loc=np.array([5, 9, -1], np.int32),
+            req_pool_indices=np.array([0, 2, -1], np.int32),
+            seq_lens=np.array([3, 4, 0], np.int32),
+        )
+        ab.from_sglang_jax(**base, cache_loc=np.arange(1, 8, dtype=np.int32))  # exactly long enough
+        msg = (
+            r"^kv-canary: from_sglang_jax: cache_loc has 6 entries but row 1 \(seq_lens\[1\] = 4\) reads "
+            r"cache_loc\[3:7\] \(spans of the rows' seq_lens, in row order, each padded to cache_loc_page_size=1\)$"
+        )
+        for mode, extra in (("DECODE", {}), ("EXTEND", dict(extend_seq_lens=np.array([1, 1, 0], np.int32)))):
+            with self.subTest(mode=mode), self.assertRaisesRegex(ValueError, msg):
+                ab.from_sglang_jax(**{**base, **extra, "forward_mode": mode}, cache_loc=np.arange(1, 7, dtype=np.int32))
+        with self.assertRaisesRegex(ValueError, r"cache_loc has 7 entries but row 1 .* reads cache_loc\[4:8\]"):
+            ab.from_sglang_jax(**base, cache_loc=np.arange(1, 8, dtype=np.int32), cache_loc_page_size=2)
+        # Device fields are not read on the host: a short cache_loc then reads slot 0 past its end.
+        dev = {**base, "req_pool_indices": jnp.asarray(base["req_pool_indices"])}
+        ab.from_sglang_jax(**dev, cache_loc=np.arange(1, 7, dtype=np.int32))
+
 
 class BlockTableTest(ParityBase):
     def test_random_batches_match_sglang_and_oracle(self):
@@ -643,6 +667,70 @@ class BlockTableTest(ParityBase):
         for change, exc, pattern in cases:
             with self.subTest(pattern=pattern), self.assertRaisesRegex(exc, pattern):
                 ab.from_block_tables(**{**base, **change})
+
+    def test_wrong_length_seq_lens_is_named(self):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^kv-canary: from_block_tables: seq_lens must have shape \(4,\) \[num_rows\], got shape \(5,\) dtype "
+            r"int32 \(query_start_loc has 5 entries and block_table 4 rows\)$",
+        ):
+            ab.from_block_tables(
+                input_ids=np.zeros(4, np.int32),
+                positions=np.zeros(4, np.int32),
+                query_start_loc=np.zeros(5, np.int32),
+                seq_lens=np.zeros(5, np.int32),
+                block_table=np.zeros((4, 3), np.int32),
+                block_size=4,
+            )
+
+    def test_bad_host_values_are_refused(self):
+        base = dict(
+            input_ids=np.zeros(4, np.int32),
+            positions=np.array([4, 5, 2, 0], np.int32),
+            query_start_loc=np.array([0, 2, 3, 1, 1], np.int32),  # past num_reqs: tpu-inference's padding
+            seq_lens=np.array([6, 3, 0, 0], np.int32),
+            block_table=np.array([[5, 7, -1], [3, 0, -4], [-9, 0, 0], [0, 0, 0]], np.int32),  # unread: any value
+            block_size=4,
+            num_reqs=2,
+        )
+        ab.from_block_tables(**base)
+        cases = [
+            (
+                dict(seq_lens=np.array([6, 0, 0, 0], np.int32)),
+                r"^kv-canary: from_block_tables: seq_lens\[1\] = 0 is smaller than row 1's 1 new tokens "
+                r"\(query_start_loc\[2\] - query_start_loc\[1\]\); seq_lens counts the KV tokens after the step, so "
+                r"its prefix would be negative$",
+            ),
+            (
+                dict(query_start_loc=np.array([0, 2, 1, 1, 1], np.int32)),
+                r"^kv-canary: from_block_tables: query_start_loc must be non-decreasing over the 2 live rows "
+                r"\(num_reqs\), got query_start_loc\[2\] = 1 < query_start_loc\[1\] = 2$",
+            ),
+            (
+                dict(query_start_loc=np.array([0, 2, 5, 1, 1], np.int32)),
+                r"^kv-canary: from_block_tables: query_start_loc\[2\] = 5 \(the end of the 2 live rows' new tokens, "
+                r"num_reqs = 2\) is past the 4 tokens of input_ids$",
+            ),
+            (
+                dict(block_table=np.array([[5, -1, 0], [3, 0, 0], [0, 0, 0], [0, 0, 0]], np.int32)),
+                r"^kv-canary: from_block_tables: block_table\[0, 1\] = -1 is a negative block id in a block row 0 "
+                r"reads \(null_block=0\); pass null_block=-1 if it means no block$",
+            ),
+            (
+                dict(swa_block_table=np.array([[5, 7, 0], [-2, 0, 0], [0, 0, 0], [0, 0, 0]], np.int32)),
+                r"^kv-canary: from_block_tables: swa_block_table\[1, 0\] = -2 is a negative block id",
+            ),
+        ]
+        for change, pattern in cases:
+            with self.subTest(field=next(iter(change))), self.assertRaisesRegex(ValueError, pattern):
+                ab.from_block_tables(**{**base, **change})
+        # A declared null block of -1 is accepted; device fields (and a device num_reqs) are not read on the host.
+        neg_null = np.array([[5, -1, 0], [3, 0, 0], [0, 0, 0], [0, 0, 0]], np.int32)
+        ab.from_block_tables(**{**base, "block_table": neg_null, "null_block": -1})
+        ab.from_block_tables(**{**base, "seq_lens": jnp.array([6, 0, 0, 0], jnp.int32)})
+        ab.from_block_tables(
+            **{**base, "query_start_loc": np.array([0, 2, 1, 1, 1], np.int32), "num_reqs": jnp.int32(2)}
+        )
 
 
 # --- x64 -------------------------------------------------------------------------------------------------

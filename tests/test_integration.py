@@ -393,6 +393,76 @@ def test_refused_calls_change_nothing():
         assert g.step_index == 0 and not p.is_deleted() and not g.state.groups[0].k_tail.is_deleted()
 
 
+def test_guard_refuses_host_values_step_fn_would_see_truncated():
+    guard = make_guard()
+    pool, _ = guard.step(new_pool(), **prefill_fields(2))
+    state = guard.state
+    for name, value in (("positions", 2**32 + 4), ("input_ids", 2**40 + 5), ("out_cache_loc", 2**32 + 6)):
+        bad = prefill_fields(2)
+        bad[name] = np.array([bad[name][0], value], np.int64)
+        msg = (
+            rf"^kv-canary: {name}\[1\] = {value} is outside int32, but step_fn receives {name} as int32 "
+            r"\(StepInputs\); refusing to truncate$"
+        )
+        with pytest.raises(ValueError, match=msg):
+            guard.step(pool, **bad)
+    assert guard.step_index == 1 and guard.state is state
+    assert not pool.is_deleted() and not state.groups[0].k_tail.is_deleted()
+
+
+def test_guard_refuses_host_values_that_break_sglangs_batch_contract():
+    guard = make_guard()
+    pool, _ = guard.step(new_pool(), **prefill_fields(2))
+    state = guard.state
+    bad = prefill_fields(3)
+    bad["out_cache_loc"] = np.array([2, NUM_SLOTS + 5, 4])
+    msg = (
+        rf"^kv-canary: out_cache_loc\[1\] = {NUM_SLOTS + 5} is outside \[0, {NUM_SLOTS}\) \(num_slots of group 0's "
+        r"\(FULL\) canary buffers\); token 1 is written by row 0"
+    )
+    with pytest.raises(ValueError, match=msg):
+        guard.step(pool, **bad)
+    bad = prefill_fields(3)
+    bad["extend_seq_lens"] = [4]
+    with pytest.raises(ValueError, match=r"^kv-canary: the non-padding rows' extend_seq_lens sum to 4 but the batch"):
+        guard.step(pool, **bad)
+    assert guard.step_index == 1 and guard.state is state
+    assert not pool.is_deleted() and not state.groups[0].k_tail.is_deleted()
+
+
+def test_guard_names_step_fn_when_its_sources_do_not_fit_the_mode():
+    g = make_guard(step_fn=lambda kv, b: (kv, None))
+    p = new_pool()
+    with pytest.raises(
+        ValueError,
+        match=r"^kv-canary: real_kv_hash_mode=ALL hashes the real KV, but step_fn's result got no real_kv_sources; ",
+    ):
+        g.step(p, **prefill_fields(2))
+    assert g.step_index == 0 and not p.is_deleted() and not g.state.groups[0].k_tail.is_deleted()
+
+
+def test_guard_warns_once_that_sources_are_not_hashed_in_none_mode():
+    from canary_jax import validation
+
+    def none_mode_step_fn(pool, b):  # its own function: its programs are traced here
+        return step_fn(pool, b)
+
+    validation._WARNED_UNHASHED.clear()
+    guard = make_guard(step_fn=none_mode_step_fn, real_kv_hash_mode="none")
+    pool = new_pool()
+    with pytest.warns(UserWarning) as got:
+        for n in (2, 20):  # two token buckets: two traces, one warning
+            pool, _ = guard.step(pool, **prefill_fields(n))
+    mine = [str(w.message) for w in got if "real_kv_hash_mode is NONE" in str(w.message)]
+    assert len(mine) == 1, mine
+    assert re.match(
+        r"^kv-canary: CanaryGuard got 1 real-KV source\(s\) but real_kv_hash_mode is NONE, so the real KV is not "
+        r"hashed \(only the bookkeeping is checked\); set real_kv_hash_mode to PARTIAL or ALL",
+        mine[0],
+    )
+    assert guard.flush() == []
+
+
 def test_outputs_variant_returns_the_models_outputs():
     guard = make_guard()
     pool, logits = guard.step(new_pool(), **prefill_fields(5))

@@ -24,19 +24,21 @@ import functools
 import os
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from canary_jax import constants, decode, layout
+from canary_jax import constants, decode, ints, layout, validation
 from canary_jax.buckets import Buckets
 from canary_jax.plans import VerifyPlan
 from canary_jax.runtime import phases
+from canary_jax.runtime import step as step_lib
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
-from canary_jax.runtime.step import canary_head, canary_step, canary_sweep, canary_tail
+from canary_jax.runtime.step import canary_head, canary_plan, canary_step, canary_sweep, canary_tail
 from canary_jax.sources import RealKvSource
 from helpers import oracle
 
@@ -209,7 +211,9 @@ class Int64FieldsTest(parameterized.TestCase):
     def test_request_index_and_position_beyond_int32(self, backend, x64):
         cfg = config(backend)
         big = dict(
-            req_pool_indices=np.array([2**40], np.int64),  # not a padding row: its write must happen
+            # Not a padding row (its low word is 0): its write must happen. As a device array (pairs): host data
+            # naming a row past req_to_token is refused below, a device value is the caller's contract.
+            req_pool_indices=jnp.asarray(ints.int64_to_pairs_np(np.array([2**40], np.int64))),
             prefix_lens=np.array([0], np.int64),
             extend_seq_lens=np.array([2], np.int64),
             input_ids=np.array([2**33 + 5, -(2**40)], np.int64),
@@ -232,6 +236,16 @@ class Int64FieldsTest(parameterized.TestCase):
             self.assertEqual(state.log.slot_run_counter(T.TAIL_K_FULL), 2)
         with self.assertRaisesRegex(ValueError, r"req_to_token holds values outside int32 .*refusing to truncate"):
             CanaryBatch(**{**big, "req_to_token": np.full((4, 8), 2**31, np.int64)})
+        state = new_state()
+        before = jax.tree_util.tree_map(np.asarray, state)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^kv-canary: req_pool_indices\[0\] = 1099511627776 is outside req_to_token's 4 rows "
+            r"\(request rows 1\.\.3; 0 is the padding row\)$",
+        ):
+            step(state, CanaryBatch(**{**big, "req_pool_indices": np.array([2**40], np.int64)}))
+        for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(before)):
+            np.testing.assert_array_equal(np.asarray(a), b)  # refused: nothing donated or changed
 
 
 class BucketsTest(parameterized.TestCase):
@@ -280,7 +294,10 @@ class BucketsTest(parameterized.TestCase):
             real_kv_sources=sources(pool),
         )
         batch = batch_of(prefix=3, slots=[7, 8, 9, 10, 11], tokens=[1, 2, 3, 4, 5], r2t_slots=[1, 2, 3], num_rows=2)
-        batch = batch.replace(extend_seq_lens=np.array([6, 0], np.int64), positions=np.array([3, 4, 9, 6, 7], np.int64))
+        # The extends as a device array: host data with extends past the tokens is refused (check_batch_values).
+        batch = batch.replace(
+            extend_seq_lens=jnp.array([6, 0], jnp.int32), positions=np.array([3, 4, 9, 6, 7], np.int64)
+        )
         unpadded = jax.jit(functools.partial(canary_step, kv_write_fn=kv_write_fn, config=cfg))
         want = unpadded(copied(state), batch, kv_state=copied(pool))
         got = canary_step(state, batch, kv_write_fn, pool, config=cfg)
@@ -290,6 +307,216 @@ class BucketsTest(parameterized.TestCase):
         for a, b in zip(jax.tree_util.tree_leaves((got[0], got[2])), jax.tree_util.tree_leaves((want[0], want[2]))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         np.testing.assert_array_equal(np.asarray(got[1])[1:], np.asarray(want[1])[1:])
+
+
+def host_batch(**kw):
+    """Row 1 extends prefix 0 by 2 tokens at slots 3, 4; a third token past the extend (owned by no request)."""
+    r2t = np.zeros((4, 8), np.int32)
+    r2t[1, :2] = [3, 4]
+    fields = dict(
+        req_pool_indices=[1, 0],
+        prefix_lens=[0, 0],
+        extend_seq_lens=[2, 0],
+        input_ids=[5, 6, 7],
+        positions=[0, 1, 0],
+        out_cache_loc=[3, 4, 0],
+        req_to_token=r2t,
+    )
+    fields.update(kw)
+    return CanaryBatch(**fields)
+
+
+def unchanged(test, state, before):
+    for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(before)):
+        test.assertFalse(a.is_deleted(), "a refused call must not donate the state")
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def step_write(kv, batch):
+    return kv, None
+
+
+class HostValueChecksTest(absltest.TestCase):
+    """Host values that break SGLang's batch contract are refused by every step entry point, naming the field,
+    index, value and limit; SGLang's padding stays accepted; device values are the caller's contract."""
+
+    def entry_points(self, cfg):
+        plans = canary_plan(new_state(), host_batch(), config=cfg)
+        return {
+            "canary_plan": lambda st, b: canary_plan(st, b, config=cfg),
+            "canary_head": lambda st, b: canary_head(st, b, config=cfg),
+            "canary_tail": lambda st, b: canary_tail(st, plans, b, config=cfg),
+            "canary_step": lambda st, b: canary_step(st, b, step_write, jnp.zeros((4,), jnp.uint8), config=cfg),
+        }
+
+    def test_bad_host_values_are_refused_by_every_entry_point(self):
+        cfg = config("reference")
+        cases = [
+            (
+                dict(out_cache_loc=[3, NUM_SLOTS, 0]),
+                rf"^kv-canary: out_cache_loc\[1\] = {NUM_SLOTS} is outside \[0, {NUM_SLOTS}\) \(num_slots of group 0's "
+                r"\(FULL\) canary buffers\); token 1 is written by row 0 \(req_pool_indices\[0\] = 1\)\. Negative "
+                r"entries skip the write \(SGLang's padding\); slots past the canary buffer are refused$",
+            ),
+            (
+                dict(prefix_lens=[-1, 0]),
+                r"^kv-canary: prefix_lens\[0\] = -1 is negative on a non-padding row "
+                r"\(req_pool_indices\[0\] = 1\)$",
+            ),
+            (dict(extend_seq_lens=[-2, 0]), r"^kv-canary: extend_seq_lens\[0\] = -2 is negative on a non-padding row"),
+            (
+                dict(extend_seq_lens=[4, 0]),
+                r"^kv-canary: the non-padding rows' extend_seq_lens sum to 4 but the batch has 3 tokens "
+                r"\(input_ids, positions, out_cache_loc\)$",
+            ),
+            (
+                dict(req_pool_indices=[-1, 0]),
+                r"^kv-canary: req_pool_indices\[0\] = -1 is negative; 0 is the padding row \(SGLang's "
+                r"REQ_POOL_IDX_PADDING\) and request rows start at 1$",
+            ),
+            (
+                dict(req_pool_indices=[1, 4]),
+                r"^kv-canary: req_pool_indices\[1\] = 4 is outside req_to_token's 4 rows \(request rows 1\.\.3; "
+                r"0 is the padding row\)$",
+            ),
+        ]
+        for kw, msg in cases:
+            batch = host_batch(**kw)
+            for name, call in self.entry_points(cfg).items():
+                with self.subTest(field=next(iter(kw)), entry=name):
+                    state = new_state()
+                    before = jax.tree_util.tree_map(np.asarray, state)
+                    with self.assertRaisesRegex(ValueError, msg):
+                        call(state, batch)
+                    unchanged(self, state, before)
+
+    def test_sglang_padding_is_accepted_and_device_values_are_the_callers_contract(self):
+        cfg = config("reference")
+        # Padding row with any lengths, a negative slot (no write), slot 0, a token past the extends at any slot.
+        ok = host_batch(
+            prefix_lens=[0, -7], extend_seq_lens=[2, -3], out_cache_loc=[-1, 0, 10**6], req_pool_indices=[1, 0]
+        )
+        for name, call in self.entry_points(cfg).items():
+            with self.subTest(entry=name):
+                call(new_state(), ok)
+        # The same bad slot on the device (or inside a jit) is not read on the host: skipped by the write kernel.
+        dev = host_batch(out_cache_loc=jnp.array([3, NUM_SLOTS, 0], jnp.int32))
+        state, _, _ = canary_step(new_state(), dev, step_write, jnp.zeros((4,), jnp.uint8), config=cfg)
+        self.assertEqual(state.log.slot_run_counter(T.HEAD_K_FULL), 1)  # slot 3 written; 512 skipped
+        jax.jit(lambda st, b: canary_head(st, b, config=cfg))(new_state(), host_batch(out_cache_loc=[3, NUM_SLOTS, 0]))
+
+    def test_donated_state_and_kv_state_are_named(self):
+        cfg = config("reference")
+        state = new_state()
+        new, plans = canary_head(state, host_batch(), config=cfg)
+        msg = (
+            r"^kv-canary: the state's canary buffers were donated by an earlier call \(canary_head, canary_tail and "
+            r"canary_step donate them when called eagerly\); use the state that call returned$"
+        )
+        with self.assertRaisesRegex(ValueError, msg):
+            canary_head(state, host_batch(), config=cfg)
+        with self.assertRaisesRegex(ValueError, msg):
+            canary_sweep(state, (None,), config=cfg)
+        kv = jnp.zeros((4,), jnp.uint8)
+        new, _, _ = canary_step(new, host_batch(), step_write, kv, config=cfg)
+        before = jax.tree_util.tree_map(np.asarray, new)
+        with self.assertRaisesRegex(
+            ValueError, r"^kv-canary: kv_state holds an array donated by an earlier call .*use the kv_state"
+        ):
+            canary_step(new, host_batch(), step_write, kv, config=cfg)
+        unchanged(self, new, before)
+
+    def test_kv_write_fn_returning_a_one_tuple_is_named(self):
+        cfg = config("reference")
+        state = new_state()
+        before = jax.tree_util.tree_map(np.asarray, state)
+        with self.assertRaisesRegex(
+            TypeError,
+            r"^kv-canary: kv_write_fn must return a pair \(kv_state, real_kv_sources\): the new KV state and one "
+            r"\(sources_k, sources_v\) pair per group, or None with real_kv_hash_mode NONE; got a tuple of 1$",
+        ):
+            canary_step(state, host_batch(), one_tuple_write, jnp.zeros((4,), jnp.uint8), config=cfg)
+        unchanged(self, state, before)
+
+    def test_three_d_source_message_carries_the_shape(self):
+        cfg = config("reference", MODE.PARTIAL)
+        state, plans = canary_head(new_state(), host_batch(), config=cfg)
+        before = jax.tree_util.tree_map(np.asarray, state)
+        three_d = RealKvSource(
+            tensor=jnp.zeros((NUM_SLOTS, 2, 16), jnp.uint8), page_size=1, num_bytes_per_token=32, read_bytes=32
+        )
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^kv-canary: real_kv_sources\[0\]\.tensor \(viewed as uint8\) must be 2-D, got 3-D "
+            rf"\(shape \({NUM_SLOTS}, 2, 16\), dtype uint8\); view the pool as \[rows, row_elems\]",
+        ):
+            canary_tail(state, plans, host_batch(), config=cfg, real_kv_sources=(((three_d,), ()),))
+        unchanged(self, state, before)
+
+
+def one_tuple_write(kv, batch):
+    return (kv,)
+
+
+def none_mode_write(kv, batch):
+    return kv, sources(jnp.zeros((NUM_SLOTS, KV_BYTES), jnp.uint8))
+
+
+class WarningsTest(absltest.TestCase):
+    def test_sources_in_none_mode_warn_once_per_entry_point(self):
+        validation._WARNED_UNHASHED.clear()
+        cfg = config("reference")  # NONE
+        pool = jnp.zeros((NUM_SLOTS, KV_BYTES), jnp.uint8)
+        sweep = VerifyPlan.from_entries(slots=[3], positions=[0], prev_slots=[-1])
+        calls = {
+            "canary_tail": lambda st: canary_tail(
+                *canary_head(st, host_batch(), config=cfg), host_batch(), config=cfg, real_kv_sources=sources(pool)
+            )[0],
+            "canary_sweep": lambda st: canary_sweep(st, (sweep,), config=cfg, real_kv_sources=sources(pool)),
+            "canary_step": lambda st: canary_step(st, host_batch(), none_mode_write, jnp.zeros(4), config=cfg)[0],
+        }
+        for who, call in calls.items():
+            with self.subTest(entry=who):
+                with warnings.catch_warnings(record=True) as got:
+                    warnings.simplefilter("always")
+                    call(new_state())
+                    call(new_state())  # once per process per entry point
+                mine = [w for w in got if "real_kv_hash_mode is NONE" in str(w.message)]
+                self.assertEqual(len(mine), 1, [str(w.message) for w in got])
+                self.assertIs(mine[0].category, UserWarning)
+                self.assertRegex(
+                    str(mine[0].message),
+                    rf"^kv-canary: {who} got 1 real-KV source\(s\) but real_kv_hash_mode is NONE, so the real KV is "
+                    r"not hashed \(only the bookkeeping is checked\); set real_kv_hash_mode to PARTIAL or ALL",
+                )
+        with warnings.catch_warnings(record=True) as got:  # no sources: no warning
+            warnings.simplefilter("always")
+            validation._WARNED_UNHASHED.clear()
+            canary_sweep(new_state(), (sweep,), config=cfg)
+        self.assertEqual([w for w in got if "NONE" in str(w.message)], [])
+
+    def test_a_new_kv_write_fn_per_call_warns(self):
+        cfg = CanaryStepConfig(verify_capacity=61, write_req_capacity=4, backend="reference")  # its own config
+        old = step_lib.MAX_KV_WRITE_FNS_PER_CONFIG
+        step_lib.MAX_KV_WRITE_FNS_PER_CONFIG = 2
+        try:
+            state, kv = new_state(), jnp.zeros((4,), jnp.uint8)
+            with warnings.catch_warnings(record=True) as got:
+                warnings.simplefilter("always")
+                for _ in range(2):  # the same function twice: one object
+                    state, kv, _ = canary_step(state, host_batch(), step_write, kv, config=cfg)
+                for _ in range(4):  # a lambda per call: a new static argument each time
+                    state, kv, _ = canary_step(state, host_batch(), lambda k, b: (k, None), kv, config=cfg)
+            mine = [w for w in got if "distinct kv_write_fn" in str(w.message)]
+            self.assertEqual(len(mine), 1)  # once, at the third distinct object
+            self.assertIs(mine[0].category, UserWarning)
+            self.assertRegex(
+                str(mine[0].message),
+                r"^kv-canary: canary_step has been called with 3 distinct kv_write_fn objects under one config; "
+                r"kv_write_fn is a static argument, so each new object .* compiles a new program",
+            )
+        finally:
+            step_lib.MAX_KV_WRITE_FNS_PER_CONFIG = old
 
 
 class PallasInChildProcessTest(absltest.TestCase):

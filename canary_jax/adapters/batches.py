@@ -31,7 +31,10 @@ and within one step the rows only say which table row and expected-token row to 
 new row next step is checked exactly as before.
 
 Errors: every field is checked before anything is traced; a wrong rank, dtype or length raises a ``ValueError``
-or ``TypeError`` naming the function, the field, its shape and what was expected.
+or ``TypeError`` naming the function, the field, its shape and what was expected. Fields given as host data
+(numpy, lists) also have their *values* checked (each function's Raises says which), naming the field, the
+index, the value and the limit. Fields given as JAX arrays (and everything inside a ``jit``) are never read on
+the host: their values are the caller's contract, and each function says what the plans then do.
 """
 
 from __future__ import annotations
@@ -150,6 +153,78 @@ def _expected_tokens(tokens: Any, valid_lens: Any, row_index: Any, who: str, bs:
     table = _table(tokens, who, "expected_tokens", 2, "[rows, max_context_len]")
     valid = _ints(valid_lens, who, "expected_tokens_valid_lens", bs, "[num_rows]")
     return ExpectedTokenTable(tokens=table, row_index=row_index), valid
+
+
+def _host(x: Any, name: str) -> np.ndarray | None:
+    """A checked integer field's exact int64 values when it is host data (numpy, lists), else None: JAX
+    arrays and tracers are never read on the host (no sync); their values are the caller's contract."""
+    if x is None or isinstance(x, jax.Array):
+        return None
+    return ints.exact_int64_np(x, name=name)
+
+
+def _host_num_reqs(num_reqs: Any, rows: int) -> int | None:
+    """The live row count when it is known on the host (an int, numpy, or None = every row), else None."""
+    if num_reqs is None:
+        return rows
+    if isinstance(num_reqs, jax.Array):
+        return None
+    return int(np.asarray(num_reqs).reshape(()))
+
+
+def _check_block_table_values(who, qsl, seq, bt, swa_bt, t, n, bsz, null_block) -> None:
+    """Value checks of a vLLM-style batch's host fields (see :func:`from_block_tables`, Raises)."""
+    if qsl is None or n is None:
+        return
+    for r in range(n):
+        if qsl[r + 1] < qsl[r]:
+            raise ValueError(
+                f"kv-canary: {who}: query_start_loc must be non-decreasing over the {n} live rows (num_reqs), got "
+                f"query_start_loc[{r + 1}] = {int(qsl[r + 1])} < query_start_loc[{r}] = {int(qsl[r])}"
+            )
+    if qsl[n] > t:
+        raise ValueError(
+            f"kv-canary: {who}: query_start_loc[{n}] = {int(qsl[n])} (the end of the {n} live rows' new tokens, "
+            f"num_reqs = {n}) is past the {t} tokens of input_ids"
+        )
+    if seq is None:
+        return
+    for r in range(n):
+        q = int(qsl[r + 1] - qsl[r])
+        if seq[r] < q:
+            raise ValueError(
+                f"kv-canary: {who}: seq_lens[{r}] = {int(seq[r])} is smaller than row {r}'s {q} new tokens "
+                f"(query_start_loc[{r + 1}] - query_start_loc[{r}]); seq_lens counts the KV tokens after the step, "
+                "so its prefix would be negative"
+            )
+    for name, table in (("block_table", bt), ("swa_block_table", swa_bt)):
+        if table is None:
+            continue
+        for r in range(n):
+            used = table[r, : min(-(-int(seq[r]) // bsz), table.shape[1])]
+            bad = np.flatnonzero((used < 0) if null_block is None else ((used < 0) & (used != null_block)))
+            if bad.size:
+                j = int(bad[0])
+                raise ValueError(
+                    f"kv-canary: {who}: {name}[{r}, {j}] = {int(used[j])} is a negative block id in a block row {r} "
+                    f"reads (null_block={null_block}); pass null_block={int(used[j])} if it means no block"
+                )
+
+
+def _check_cache_loc_spans(who, rpi, seq, n_cache_loc: int, page: int) -> None:
+    """The live rows' spans fit ``cache_loc`` (host fields only; see :func:`from_sglang_jax`, Raises)."""
+    if rpi is None or seq is None:
+        return
+    start = 0
+    for r, (row, n) in enumerate(zip(rpi.tolist(), seq.tolist())):
+        n = max(int(n), 0)
+        if row >= 0 and start + n > n_cache_loc:
+            raise ValueError(
+                f"kv-canary: {who}: cache_loc has {n_cache_loc} entries but row {r} (seq_lens[{r}] = {n}) reads "
+                f"cache_loc[{start}:{start + n}] (spans of the rows' seq_lens, in row order, each padded to "
+                f"cache_loc_page_size={page})"
+            )
+        start += -(-n // page) * page
 
 
 def _num_reqs(num_reqs: Any, rows: int, who: str) -> jax.Array:
@@ -310,7 +385,10 @@ def from_sglang_jax(
 
     Raises:
       ValueError / TypeError: a field of the wrong rank, dtype or length (naming it, its shape and the expected
-        one), a missing field the mode needs, ``cache_loc_page_size <= 0``; before tracing.
+        one), a missing field the mode needs, ``cache_loc_page_size <= 0``; with host ``req_pool_indices`` and
+        ``seq_lens``, a ``cache_loc`` shorter than the live rows' spans need (naming the row and the span);
+        before tracing. With those fields on the device the span is the caller's contract: a read past
+        ``cache_loc`` gives slot 0 (verify skips it, so that position is not checked).
       NotImplementedError: TARGET_VERIFY, DRAFT_EXTEND and other modes (SGLang's message).
     """
     who = "from_sglang_jax"
@@ -334,6 +412,9 @@ def from_sglang_jax(
             prefix = _ints(extend_prefix_lens, who, "extend_prefix_lens", bs, "[bs]")
     ex = _expected_inputs(expected_inputs, who, t)
     pool, valid = _expected_tokens(expected_tokens, expected_tokens_valid_lens, rpi, who, bs)
+    _check_cache_loc_spans(
+        who, _host(req_pool_indices, "req_pool_indices"), _host(seq_lens, "seq_lens"), int(cl.shape[0]), page
+    )
 
     canary_rpi, prefix, extend, starts = _sglang_jax_rows(rpi, seq, prefix, extend, decode=decode, page_size=page)
     table = _unchecked(RaggedSlotTable, cache_loc=cl, row_starts=starts, row_lens=seq)
@@ -426,12 +507,30 @@ def from_block_tables(
 
     Raises:
       ValueError / TypeError: a field of the wrong rank, dtype or length (naming it, its shape and the expected
-        one), ``block_size <= 0``, ``num_reqs`` outside ``[0, num_rows]``; before tracing.
+        one), ``block_size <= 0``, ``num_reqs`` outside ``[0, num_rows]``; with host ``query_start_loc`` (and
+        ``num_reqs`` an int, numpy or None): ``query_start_loc`` decreasing over the live rows or ending past
+        the tokens, and with host ``seq_lens`` too, a live row's ``seq_lens`` below its new-token count (a
+        negative prefix), or a negative block id other than ``null_block`` in the blocks a live row reads
+        (of a host ``block_table`` / ``swa_block_table``); all before tracing. On the device these are the
+        caller's contract: a negative prefix verifies nothing and restarts the row's chain at the anchor, and a
+        negative block id gives negative slots (verify reads them as empty records and flags them; writes skip
+        them).
     """
     who = "from_block_tables"
     seq = _ints(seq_lens, who, "seq_lens", None, "[num_rows]")
     rows = int(seq.shape[0])
-    qsl = _ints(query_start_loc, who, "query_start_loc", rows + 1, "[num_rows + 1]")
+    qsl = _ints(query_start_loc, who, "query_start_loc", None, "[num_rows + 1]")
+    if int(qsl.shape[0]) != rows + 1:
+        bt_shape = tuple(np.shape(block_table)) if block_table is not None else ()
+        if len(bt_shape) == 2 and bt_shape[0] == int(qsl.shape[0]) - 1:  # the block table sides with qsl
+            raise ValueError(
+                f"kv-canary: {who}: seq_lens must have shape ({bt_shape[0]},) [num_rows], got {_describe(seq_lens)} "
+                f"(query_start_loc has {qsl.shape[0]} entries and block_table {bt_shape[0]} rows)"
+            )
+        raise ValueError(
+            f"kv-canary: {who}: query_start_loc must have shape ({rows + 1},) [num_rows + 1], got "
+            f"{_describe(query_start_loc)} (seq_lens has {rows} rows)"
+        )
     ids = _ints(input_ids, who, "input_ids", None, "[num_tokens]")
     t = int(ids.shape[0])
     pos = _ints(positions, who, "positions", t, "[num_tokens]")
@@ -454,6 +553,17 @@ def from_block_tables(
         )
         table = GroupSlotTables(full=full, swa=swa)
     n = _num_reqs(num_reqs, rows, who)
+    _check_block_table_values(
+        who,
+        _host(query_start_loc, "query_start_loc"),
+        _host(seq_lens, "seq_lens"),
+        _host(block_table, "block_table"),
+        _host(swa_block_table, "swa_block_table"),
+        t,
+        _host_num_reqs(num_reqs, rows),
+        bsz,
+        null_block,
+    )
     sm = None if slot_mapping is None else _ints(slot_mapping, who, "slot_mapping", t, "[num_tokens]")
     ex = _expected_inputs(expected_inputs, who, t)
     pool, valid = _expected_tokens(expected_tokens, expected_tokens_valid_lens, None, who, rows)

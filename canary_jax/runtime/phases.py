@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants, sources
+from canary_jax import constants, sources, validation
 from canary_jax.plan_builder import build_plans
 from canary_jax.runtime import shapes
 from canary_jax.runtime.endpoints import launch_group, split_sources
@@ -155,8 +155,9 @@ def tail_impl(state, plans, batch, real_kv_sources, num_tokens, config):
 
 def step_impl(state, batch, kv_write_fn, kv_state, num_tokens, config):
     state, plans = head_impl(state, batch, None, num_tokens, config)
-    kv_state, srcs = kv_write_fn(kv_state, batch)
+    kv_state, srcs = validation.check_kv_write_result(kv_write_fn(kv_state, batch))
     srcs = check_sources(srcs, state, config, "kv_write_fn's result")
+    validation.warn_unhashed_sources(srcs, config.real_kv_hash_mode, who="canary_step")
     state, summary = tail_impl(state, plans, batch, srcs, num_tokens, config)
     return state, kv_state, summary
 
