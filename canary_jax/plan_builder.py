@@ -52,6 +52,7 @@ plans. ``canary_jax.adapters.batches`` builds them from each stack's batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -84,15 +85,30 @@ def _saturating_cumsum(x: jax.Array, bound: int) -> jax.Array:
     return jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, bound), x)
 
 
-def _gather_2d(table: jax.Array, row: jax.Array, col: jax.Array, fill: int) -> tuple[jax.Array, jax.Array]:
-    """``table[row, col]`` for int64-pair ``row`` / ``col``; ``fill`` where either is out of range."""
+def _gather_2d(table: jax.Array, row: pairs.U64, col: pairs.U64, fill: int) -> tuple[jax.Array, jax.Array]:
+    """``table[row, col]`` for int64 ``row`` / ``col``; ``fill`` where either is out of range."""
     n_rows, n_cols = table.shape
-    ok = pairs.in_range(pairs.unpack(row), n_rows) & pairs.in_range(pairs.unpack(col), n_cols)
-    r = jnp.where(ok, row[..., 0], 0).astype(jnp.int32)
-    c = jnp.where(ok, col[..., 0], 0).astype(jnp.int32)
+    ok = pairs.in_range(row, n_rows) & pairs.in_range(col, n_cols)
+    r = jnp.where(ok, row.lo, jnp.uint32(0)).astype(jnp.int32)
+    c = jnp.where(ok, col.lo, jnp.uint32(0)).astype(jnp.int32)
     if n_rows == 0 or n_cols == 0:
         return jnp.full(r.shape, fill, table.dtype), ok
-    return jnp.where(ok, table[r, c], jnp.asarray(fill, table.dtype)), ok
+    if n_rows * n_cols < 2**31:  # a 1-D gather at a flat index: no index array joins row and column
+        v = table.reshape(-1)[r * n_cols + c]
+    else:
+        v = table[r, c]
+    return jnp.where(ok, v, jnp.asarray(fill, table.dtype)), ok
+
+
+def _swa_translate(s: pairs.U64, lut: jax.Array | None) -> pairs.U64:
+    """:func:`swa_translate` on :class:`~canary_jax.pairs.U64` slots."""
+    if lut is None:
+        return s
+    n = lut.shape[0]
+    neg = pairs.is_negative(s)
+    idx = jnp.where(neg | ~pairs.in_range(s, n), n - 1, s.lo.astype(jnp.int32))
+    idx = jnp.where(neg, 0, idx)
+    return pairs.where(neg, s, pairs.U64(lut[:, 0][idx], lut[:, 1][idx]))
 
 
 def swa_translate(slots: jax.Array, lut: jax.Array | None) -> jax.Array:
@@ -108,12 +124,7 @@ def swa_translate(slots: jax.Array, lut: jax.Array | None) -> jax.Array:
     """
     if lut is None:
         return slots
-    n = lut.shape[0]
-    s = pairs.unpack(slots)
-    neg = pairs.is_negative(s)
-    idx = jnp.where(neg | ~pairs.in_range(s, n), n - 1, s.lo.astype(jnp.int32))
-    idx = jnp.where(neg, 0, idx)
-    return jnp.where(neg[..., None], slots, lut[idx])
+    return pairs.pack(_swa_translate(pairs.unpack(slots), lut))
 
 
 # --- slot tables: where (request row, position) lives ------------------------------------------------------
@@ -198,7 +209,15 @@ class SlotTable:
         raise NotImplementedError
 
     def lookup(self, batch_row: jax.Array, rpi: jax.Array, pos: jax.Array) -> jax.Array:
-        raise NotImplementedError
+        """The slot of ``(batch_row, pos)`` as int64 pairs ``uint32[n, 2]`` (see the class docstring)."""
+        if type(self)._lookup64 is SlotTable._lookup64:
+            raise NotImplementedError(f"{type(self).__name__} must define lookup")
+        return pairs.pack(self._lookup64(batch_row, pairs.unpack(rpi), pairs.unpack(pos)))
+
+    def _lookup64(self, batch_row: jax.Array, rpi: pairs.U64, pos: pairs.U64) -> pairs.U64:
+        """:meth:`lookup` on :class:`~canary_jax.pairs.U64` words: what ``build_plans`` calls, so no entry-sized
+        array is packed only to be unpacked. Tables that define only :meth:`lookup` get this wrapper."""
+        return pairs.unpack(self.lookup(batch_row, pairs.pack(rpi), pairs.pack(pos)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -228,10 +247,10 @@ class ReqToTokenTable(SlotTable):
         if max(self.req_to_token.shape) >= _INT32_MAX:
             raise ValueError(f"kv-canary: req_to_token shape {tuple(self.req_to_token.shape)} is too large")
 
-    def lookup(self, batch_row: jax.Array, rpi: jax.Array, pos: jax.Array) -> jax.Array:
+    def _lookup64(self, batch_row: jax.Array, rpi: pairs.U64, pos: pairs.U64) -> pairs.U64:
         del batch_row  # SGLang addresses rows by req_pool_indices
         v, _ = _gather_2d(self.req_to_token, rpi, pos, constants.TOKEN_TO_KV_SLOT_PADDING)
-        return pairs.pack(pairs.from_int32(v))
+        return pairs.from_int32(v)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -289,19 +308,18 @@ class BlockTable(SlotTable):
                 "(max_blocks_per_req * block_size must be < 2**31 - 1)"
             )
 
-    def lookup(self, batch_row: jax.Array, rpi: jax.Array, pos: jax.Array) -> jax.Array:
+    def _lookup64(self, batch_row: jax.Array, rpi: pairs.U64, pos: pairs.U64) -> pairs.U64:
         del rpi  # block tables are addressed by batch row
         rows, blocks = self.block_table.shape
         bsz = self.block_size
-        p = pairs.unpack(pos)
-        ok = (batch_row < rows) & pairs.in_range(p, blocks * bsz)
+        ok = (batch_row < rows) & pairs.in_range(pos, blocks * bsz)
         if rows == 0 or blocks == 0:
-            return pairs.pack(pairs.const(constants.TOKEN_TO_KV_SLOT_PADDING, batch_row.shape))
-        col = jnp.where(ok, p.lo, jnp.uint32(0)).astype(jnp.int32)
+            return pairs.const(constants.TOKEN_TO_KV_SLOT_PADDING, batch_row.shape)
+        col = jnp.where(ok, pos.lo, jnp.uint32(0)).astype(jnp.int32)
         blk = self.block_table[jnp.where(ok, batch_row, 0), col // bsz]
         slot = pairs.add(pairs.mul_const(pairs.from_int32(blk), bsz), pairs.from_int32(col % bsz))
         dead = ~ok if self.null_block is None else ~ok | (blk == self.null_block)
-        return pairs.pack(pairs.where(dead, pairs.const(constants.TOKEN_TO_KV_SLOT_PADDING, batch_row.shape), slot))
+        return pairs.where(dead, pairs.const(constants.TOKEN_TO_KV_SLOT_PADDING, batch_row.shape), slot)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -357,19 +375,18 @@ class RaggedSlotTable(SlotTable):
         if int(self.cache_loc.shape[0]) >= _INT32_MAX:
             raise ValueError(f"kv-canary: cache_loc length {self.cache_loc.shape[0]} is too large")
 
-    def lookup(self, batch_row: jax.Array, rpi: jax.Array, pos: jax.Array) -> jax.Array:
+    def _lookup64(self, batch_row: jax.Array, rpi: pairs.U64, pos: pairs.U64) -> pairs.U64:
         del rpi  # ragged spans are in batch-row order
         n = self.cache_loc.shape[0]
         start, ok_s = _row_gather(self.row_starts, batch_row)
         length, _ = _row_gather(self.row_lens, batch_row)
-        p = pairs.unpack(pos)
-        col = pairs.add(pairs.unpack(start), p)
-        ok = ok_s & ~pairs.is_negative(p) & pairs.lt(p, pairs.unpack(length)) & pairs.in_range(col, n)
+        col = pairs.add(pairs.unpack(start), pos)
+        ok = ok_s & ~pairs.is_negative(pos) & pairs.lt(pos, pairs.unpack(length)) & pairs.in_range(col, n)
         if n == 0:
-            return pairs.pack(pairs.const(constants.TOKEN_TO_KV_SLOT_PADDING, batch_row.shape))
+            return pairs.const(constants.TOKEN_TO_KV_SLOT_PADDING, batch_row.shape)
         v = self.cache_loc[jnp.where(ok, col.lo, jnp.uint32(0)).astype(jnp.int32)]
         v = jnp.where(ok, v, jnp.int32(constants.TOKEN_TO_KV_SLOT_PADDING))
-        return pairs.pack(pairs.from_int32(v))
+        return pairs.from_int32(v)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -447,12 +464,15 @@ class ExpectedTokenTable:
 
     def lookup(self, batch_row: jax.Array, rpi: jax.Array, col: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(int32 token, in_pool)`` for int64-pair ``col``; -1 where the read falls outside the pool."""
+        return self._lookup64(batch_row, pairs.unpack(rpi), pairs.unpack(col))
+
+    def _lookup64(self, batch_row: jax.Array, rpi: pairs.U64, col: pairs.U64) -> tuple[jax.Array, jax.Array]:
         del rpi
         if self.row_index is None:
-            row = pairs.pack(pairs.from_int32(batch_row))
+            row = pairs.from_int32(batch_row)
         else:
             row, ok = _row_gather(self.row_index, batch_row)
-            row = jnp.where(ok[..., None], row, pairs.pack(pairs.const(-1, batch_row.shape)))
+            row = pairs.where(ok, pairs.unpack(row), pairs.const(-1, batch_row.shape))
         return _gather_2d(self.tokens, row, col, -1)
 
 
@@ -463,17 +483,40 @@ _register_table(GroupSlotTables, ("full", "swa"))
 _register_table(ExpectedTokenTable, ("tokens", "row_index"))
 
 
-def _pool_lookup(pool: Any, batch_row: jax.Array, rpi: jax.Array, col: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _pool_lookup(pool: Any, batch_row: jax.Array, rpi: pairs.U64, col: pairs.U64) -> tuple[jax.Array, jax.Array]:
     if isinstance(pool, ExpectedTokenTable):
-        return pool.lookup(batch_row, rpi, col)
+        return pool._lookup64(batch_row, rpi, col)
     return _gather_2d(pool, rpi, col, -1)  # SGLang: rows are req_pool_indices
 
 
 # --- build_plans ------------------------------------------------------------------------------------------
-@jax.jit
+_VERIFY_FIELDS = (
+    "verify_slot_indices",
+    "verify_expected_tokens",
+    "verify_expected_positions",
+    "verify_prev_slot_indices",
+)
+
+
+def _entry_words(a: pairs.U64, live: jax.Array, old: jax.Array | None) -> jax.Array:
+    """One verify field as packed ``uint32[C, 2]``: ``a`` at live entries, else ``old`` (0 when None).
+
+    Written in one elementwise pass over ``[C, 2]`` (word ``w`` of entry ``i`` picks ``a.lo[i]`` or
+    ``a.hi[i]``), so XLA fuses the whole field into the pass that writes it: no ``[C]`` word is stored first and
+    no concatenate joins them. A fresh plan's dead entries are the constant 0, so it reads no old plan.
+    """
+    cap = live.shape[0]
+    word = jax.lax.broadcasted_iota(jnp.int32, (cap, 2), 1)
+    if old is None:
+        a = pairs.where(live, a, pairs.const(0, (cap,)))
+    packed = jnp.where(word == 0, a.lo[:, None], a.hi[:, None])
+    return packed if old is None else jnp.where(live[:, None], packed, old)
+
+
+@functools.partial(jax.jit, static_argnames=("cap", "cw"))
 def _build_plans_impl(
-    verify_out: VerifyPlan,
-    write_out: WritePlan,
+    verify_out: VerifyPlan | None,  # None: a fresh plan (VerifyPlan.allocate's zeros), never materialised
+    write_out: WritePlan | None,  # None: a fresh plan (WritePlan.allocate's zeros)
     rpi: jax.Array,  # u32[bs, 2]
     prefix: jax.Array,  # u32[bs, 2]
     extend: jax.Array,  # u32[bs, 2]
@@ -483,10 +526,11 @@ def _build_plans_impl(
     valid_lens: jax.Array | None,  # u32[bs, 2]
     swa_window_size: jax.Array,  # i32[]: W (data, so each window size does not recompile)
     kv_token_id_vs_position_offset: jax.Array,  # i32[]: k
+    *,
+    cap: int,  # C, the verify capacity
+    cw: int,  # Cw, the write request capacity
 ) -> tuple[VerifyPlan, WritePlan]:
     bs = rpi.shape[0]
-    cap = verify_out.verify_slot_indices.shape[0]
-    cw = write_out.write_seed_slot_indices.shape[0]
     max_seq_len = table.max_seq_len
     w = swa_window_size
 
@@ -506,42 +550,43 @@ def _build_plans_impl(
     num_valid = jnp.where(overflow, cap, total).astype(jnp.int32)
 
     # --- verify entries -------------------------------------------------------------------------------
+    # Everything per entry stays in U64 words and each field is packed once, in the pass that writes it.
     i = jnp.arange(cap, dtype=jnp.int32)
-    live = (i < total) & ~overflow
+    live = i < jnp.where(overflow, 0, total)
+    old = tuple(None if verify_out is None else getattr(verify_out, n) for n in _VERIFY_FIELDS)
     if bs > 0:
         # Unrolled binary search: one fused kernel. The default ("scan") is a while loop that copies its
         # C-sized state every iteration (about 53 us of a 524k-entry decode plan on the H200).
         r = jnp.searchsorted(incl, i, side="right", method="scan_unrolled")
         r = jnp.clip(r.astype(jnp.int32), 0, bs - 1)
-        excl = (incl - count)[r]
-        back = count[r] - (i - excl)  # P - p, in [1, count[r]] for live entries
-        pos = pairs.pack(pairs.sub(pairs.unpack(prefix[r]), pairs.from_int32(back)))  # p as int64
-        row = rpi[r]
-        slot_full = table.lookup(r, row, pos)
-        prev_pos = pairs.pack(pairs.sub(pairs.unpack(pos), pairs.const(1, (cap,))))
-        prev_full = table.lookup(r, row, prev_pos)
-        slot = swa_translate(slot_full, lut)
-        prev = swa_translate(prev_full, lut)
-        prev = jnp.where(pairs.is_zero(pairs.unpack(pos))[..., None], pairs.pack(pairs.const(-1, (cap,))), prev)
+        # Entry i of row r verifies position p = P - count + (i - excl) = (P - incl) + i (int64). Every per-row word
+        # an entry needs (that base, the row's req_pool_index and its valid length) comes from one gather.
+        base = pairs.sub(pairs.unpack(prefix), pairs.from_int32(incl))
+        words = [base.lo, base.hi, rpi[:, 0], rpi[:, 1]] + (
+            [] if pool is None else [valid_lens[:, 0], valid_lens[:, 1]]
+        )
+        at_r = jnp.stack(words, axis=1)[r]  # u32[C, 4 or 6]
+        pos = pairs.add(
+            pairs.U64(at_r[:, 0], at_r[:, 1]), pairs.U64(i.astype(jnp.uint32), jnp.zeros_like(r, jnp.uint32))
+        )
+        row = pairs.U64(at_r[:, 2], at_r[:, 3])
+        slot = _swa_translate(table._lookup64(r, row, pos), lut)
+        prev = _swa_translate(table._lookup64(r, row, pairs.sub(pos, pairs.const(1, (cap,)))), lut)
+        prev = pairs.where(pairs.is_zero(pos), pairs.const(-1, (cap,)), prev)
         if pool is not None:
             k = pairs.from_int32(jnp.broadcast_to(kv_token_id_vs_position_offset, (cap,)))
-            sot = pairs.add(pairs.unpack(pos), k)  # position + k: the expected token's column
-            want = ~pairs.is_negative(sot) & pairs.lt(sot, pairs.unpack(valid_lens[r]))
-            tok, tok_ok = _pool_lookup(pool, r, row, pairs.pack(sot))
-            tok = jnp.where(want & tok_ok, tok, -1)
-            exp_tok = pairs.pack(pairs.from_int32(tok))
+            sot = pairs.add(pos, k)  # position + k: the expected token's column
+            want = ~pairs.is_negative(sot) & pairs.lt(sot, pairs.U64(at_r[:, 4], at_r[:, 5]))
+            tok, tok_ok = _pool_lookup(pool, r, row, sot)
+            exp_tok = pairs.from_int32(jnp.where(want & tok_ok, tok, -1))
         else:
-            exp_tok = pairs.pack(pairs.const(-1, (cap,)))
-    else:
-        pos = slot = prev = pairs.pack(pairs.const(0, (cap,)))
-        exp_tok = pairs.pack(pairs.const(-1, (cap,)))
+            exp_tok = pairs.const(-1, (cap,))
+        fields = tuple(_entry_words(a, live, o) for a, o in zip((slot, exp_tok, pos, prev), old))
+    else:  # no rows: every entry is dead
+        fields = tuple(jnp.zeros((cap, 2), jnp.uint32) if o is None else o for o in old)
 
-    keep = lambda new, old: jnp.where(live[..., None], new, old)  # noqa: E731
     verify = VerifyPlan(
-        verify_slot_indices=keep(slot, verify_out.verify_slot_indices),
-        verify_expected_tokens=keep(exp_tok, verify_out.verify_expected_tokens),
-        verify_expected_positions=keep(pos, verify_out.verify_expected_positions),
-        verify_prev_slot_indices=keep(prev, verify_out.verify_prev_slot_indices),
+        **dict(zip(_VERIFY_FIELDS, fields)),
         verify_num_valid=num_valid.reshape(1),
         enable=enable.reshape(1),
     )
@@ -550,15 +595,15 @@ def _build_plans_impl(
     e_pos = pairs.is_positive(pairs.unpack(extend))
     wlen = jnp.where((is_pad | ~e_pos)[..., None], jnp.uint32(0), extend)
     offsets = jnp.zeros((cw + 1, 2), jnp.uint32)
+    seeds = jnp.zeros((cw, 2), jnp.uint32) if write_out is None else write_out.write_seed_slot_indices
     if bs > 0:
         offsets = offsets.at[1 : bs + 1].set(pairs.pack(pairs.cumsum(pairs.unpack(wlen))))
         seed_col = pairs.clamp(pairs.sub(pairs.unpack(prefix), pairs.const(1, (bs,))), max(max_seq_len - 1, 0))
-        seed_col = pairs.pack(pairs.from_int32(seed_col))
-        seed = swa_translate(table.lookup(jnp.arange(bs, dtype=jnp.int32), rpi, seed_col), lut)
-        seed = jnp.where((is_pad | ~e_pos | ~p_pos)[..., None], pairs.pack(pairs.const(-1, (bs,))), seed)
-        seeds = write_out.write_seed_slot_indices.at[:bs].set(seed)
-    else:
-        seeds = write_out.write_seed_slot_indices
+        seed = _swa_translate(
+            table._lookup64(jnp.arange(bs, dtype=jnp.int32), pairs.unpack(rpi), pairs.from_int32(seed_col)), lut
+        )
+        seed = pairs.where(is_pad | ~e_pos | ~p_pos, pairs.const(-1, (bs,)), seed)
+        seeds = seeds.at[:bs].set(pairs.pack(seed))
     write = WritePlan(
         write_offsets=offsets,
         write_seed_slot_indices=seeds,
@@ -663,15 +708,19 @@ def build_plans(
         raise ValueError(f"kv-canary: swa_window_size must be < 2**31, got {swa_window_size}")
     table, translated = _resolve_table(req_to_token, w)
 
-    # Capacities.
+    # Capacities. Without ``*_plan_out`` the plans are fresh (``allocate()``'s zeros), which the builder writes as
+    # constants: nothing is allocated here and no old plan is read.
     if verify_plan_out is not None:
         if not isinstance(verify_plan_out, VerifyPlan):
             raise TypeError(f"kv-canary: verify_plan_out must be a VerifyPlan, got {type(verify_plan_out).__name__}")
         verify_plan_out.check()
+        cap = int(verify_plan_out.verify_slot_indices.shape[0])
     else:
         if verify_capacity is None:
             raise ValueError("kv-canary: build_plans needs verify_capacity or verify_plan_out")
-        verify_plan_out = VerifyPlan.allocate(verify_capacity=int(verify_capacity))
+        cap = ints.check_int(int(verify_capacity), name="VerifyPlan verify_capacity")
+        if cap <= 0:
+            raise ValueError(f"kv-canary: VerifyPlan verify_capacity must be positive, got {verify_capacity}")
     if write_plan_out is not None:
         if not isinstance(write_plan_out, WritePlan):
             raise TypeError(f"kv-canary: write_plan_out must be a WritePlan, got {type(write_plan_out).__name__}")
@@ -682,12 +731,13 @@ def build_plans(
                 f"kv-canary: write_req_capacity={write_req_capacity} does not match "
                 f"write_plan_out.write_seed_slot_indices.shape[0]={out_cw}"
             )
+        cw = out_cw
     else:
         if write_req_capacity is None:
             raise ValueError("kv-canary: build_plans needs write_req_capacity or write_plan_out")
-        write_plan_out = WritePlan.allocate(write_req_capacity=int(write_req_capacity))
-    cap = int(verify_plan_out.verify_slot_indices.shape[0])
-    cw = int(write_plan_out.write_seed_slot_indices.shape[0])
+        cw = ints.check_int(int(write_req_capacity), name="WritePlan write_req_capacity")
+        if cw <= 0:
+            raise ValueError(f"kv-canary: WritePlan write_req_capacity must be positive, got {write_req_capacity}")
     if cap >= _INT32_MAX:
         raise ValueError(f"kv-canary: verify_capacity must be < 2**31 - 1, got {cap}")
 
@@ -744,6 +794,8 @@ def build_plans(
         valid,
         np.int32(w),
         np.int32(k),
+        cap=cap,
+        cw=cw,
     )
 
 

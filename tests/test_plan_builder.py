@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import jax
 import jax.numpy as jnp
@@ -463,6 +464,55 @@ class PlanJitAndX64Test(PlanTestBase):
         other = plan_arrays(*build_plans(**kw2))
         for key in base:
             np.testing.assert_array_equal(base[key], other[key], key)
+
+
+class PlanStructureTest(absltest.TestCase):
+    """The verify entries are written once per field: no entry-sized concatenate or pad (``pairs.pack`` per field
+    or a ``[row, col]`` gather index), and a fresh plan neither allocates nor reads an old plan (issue #17)."""
+
+    C = 4096  # a capacity no other dimension here has
+
+    def kw(self, **over):
+        r2t = table({1: [3, 4, 5, 6, 7], 2: [8, 9, 10]})
+        kw = dict(
+            req_pool_indices=jnp.array([1, 2, 0, 0, 0, 0, 0, 0], jnp.int32),
+            prefix_lens=jnp.array([4, 2, 0, 0, 0, 0, 0, 0], jnp.int32),
+            extend_seq_lens=jnp.array([1, 1, 0, 0, 0, 0, 0, 0], jnp.int32),
+            req_to_token=jnp.asarray(r2t),
+            verify_capacity=self.C,
+            write_req_capacity=8,
+            swa_window_size=3,
+            full_to_swa_index_mapping=jnp.arange(40, dtype=jnp.int32) * 2,
+            req_to_verify_expected_tokens=jnp.arange(MAX_REQS * 8, dtype=jnp.int32).reshape(MAX_REQS, 8),
+            req_to_verify_expected_tokens_valid_lens=jnp.array([3, 8, 0, 0, 0, 0, 0, 0], jnp.int32),
+        )
+        kw.update(over)
+        return kw
+
+    def test_no_entry_sized_concatenate_or_pad(self):
+        for over in ({}, dict(swa_window_size=0, full_to_swa_index_mapping=None)):
+            kw = self.kw(**over)
+            arrays = {k: v for k, v in kw.items() if isinstance(v, jax.Array)}
+            fn = lambda a, kw=kw: build_plans(**{**kw, **a})  # noqa: E731
+            hlo = jax.jit(fn).lower(arrays).compile().as_text()
+            bad = [
+                line.strip()
+                for line in hlo.splitlines()
+                if re.search(rf"= \w+\[{self.C}[,\]]\S* (concatenate|pad)\(", line)
+            ]
+            self.assertEqual(bad, [], over)
+
+    def test_fresh_plan_is_not_an_input_and_dead_entries_are_zero(self):
+        kw = self.kw()
+        jaxpr = jax.make_jaxpr(lambda: build_plans(**kw))()
+        shapes = [tuple(v.aval.shape) for eqn in jaxpr.eqns for v in eqn.invars if hasattr(v, "aval")]
+        self.assertNotIn((self.C, 2), shapes)
+        vp, _ = build_plans(**kw)
+        n = int(vp.verify_num_valid[0])
+        self.assertEqual(n, 5)  # window 3: min(4, 3) + min(2, 3)
+        for f in (vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions):
+            self.assertFalse(np.asarray(f)[n:].any())
+        self.assertFalse(np.asarray(vp.verify_prev_slot_indices)[n:].any())
 
 
 class PlanFuzzTest(PlanTestBase):
