@@ -57,6 +57,22 @@ def test_short_demo_outputs(short_demo):
     _, summary, paths = short_demo
     t = summary["timing"]
     assert t["model_ms_per_step_median"] > 0 and t["canary_ms_per_step_median"] > 0
+    # One program per forward: the canary's share is the served step (canary on) minus the same step without it.
+    assert t["method"] == "one_program"
+    assert t["step_ms_per_step_median"] > t["canary_ms_per_step_median"]
+    assert t["canary_ms_per_step_mean"] == pytest.approx(
+        t["step_ms_per_step_mean"] - t["model_ms_per_step_mean"], abs=2e-3
+    )
+    assert [p["part"] for p in t["parts"]] == [
+        "served step, canary on (plan+HEAD+model+TAIL, 1 program)",
+        "same step, canary off (the model alone)",
+        "canary's share: on - off, per step",
+    ]
+    assert [p["median_ms"] for p in t["parts"]] == [
+        t["step_ms_per_step_median"],
+        t["model_ms_per_step_median"],
+        t["canary_ms_per_step_median"],
+    ]
     with open(paths["plot"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(paths["dump"]) > 0
@@ -342,6 +358,32 @@ def test_engine_clean_run_pages_and_rows_come_back():
     assert not cached & set(free)
     assert len(cached) + len(free) == cfg.num_pages - 1
     assert sched.stats["prefix_hit_tokens"] > 0  # shared preambles were reused
+
+
+def test_engine_forward_is_one_donating_program(monkeypatch):
+    """Each forward is one jitted program (plan, HEAD, the model, TAIL) that donates the pools and the canary
+    buffers; with ``timed`` the same program without the canary runs first. The run compiles each once."""
+    from canary_jax.cli.demo import canary_ops
+
+    reqs = workload.build_requests(workload.load_prompts(), num_requests=3, max_new_tokens=3, seed=1)
+    eng = engine.Engine(engine.EngineConfig(num_pages=80, max_running=3), model.ModelConfig(num_layers=1), reqs)
+
+    def separate_launch(*a, **k):
+        raise AssertionError("the forward ran the model as its own program")
+
+    monkeypatch.setattr(model, "forward", separate_launch)
+    compiled = canary_ops.served_step._cache_size()
+    k_pool, k_tail = eng.k_pool, eng.canary.state.groups[0].k_tail
+    res = eng.step(timed=True)
+    assert k_pool.is_deleted() and k_tail.is_deleted()  # donated: updated in place, no copy
+    assert res.step_s > 0 and res.model_s > 0 and res.canary_s == res.step_s - res.model_s
+    steps = 1
+    while (res := eng.step(timed=steps % 2 == 0)) is not None:
+        assert not res.new_violations
+        assert (res.model_s is None) == (steps % 2 == 1)
+        steps += 1
+    assert steps > 4 and eng.scheduler.done
+    assert canary_ops.served_step._cache_size() - compiled <= 2  # canary on and off, one shape each
 
 
 def test_config_refuses_impossible_sizes():

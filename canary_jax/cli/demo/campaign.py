@@ -87,7 +87,13 @@ class TrialResult:
 
 @dataclasses.dataclass
 class PhaseStats:
+    """The clean phase's timing, per step after the first (which compiles): ``step_s`` the served step (canary
+    on), ``model_s`` the same step without the canary, ``canary_s`` their difference (see
+    :meth:`canary_jax.cli.demo.engine.Engine.step`)."""
+
     steps: int = 0
+    one_program: bool = True  # False: a canary runtime with separate HEAD / TAIL launches (canary_s = HEAD + TAIL)
+    step_s: list = dataclasses.field(default_factory=list)
     model_s: list = dataclasses.field(default_factory=list)
     canary_s: list = dataclasses.field(default_factory=list)
     sweep_s: list = dataclasses.field(default_factory=list)
@@ -219,15 +225,16 @@ class Campaign:
     def run_clean(self) -> tuple[int, dict, PhaseStats, dict]:
         self.on_episode("clean")
         eng = self._engine()
-        stats = PhaseStats()
+        stats = PhaseStats(one_program=eng.one_program)
         sweeps = 0
         while True:
-            res = eng.step()
+            res = eng.step(timed=True)  # the model alone, then the served step: the canary's share is the difference
             if res is None:
                 break
             stats.steps += 1
             # The first step (and the first sweep pass) compile; keep them out of the timing.
             if stats.steps > 1:
+                stats.step_s.append(res.step_s)
                 stats.model_s.append(res.model_s)
                 stats.canary_s.append(res.canary_s)
                 stats.tokens.append(res.num_tokens)

@@ -1,18 +1,25 @@
-"""The demo engine's canary, on the runtime's per-forward step API (:mod:`canary_jax.runtime.step`).
+"""The demo engine's canary: one jitted program per forward, on the runtime's step API (:mod:`canary_jax.runtime.step`).
 
 One FULL :class:`~canary_jax.runtime.groups.CanaryBufferGroup` (the demo pool has no SWA part) with HEAD and
 TAIL buffers for the K half and, with ``enable_v_half``, the V half (SGLang launches only K halves by default).
 TAIL and SWEEP launches fingerprint layer 0 of the K (and V) pool: the pool is
-``bf16[layers, pages, page_size * kv_dim]``, so ``pool[0]`` is a :class:`~canary_jax.sources.RealKvSource`
-with ``page_size`` slots per row (SGLang's packed-page layout; page size 1 is its MHA layout).
+``bf16[layers, pages, page_size * kv_dim]``, so ``pool[0]``, taken inside the program, is a
+:class:`~canary_jax.sources.RealKvSource` with ``page_size`` slots per row (SGLang's packed-page layout; page size
+1 is its MHA layout).
 
-Per forward (SPEC 8.3): :func:`canary_jax.runtime.step.canary_head` plans the batch
-(:func:`canary_jax.plan_builder.build_plans`) and runs HEAD verify + write; the model writes its KV;
-:func:`canary_jax.runtime.step.canary_tail` runs TAIL verify + write with the same plans and the new KV. Every
-``sweep_interval`` steps :func:`canary_jax.runtime.step.canary_sweep` verifies every slot of the prefix cache
-against the TAIL buffer (:func:`canary_jax.runtime.sweep.build_sweep_plan_from_radix`, fixed capacity, SPEC 9
-"Sweep"). All shapes are fixed, so each function compiles once; the backend is picked by
-:func:`canary_jax.backends.resolve_backend` (Pallas on GPU, the jnp reference elsewhere).
+Per forward (SPEC 8.3), :func:`served_step` is the whole served step as one jitted program, the way a JAX serving
+stack should run the canary: :func:`canary_jax.runtime.step.canary_step` plans the batch
+(:func:`canary_jax.plan_builder.build_plans`) and runs HEAD verify + write, then the model
+(:func:`canary_jax.cli.demo.model.forward_impl`) writes its KV, attends and samples, then TAIL verify + write runs
+with the same plans and real-KV sources built from the new pool inside the program (a view, no pool copy). The
+pools and the canary buffers are donated, so both are updated in place. Every array has a fixed capacity (tokens,
+rows, verify entries), so the program compiles once per run; ``canary=False`` is the same step without the canary
+(the model alone), the baseline the demo's time table measures the canary against.
+
+Every ``sweep_interval`` steps :func:`canary_jax.runtime.step.canary_sweep` verifies every slot of the prefix
+cache against the TAIL buffer (:func:`canary_jax.runtime.sweep.build_sweep_plan_from_radix`, fixed capacity,
+SPEC 9 "Sweep"), its own jitted program. The backend is picked by :func:`canary_jax.backends.resolve_backend`
+(Pallas on GPU, the jnp reference elsewhere).
 """
 
 from __future__ import annotations
@@ -23,10 +30,11 @@ import jax
 import numpy as np
 
 from canary_jax import backends, constants
+from canary_jax.cli.demo import model
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
-from canary_jax.runtime.step import canary_head, canary_sweep, canary_tail
+from canary_jax.runtime.step import canary_step, canary_sweep
 from canary_jax.runtime.sweep import build_sweep_plan_from_radix
 from canary_jax.sources import RealKvSource
 
@@ -48,10 +56,55 @@ def pool_sources(k_pool, v_pool, *, page_size: int, kv_bytes: int, config: Canar
     return ((src_k, src_v),)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "page_size", "kv_bytes"))
-def _tail(state, plans, batch, k_pool, v_pool, *, config, page_size, kv_bytes):
-    srcs = pool_sources(k_pool, v_pool, page_size=page_size, kv_bytes=kv_bytes, config=config)
-    return canary_tail(state, plans, batch, config=config, real_kv_sources=srcs)
+@functools.partial(jax.jit, static_argnames=("model_cfg", "config", "page_size", "canary"), donate_argnums=(0, 3, 4))
+def served_step(groups, log, params, k_pool, v_pool, batch, model_in, *, model_cfg, config, page_size, canary=True):
+    """One served forward as one program: plan + HEAD, the model (KV write, attention, sampling), TAIL.
+
+    Args:
+      groups: the canary state's buffer groups (donated: updated in place), or None with ``canary=False``.
+      log: the canary state's violation log (not donated, so a log read earlier stays valid), or None.
+      params: the model's weights.
+      k_pool, v_pool: ``bf16[num_layers, num_pages, page_size * kv_dim]`` (donated).
+      batch: the step's :class:`~canary_jax.runtime.state.CanaryBatch` (fixed capacities), or None.
+      model_in: what the model is fed (the int32 arrays of :meth:`CanaryRuntime.model_inputs`).
+      model_cfg, config, page_size: static; ``canary=False`` runs the model alone (the timing baseline).
+
+    Returns:
+      ``(groups, log, k_pool, v_pool, next_tokens int32[B], summary)`` (``groups``, ``log`` and ``summary`` None
+      without the canary).
+    """
+    key = jax.random.fold_in(model_in["key"], model_in["step"])
+
+    def model_step(k, v):
+        return model.forward_impl(
+            params,
+            k,
+            v,
+            model_in["input_ids"],
+            model_in["positions"],
+            model_in["out_cache_loc"],
+            model_in["token_rows"],
+            model_in["req_to_token"],
+            model_in["sample_index"],
+            key,
+            cfg=model_cfg,
+        )
+
+    if not canary:
+        k_pool, v_pool, next_tokens = model_step(k_pool, v_pool)
+        return None, None, k_pool, v_pool, next_tokens, None
+
+    def kv_write(kv, _batch):  # the model's forward; the sources view its pool after the write
+        k, v, tokens = model_step(kv[0], kv[1])
+        return (k, v, tokens), pool_sources(
+            k, v, page_size=page_size, kv_bytes=model_cfg.kv_bytes_per_token, config=config
+        )
+
+    state = CanaryState(groups=groups, log=log)
+    state, (k_pool, v_pool, next_tokens), summary = canary_step(
+        state, batch, kv_write, (k_pool, v_pool, None), config=config
+    )
+    return state.groups, state.log, k_pool, v_pool, next_tokens, summary
 
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "kv_bytes"))
@@ -61,7 +114,8 @@ def _sweep(state, plan, k_pool, v_pool, *, config, page_size, kv_bytes):
 
 
 class CanaryRuntime:
-    """Canary state of the demo engine and its three phases (HEAD, TAIL, SWEEP)."""
+    """Canary state of the demo engine, its served step (:meth:`forward`: plan, HEAD, the model, TAIL in one
+    program) and its SWEEP."""
 
     def __init__(
         self,
@@ -93,8 +147,6 @@ class CanaryRuntime:
         )
         group = CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=num_slots, has_v_half=bool(enable_v_half))
         self.state = CanaryState.create((group,), ring_capacity=ring_capacity)
-        self._plans = None
-        self._batch = None
         self.summary = None
         self.sweep_passes = 0
 
@@ -132,23 +184,58 @@ class CanaryRuntime:
             ),
         )
 
-    def head(self, batch, req_to_token: np.ndarray, expected_pool: np.ndarray) -> None:
-        """Plans the batch, then HEAD verify + write."""
-        self._batch = self._batch_of(batch, req_to_token, expected_pool)
-        self.state, self._plans = canary_head(self.state, self._batch, config=self.config)
+    @staticmethod
+    def model_inputs(batch, req_to_token: np.ndarray, key, step: int) -> dict:
+        """What the model is fed for ``batch``: its int32 token arrays, ``req_to_token``, the sampling rows, and
+        the run's PRNG key with the step index (folded in inside the program)."""
+        return dict(
+            input_ids=batch.input_ids,
+            positions=batch.positions,
+            out_cache_loc=batch.out_cache_loc,
+            token_rows=batch.token_rows,
+            req_to_token=req_to_token,
+            sample_index=batch.sample_index,
+            key=key,
+            step=np.int32(step),
+        )
 
-    def tail(self, k_pool, v_pool) -> None:
-        """TAIL verify + write with this step's plans and the freshly written pools."""
-        self.state, self.summary = _tail(
-            self.state,
-            self._plans,
-            self._batch,
+    def forward(self, batch, req_to_token, expected_pool, params, k_pool, v_pool, model_in, *, model_cfg):
+        """The served step with the canary, one jitted program (:func:`served_step`): returns ``(k_pool, v_pool,
+        next_tokens)`` and keeps the new canary state and the step's summary. The pools and the canary buffers
+        passed in are donated."""
+        cb = self._batch_of(batch, req_to_token, expected_pool)
+        groups, log, k_pool, v_pool, next_tokens, self.summary = served_step(
+            self.state.groups,
+            self.state.log,
+            params,
             k_pool,
             v_pool,
+            cb,
+            model_in,
+            model_cfg=model_cfg,
             config=self.config,
             page_size=self.page_size,
-            kv_bytes=self.kv_bytes,
         )
+        self.state = CanaryState(groups=groups, log=log)
+        return k_pool, v_pool, next_tokens
+
+    def model_only(self, params, k_pool, v_pool, model_in, *, model_cfg):
+        """The same served step without the canary (the timing baseline): returns ``(k_pool, v_pool,
+        next_tokens)``; the pools passed in are donated."""
+        _, _, k_pool, v_pool, next_tokens, _ = served_step(
+            None,
+            None,
+            params,
+            k_pool,
+            v_pool,
+            None,
+            model_in,
+            model_cfg=model_cfg,
+            config=self.config,
+            page_size=self.page_size,
+            canary=False,
+        )
+        return k_pool, v_pool, next_tokens
 
     def sweep(self, tree, k_pool, v_pool) -> int:
         """SWEEP verify of every cached prefix slot; returns the number of entries."""

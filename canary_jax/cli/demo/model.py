@@ -11,7 +11,7 @@ engine owns and what the canary protects:
   ``num_bytes_per_token = 2 * kv_dim``.
 * Slot 0 (page 0) is the dummy slot: padded tokens write their KV there and nothing ever reads it.
 
-One :func:`forward` call runs a whole serving batch: a flat token array (chunked prefills and decodes of
+One :func:`forward_impl` call runs a whole serving batch: a flat token array (chunked prefills and decodes of
 several requests, padded to a fixed capacity so the step is compiled once). Every token first scatters its
 K/V into the pool at ``out_cache_loc``, then attends over its request's context through the
 ``req_to_token`` table (positions ``0..position``), so a chunk sees itself and every earlier chunk.
@@ -134,8 +134,7 @@ def _rope(x, positions):
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("k_pool", "v_pool"))
-def forward(
+def forward_impl(
     params: dict,
     k_pool: jax.Array,
     v_pool: jax.Array,
@@ -149,11 +148,12 @@ def forward(
     *,
     cfg: ModelConfig,
 ):
-    """Runs one serving batch, writing its K/V into the pools and sampling one token per request.
+    """Runs one serving batch, writing its K/V into the pools and sampling one token per request (traced inside
+    the caller's ``jit``; :func:`forward` is the standalone jitted program).
 
     Args:
       params: :func:`init_params` output.
-      k_pool, v_pool: ``bf16[num_layers, num_pages, page_size * kv_dim]`` (donated; updated in place).
+      k_pool, v_pool: ``bf16[num_layers, num_pages, page_size * kv_dim]`` (donated by the jitted callers).
       input_ids: ``int32[T]`` tokens (padding: any token).
       positions: ``int32[T]`` position of each token in its request.
       out_cache_loc: ``int32[T]`` KV slot each token writes (padding: 0, the dummy slot).
@@ -203,6 +203,11 @@ def forward(
     logits = jnp.where(allowed[None, :], logits, -1e30)
     next_tokens = jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
     return jnp.stack(kps), jnp.stack(vps), next_tokens
+
+
+# forward_impl as its own jitted program (donates the pools). The demo engine instead traces forward_impl inside its one
+# jitted serving step (canary_jax.cli.demo.canary_ops.served_step).
+forward = functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("k_pool", "v_pool"))(forward_impl)
 
 
 def tokenize(text: str) -> list[int]:
