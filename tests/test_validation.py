@@ -168,7 +168,8 @@ class RealKvSourceTest(absltest.TestCase):
         three_d = src(np.zeros((N, 2, 16), np.uint8))
         with self.assertRaisesRegex(
             ValueError,
-            r"^kv-canary: real_kv_sources\[1\]\.tensor \(viewed as uint8\) must be 2-D, got 3-D \(shape \(16, 2, 16\), dtype uint8\); view the pool as \[rows, row_elems\]",
+            r"^kv-canary: real_kv_sources\[1\]\.tensor \(viewed as uint8\) must be 2-D, got 3-D "
+            r"\(shape \(16, 2, 16\), dtype uint8\); view the pool as \[rows, row_elems\]",
         ):
             check_real_kv_sources([src(np.zeros((N, 16), np.uint8)), three_d], ALL)
         narrow = src(np.zeros((N, 32), np.uint8), page_size=4, nbpt=16)
