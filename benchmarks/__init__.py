@@ -7,6 +7,7 @@
   the presets, ``benchmarks.sweep_scenario`` the data and reference logs, ``benchmarks.ptx_inspect`` PTX / ptxas).
 * ``python -m benchmarks.serving_step``: a Qwen3-0.6B-shaped engine with the canary inside its jitted step (decode b1 /
   b128, chunked prefill, the 4096 x 1 decode write): canary off / NONE / PARTIAL / ALL, and the canary's parts.
+* ``python -m benchmarks.demo_probe``: the demo's served step split into host batch build, dispatch and device wait.
 * ``python -m benchmarks.interop_bench``: torch-launched against JAX-launched calls (``benchmarks.interop_setup``).
 * ``python -m benchmarks.compile_probe``, ``python -m benchmarks.mosaic_probe``: offline compile and Mosaic GPU
   probes.

@@ -206,11 +206,15 @@ def _pairs_shaped(x: Any, logical_ndim: int) -> bool:
     return x.ndim == logical_ndim + 1 and x.shape[-1] == 2
 
 
-def as_int32(x: Any, *, name: str, shape: Sequence[int | None] | None = None) -> jax.Array:
+def as_int32(
+    x: Any, *, name: str, shape: Sequence[int | None] | None = None, host: bool = False
+) -> jax.Array | np.ndarray:
     """Checks an int32 argument (SGLang's int32 tensors: num_valid, enable, write_index, req_to_token).
 
     Numpy data of another integer dtype is accepted only if every value fits int32; JAX arrays must already
-    be int32 (so nothing is converted silently inside a traced program).
+    be int32 (so nothing is converted silently inside a traced program). Host data moves to the device, or
+    with ``host=True`` stays an ``int32`` numpy array (a caller's ``jit`` then transfers it with the other
+    arguments: no per-field transfer).
 
     Raises:
       TypeError: wrong dtype.
@@ -228,7 +232,7 @@ def as_int32(x: Any, *, name: str, shape: Sequence[int | None] | None = None) ->
             raise ValueError(
                 f"kv-canary: {name} holds values outside int32 (min {arr.min()}, max {arr.max()}); refusing to truncate"
             )
-        out = to_device(arr.astype(np.int32))
+        out = arr.astype(np.int32, copy=False) if host else to_device(arr.astype(np.int32))
     if shape is not None:
         validation.check_shape(name, out.shape, shape)
     return out

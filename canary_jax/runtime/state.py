@@ -95,7 +95,7 @@ _BATCH_FIELDS = (
 def _pairs(x: Any, name: str, shape: tuple) -> Any:
     """An int64-valued field as exact ``uint32[*shape, 2]`` pairs: JAX arrays and tracers stay JAX (widened or
     bit-cast, never cut), host data stays numpy (so eager calls pad it on the host)."""
-    out = ints.as_int64_pairs(x, name=name, shape=shape)
+    out = ints.as_int64_pairs(x, name=name, shape=shape, host=True)  # host data: no device round trip
     return out if isinstance(x, jax.Array) else np.asarray(out)
 
 
@@ -207,7 +207,7 @@ def _slot_table(table: Any) -> Any:
     if isinstance(table, plan_builder.SlotTable):
         table.check()
         return table
-    return ints.as_int32(table, name="req_to_token", shape=(None, None))
+    return ints.as_int32(table, name="req_to_token", shape=(None, None), host=True)
 
 
 def _token_pool(pool: Any) -> Any:
@@ -216,7 +216,7 @@ def _token_pool(pool: Any) -> Any:
     if isinstance(pool, plan_builder.ExpectedTokenTable):
         pool.check()
         return pool
-    return ints.as_int32(pool, name="req_to_verify_expected_tokens", shape=(None, None))
+    return ints.as_int32(pool, name="req_to_verify_expected_tokens", shape=(None, None), host=True)
 
 
 def _batch_unflatten(_, children) -> CanaryBatch:
