@@ -223,6 +223,85 @@ class DemoDevicesTest(unittest.TestCase):
         corrupt = [ln for ln in lines if ln.lstrip().startswith("canary_corrupt#")]
         self.assertTrue(corrupt[0].endswith(" shard=(0,3)"), corrupt)
 
+    def test_demo_pools_are_head_sharded(self):
+        """The demo engine's K/V pools live head-sharded on the 4 devices, the model's forward keeps them so
+        (compiled once, only its [tokens, d_model] all-reduces), and no step moves the pool with a device_put."""
+        env = dict(os.environ)
+        env.pop("XLA_FLAGS", None)
+        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        proc = subprocess.run(
+            [sys.executable, "-c", _POOL_CHILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
+        self.assertEqual(proc.returncode, 0, proc.stdout[-4000:] + proc.stderr[-4000:])
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        layers, pages, page_size, heads, head_dim = r["shape"]
+        self.assertEqual(heads, 4)
+        for name in ("k", "v"):
+            self.assertEqual(r[f"{name}_devices"], 4)
+            self.assertEqual(r[f"{name}_spec"], [None, None, None, "tp", None])
+            # each device holds one head (heads / N) of every layer, page and slot
+            self.assertEqual(r[f"{name}_local"], [[layers, pages, page_size, 1, head_dim]] * 4)
+        self.assertGreaterEqual(r["steps"], 10)
+        self.assertGreaterEqual(r["sweeps"], 2)
+        self.assertEqual(r["violations_clean"], 0)
+        self.assertGreater(r["violations_after_flip"], 0)
+        pool_elems = pages * page_size * heads * head_dim  # one layer of one pool
+        big = [s for s in r["device_put_shapes"] if int(np.prod(s)) >= pool_elems // 4]
+        self.assertEqual(big, [], "a pool-sized device_put ran during the steps")
+        self.assertEqual(r["forward_compiles"], 1)
+        for kind, shape in r["forward_collectives"]:
+            self.assertEqual(kind, "all-reduce")
+            self.assertLess(int(np.prod(shape)), pool_elems // 4, shape)
+
+
+_POOL_CHILD = r"""
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import json, re
+import jax
+from canary_jax.cli.demo import engine, faults, model, workload
+from canary_jax.cli.demo import sharded as demo_sharded
+
+mc = model.ModelConfig(num_kv_heads=4, num_q_heads=4)
+cfg = engine.EngineConfig()
+reqs = workload.build_requests(workload.load_prompts(None), num_requests=8, max_new_tokens=8)
+eng = type("E4", (demo_sharded.ShardedEngine,), {"devices": 4})(cfg, mc, reqs)
+puts, real_put = [], jax.device_put
+def counting_put(x, *a, **k):
+    puts.extend(list(getattr(leaf, "shape", ())) for leaf in jax.tree_util.tree_leaves(x))
+    return real_put(x, *a, **k)
+jax.device_put = counting_put
+steps = 0
+for _ in range(10):
+    eng.step()
+    steps += 1
+clean = eng.canary.log.num_violations()
+faults._flip_k_bit(eng, int(eng.scheduler.req_to_token[eng.scheduler.running[0].row, 0]), 3, 1)
+for _ in range(2):
+    eng.step()
+    steps += 1
+jax.device_put = real_put
+compiles = demo_sharded.sharded_forward._cache_size()
+b = eng.scheduler.schedule()
+args = (b.input_ids, b.positions, b.out_cache_loc, b.token_rows, eng.scheduler.req_to_token, b.sample_index,
+        jax.random.PRNGKey(0))
+hlo = demo_sharded.sharded_forward.lower(
+    eng.params, eng.k_pool, eng.v_pool, *args, cfg=mc, sharding=eng.canary.pool_sharding
+).compile().as_text()
+kinds = "all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter"
+coll = re.findall(r"= [a-z0-9]+\[([0-9,]*)\]\S* (" + kinds + r")\(", hlo)
+out = dict(shape=list(eng.k_pool.shape), steps=steps, sweeps=eng.canary.sweep_passes, violations_clean=clean,
+           violations_after_flip=eng.canary.log.num_violations(), device_put_shapes=puts,
+           forward_compiles=compiles,
+           forward_collectives=[[k, [int(d) for d in s.split(",") if d]] for s, k in coll])
+for name, pool in (("k", eng.k_pool), ("v", eng.v_pool)):
+    spec = list(pool.sharding.spec) + [None] * (pool.ndim - len(pool.sharding.spec))
+    out[name + "_devices"] = len(pool.sharding.device_set)
+    out[name + "_spec"] = spec
+    out[name + "_local"] = [list(s.data.shape) for s in pool.addressable_shards]
+print(json.dumps(out))
+"""
+
 
 if __name__ == "__main__":
     unittest.main()

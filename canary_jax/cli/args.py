@@ -238,8 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive("--devices"),
         default=None,
         metavar="N",
-        help="shard the canary over N devices by KV heads, one canary per head shard, the shard named in the "
-        "report (on a CPU: N forced host devices)",
+        help="shard the KV pools and the canary over N devices by KV heads, one canary per head shard, the shard "
+        "named in the report (on a CPU: N forced host devices)",
     )
     o.add_argument(
         "-v", "--verbose", action="store_true", help="also print each episode's first violation in SGLang's report text"

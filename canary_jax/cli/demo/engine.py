@@ -148,6 +148,10 @@ class StepResult:
 class Engine:
     """Model + pools + canary, stepped by :meth:`step`."""
 
+    # The model's own program on the split path (a runtime without one-program ``forward``): a sharded engine
+    # swaps in one that keeps its pools' sharding.
+    model_forward = staticmethod(model.forward)
+
     def __init__(
         self,
         cfg: EngineConfig,
@@ -243,7 +247,7 @@ class Engine:
         self.canary.head(batch, sched.req_to_token, sched.expected_tokens)
         self.canary.block()
         t1 = time.perf_counter()
-        self.k_pool, self.v_pool, next_tokens = model.forward(
+        self.k_pool, self.v_pool, next_tokens = self.model_forward(
             self.params,
             self.k_pool,
             self.v_pool,

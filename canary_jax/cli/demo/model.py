@@ -153,7 +153,9 @@ def forward_impl(
 
     Args:
       params: :func:`init_params` output.
-      k_pool, v_pool: ``bf16[num_layers, num_pages, page_size * kv_dim]`` (donated by the jitted callers).
+      k_pool, v_pool: ``bf16[num_layers, num_pages, page_size * kv_dim]`` (donated by the jitted callers), or the
+        same bytes as ``bf16[num_layers, num_pages, page_size, num_kv_heads, head_dim]`` (heads an axis, so a
+        caller's ``jit`` can shard the pool over heads: ``canary-jax demo --devices N``); returned in their shape.
       input_ids: ``int32[T]`` tokens (padding: any token).
       positions: ``int32[T]`` position of each token in its request.
       out_cache_loc: ``int32[T]`` KV slot each token writes (padding: 0, the dummy slot).
@@ -166,9 +168,8 @@ def forward_impl(
     Returns:
       ``(k_pool, v_pool, next_tokens int32[B])``.
     """
-    num_layers, num_pages, row = k_pool.shape
-    page_size = row // cfg.kv_dim
-    num_slots = num_pages * page_size
+    layer_shape = k_pool.shape[1:]  # [num_pages, page_size * kv_dim] or [num_pages, page_size, heads, head_dim]
+    num_slots = int(np.prod(layer_shape)) // cfg.kv_dim
     t = input_ids.shape[0]
     h, g, dh = cfg.num_kv_heads, cfg.num_q_heads // cfg.num_kv_heads, cfg.head_dim
 
@@ -185,8 +186,8 @@ def forward_impl(
         v = (hdn @ lp["wv"]).reshape(t, h, dh)
         kp = k_pool[li].reshape(num_slots, cfg.kv_dim).at[out_cache_loc].set(k.reshape(t, -1).astype(jnp.bfloat16))
         vp = v_pool[li].reshape(num_slots, cfg.kv_dim).at[out_cache_loc].set(v.reshape(t, -1).astype(jnp.bfloat16))
-        kps.append(kp.reshape(num_pages, row))
-        vps.append(vp.reshape(num_pages, row))
+        kps.append(kp.reshape(layer_shape))
+        vps.append(vp.reshape(layer_shape))
         kc = kp[ctx_slots].reshape(t, ctx_len, h, dh).astype(jnp.float32)
         vc = vp[ctx_slots].reshape(t, ctx_len, h, dh).astype(jnp.float32)
         qg = q.reshape(t, h, g, dh)

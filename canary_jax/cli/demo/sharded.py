@@ -1,12 +1,18 @@
-"""``canary-jax demo --devices N``: the demo's KV canary sharded over N devices by KV heads.
+"""``canary-jax demo --devices N``: the demo's KV pools and KV canary sharded over N devices by KV heads.
 
-The demo engine, scheduler, model and fault campaign are the single-device demo's; what changes is the canary:
+The demo engine, scheduler, model and fault campaign are the single-device demo's; what changes is where the KV
+lives and the canary:
 
-* a ``1 x N`` (dp, tp) mesh (:class:`canary_jax.runtime.sharded.ShardLayout`): every head shard runs its own
-  canary (:class:`~canary_jax.runtime.sharded.ShardedCanary` under ``shard_map``) over the same requests, and
-  fingerprints only its own heads of layer 0 (the K pool, and V with ``--mha-v``). Before TAIL and SWEEP the
-  pool's layer 0 is laid out ``[pages, page_size, heads, head_dim]`` sharded over heads (``jax.device_put``; the
-  toy model itself runs unsharded), so each shard's hash reads its own device's bytes;
+* a ``1 x N`` (dp, tp) mesh (:class:`canary_jax.runtime.sharded.ShardLayout`). The K and V pools are
+  ``bf16[layers, pages, page_size, kv_heads, head_dim]`` (the single-device pool's bytes, heads an axis),
+  sharded over heads (``NamedSharding``, ``P(None, None, None, "tp", None)``): each device holds only its own
+  heads of every layer. The model's forward is one ``jit`` over the sharded pools with replicated weights (XLA's
+  SPMD partitioning splits it), its pools donated and returned with the same sharding, so they stay on their
+  devices from step to step;
+* every head shard runs its own canary (:class:`~canary_jax.runtime.sharded.ShardedCanary` under ``shard_map``)
+  over the same requests; TAIL and SWEEP take the sharded pools as they are, and each shard fingerprints its
+  own local heads of layer 0 (the K pool, and V with ``--mha-v``): no resharding and no ``device_put`` of the
+  pool per step;
 * violations of every shard go through one :class:`~canary_jax.runtime.sharded.ShardedViolationReporter`: a KV
   flip is reported by the head shard that owns the flipped byte, a bookkeeping fault by every head shard, a
   canary-record flip (injected into one head shard's canary, :attr:`ShardedCanaryRuntime.fault_shard`) by that
@@ -20,18 +26,20 @@ On a CPU, N devices are forced host devices: :func:`force_host_devices` sets
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from canary_jax import backends, constants, layout
 from canary_jax.cli.demo import campaign as campaign_lib
-from canary_jax.cli.demo import canary_ops
+from canary_jax.cli.demo import canary_ops, model
 from canary_jax.cli.demo.engine import Engine
 from canary_jax.decode import ViolationRecord
 from canary_jax.runtime import sharded
@@ -68,8 +76,9 @@ def fit_kv_heads(kv_heads: int, q_heads: int, devices: int) -> tuple[int, int, s
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _LocalSources:
-    """``sources_fn`` of the demo's sharded canary: one head shard's layer-0 K (and V) block
-    ``bf16[pages, page_size, heads / N, head_dim]`` as the real-KV sources (hashable: a static argument)."""
+    """``sources_fn`` of the demo's sharded canary: layer 0 of one head shard's local K (and V) pool block
+    ``bf16[layers, pages, page_size, heads / N, head_dim]`` as the real-KV sources (hashable: a static
+    argument)."""
 
     page_size: int
     bytes_per_token: int
@@ -80,7 +89,7 @@ class _LocalSources:
         if self.mode == constants.RealKvHashMode.NONE:
             return ()
         read = constants.PARTIAL_READ_BYTES if self.mode == constants.RealKvHashMode.PARTIAL else self.bytes_per_token
-        rows = block.reshape(block.shape[0], -1)
+        rows = block[0].reshape(block.shape[1], -1)  # layer 0: [pages, page_size * heads / N * head_dim]
         return (
             RealKvSource(
                 tensor=rows, page_size=self.page_size, num_bytes_per_token=self.bytes_per_token, read_bytes=read
@@ -109,6 +118,26 @@ class ShardedRecord(ViolationRecord):
     """A :class:`~canary_jax.decode.ViolationRecord` with the shard ``(dp, tp)`` that recorded it."""
 
     shard: tuple = (0, 0)
+
+
+POOL_SPEC = P(None, None, None, "tp", None)  # [layers, pages, page_size, kv_heads, head_dim]: heads over tp
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sharding"), donate_argnames=("k_pool", "v_pool"))
+def sharded_forward(params, k_pool, v_pool, *args, cfg, sharding):
+    """:func:`canary_jax.cli.demo.model.forward` on head-sharded pools: XLA's SPMD partitioning runs the model
+    over the mesh; the new pools (donated in) come back with the same ``sharding``."""
+    k_pool, v_pool, next_tokens = model.forward_impl(params, k_pool, v_pool, *args, cfg=cfg)
+    return (
+        jax.lax.with_sharding_constraint(k_pool, sharding),
+        jax.lax.with_sharding_constraint(v_pool, sharding),
+        next_tokens,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "sharding"))
+def _zeros(*, shape, sharding):
+    return jax.lax.with_sharding_constraint(jnp.zeros(shape, jnp.bfloat16), sharding)
 
 
 class ShardedCanaryRuntime:
@@ -161,8 +190,8 @@ class ShardedCanaryRuntime:
             backend=self.backend,
         )
         self.layout = sharded.ShardLayout.create(dp=1, tp=devices, devices=jax.devices()[:devices])
-        self.kv_specs = (P(None, None, "tp", None), P(None, None, "tp", None))
-        self._kv_sharding = NamedSharding(self.layout.mesh, self.kv_specs[0])
+        self.kv_specs = (POOL_SPEC, POOL_SPEC)
+        self.pool_sharding = NamedSharding(self.layout.mesh, POOL_SPEC)
         self._state_sharding = NamedSharding(self.layout.mesh, self.layout.state_spec)
         self.canary = sharded.ShardedCanary(
             self.layout,
@@ -202,10 +231,19 @@ class ShardedCanaryRuntime:
         glob = jax.device_put(host, self._state_sharding)
         self.state = self.state.replace(groups=(self.state.groups[0].with_buffers(**{name: glob}),))
 
+    def allocate_pools(self, num_layers: int, num_pages: int):
+        """Zeroed K and V pools ``bf16[layers, pages, page_size, kv_heads, head_dim]``, created sharded over
+        heads (each device zeroes its own block)."""
+        shape = (num_layers, num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        return _zeros(shape=shape, sharding=self.pool_sharding), _zeros(shape=shape, sharding=self.pool_sharding)
+
     def _kv(self, k_pool, v_pool):
-        """Layer 0 of each pool as ``[pages, page_size, heads, head_dim]``, sharded over heads."""
-        shape = (k_pool.shape[1], self.page_size, self.num_kv_heads, self.head_dim)
-        return tuple(jax.device_put(p[0].reshape(shape), self._kv_sharding) for p in (k_pool, v_pool))
+        """The pools as the canary programs take them: as they are, already sharded over heads (the shard_map
+        reads each device's block in place). A pool laid out otherwise is refused rather than moved."""
+        for name, p in (("k_pool", k_pool), ("v_pool", v_pool)):
+            if p.ndim != 5 or not p.sharding.is_equivalent_to(self.pool_sharding, p.ndim):
+                raise ValueError(f"--devices: {name} {p.shape} is not head-sharded as {POOL_SPEC} ({p.sharding})")
+        return k_pool, v_pool
 
     def head(self, batch, req_to_token: np.ndarray, expected_pool: np.ndarray) -> None:
         """Plans the batch, then every head shard's HEAD verify + write."""
@@ -234,8 +272,9 @@ class ShardedCanaryRuntime:
 
 
 class ShardedEngine(Engine):
-    """The demo engine with :class:`ShardedCanaryRuntime` as its canary, one report over every head shard and
-    the health check per shard."""
+    """The demo engine with its K/V pools head-sharded over the mesh (:meth:`ShardedCanaryRuntime.allocate_pools`,
+    the model's forward :func:`sharded_forward`), :class:`ShardedCanaryRuntime` as its canary, one report over
+    every head shard and the health check per shard."""
 
     devices = 1
 
@@ -256,6 +295,9 @@ class ShardedEngine(Engine):
             backend=cfg.backend,
             enable_v_half=cfg.enable_v_half,
         )
+        self.params = jax.device_put(self.params, NamedSharding(self.canary.layout.mesh, P()))  # replicated, once
+        # replaces the base engine's one-device pools: the same bytes per slot, heads an axis, sharded over heads
+        self.k_pool, self.v_pool = self.canary.allocate_pools(model_cfg.num_layers, cfg.num_pages)
         every = max(16, cfg.sweep_interval)
         self.health = sharded.ShardedHealthChecker(
             active_tags(self.canary.single_state, sweep=cfg.sweep_interval > 0, enable_v_half=cfg.enable_v_half),
@@ -266,6 +308,10 @@ class ShardedEngine(Engine):
         )
         self.reporter = sharded.ShardedViolationReporter("none")
         self.messages: list[str] = []
+
+    def model_forward(self, params, k_pool, v_pool, *args, cfg):
+        """The model's program on the head-sharded pools (:func:`sharded_forward`)."""
+        return sharded_forward(params, k_pool, v_pool, *args, cfg=cfg, sharding=self.canary.pool_sharding)
 
     def poll_violations(self) -> list[ViolationRecord]:
         """Every shard's violations since the last poll, as :class:`ShardedRecord` s (shard order)."""
