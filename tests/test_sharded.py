@@ -169,6 +169,70 @@ class MeshX64Test(MeshTest):
     X64 = True
 
 
+class RefusalsTest(unittest.TestCase):
+    """Issue #14: clear refusals, before any shard_map error and before anything runs (4 forced devices)."""
+
+    @classmethod
+    def setUpClass(cls):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "errors.npz")
+            proc = run_child(["errors", out])
+            if proc.returncode != 0:
+                raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+            cls.r = json.loads(str(np.load(out)["json"]))
+
+    def assertRefused(self, name, kind, pattern):
+        got = self.r[name]
+        self.assertIsNotNone(got, f"{name} was not refused")
+        self.assertEqual(got[0], kind, got)
+        self.assertRegex(got[1], pattern)
+
+    def test_mis_sharded_pool_is_refused_and_state_kept(self):
+        for name, spec in (
+            ("replicated", r"P\(\)"),
+            ("transposed", r"P\('tp', None, 'dp', None\)"),
+            ("slots_over_tp", r"P\('dp', 'tp', None, None\)"),
+        ):
+            for who in ("tail", "step", "sweep"):
+                self.assertRefused(
+                    f"{who}_{name}",
+                    "ValueError",
+                    rf"^kv-canary: ShardedCanary\.{who}: kv_state is sharded NamedSharding\(.*spec={spec}.*not as "
+                    r"kv_specs says \(P\('dp', None, 'tp', None\)",
+                )
+            self.assertTrue(self.r[f"pool_alive_{name}"])  # step donates the pool: refused before donation
+        self.assertRefused("tail_tree", "ValueError", r"kv_state\['k'\] is sharded SingleDeviceSharding")
+        self.assertTrue(self.r["state_unchanged"])
+        self.assertTrue(self.r["good_ran"])
+
+    def test_state_batch_and_num_tokens(self):
+        for who in ("head", "plan", "consistency"):
+            self.assertRefused(
+                f"{who}_unsharded_state",
+                "ValueError",
+                rf"ShardedCanary\.{who}: state is not sharded .*layout\.shard_state",
+            )
+        self.assertRefused(
+            "head_other_layout", "ValueError", r"state is sharded for another layout .*\(2, 2\); .*dp=4 x tp=1"
+        )
+        self.assertRefused("head_unsharded_batch", "ValueError", r"batch is not sharded .*layout\.shard_batch")
+        self.assertRefused("head_num_tokens_list", "TypeError", r"num_tokens must be an int32\[2\] array.*got list")
+        for name, got in (("len3", "int32\\[3\\]"), ("scalar", "int32\\[\\]"), ("float", "float32\\[2\\]")):
+            self.assertRefused(
+                f"head_num_tokens_{name}", "ValueError", rf"num_tokens must be an int32\[2\] array.*got {got}$"
+            )
+
+    def test_none_for_a_held_shard_and_no_kv(self):
+        for who in ("shard_batch", "shard_per_dp"):
+            self.assertRefused(
+                f"{who}_none_held", "ValueError", rf"{who}: dp shard 1 is held by this process; got None"
+            )
+        for who in ("sweep", "tail"):
+            self.assertRefused(
+                f"{who}_kv_none", "ValueError", rf"real_kv_hash_mode=ALL .* ShardedCanary\.{who} got no real_kv_sources"
+            )
+
+
 class LayoutErrorsTest(unittest.TestCase):
     """Static refusals, on this process's one device."""
 
@@ -194,6 +258,11 @@ class LayoutErrorsTest(unittest.TestCase):
             lay.shard_batch([None], cfg)
         with self.assertRaisesRegex(TypeError, r"layout must be a ShardLayout, got int"):
             sharded.ShardedCanary(1, cfg)
+
+    def test_health_checker_refuses_delayed(self):
+        with self.assertRaisesRegex(ValueError, r"ShardedHealthChecker does not support delayed=True"):
+            sharded.ShardedHealthChecker([0], delayed=True)
+        sharded.ShardedHealthChecker([0], delayed=False)
 
 
 class DemoDevicesTest(unittest.TestCase):

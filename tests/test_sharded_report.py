@@ -11,7 +11,7 @@ from absl.testing import absltest
 
 from canary_jax import constants, ints
 from canary_jax.layout import ViolationLog
-from canary_jax.runtime.report import ViolationReporter
+from canary_jax.runtime.report import CanaryViolationError, ViolationReporter
 from canary_jax.runtime.sharded import ShardedViolationReporter
 
 T = constants.CanaryLaunchTag
@@ -59,6 +59,22 @@ class ShardedCollapseTest(absltest.TestCase):
         self.assertEqual([r.shard for r in rep.last_records], [(0, 0), (0, 0), (1, 1), (1, 1)])
         plain = ShardedViolationReporter("none")
         self.assertLen(plain.messages(logs, step=0), 4)
+
+
+class ShardedRaiseTest(absltest.TestCase):
+    def test_error_records_carry_the_shard(self):
+        rep = ShardedViolationReporter("raise")
+        logs = {(0, 0): make_log([ROW_A]), (1, 1): make_log([ROW_A])}
+        with self.assertRaises(CanaryViolationError) as cm:
+            rep.log_or_raise(logs, step=3)
+        recs = cm.exception.records
+        # identical rows on two shards stay distinguishable
+        self.assertEqual([r.shard for r in recs], [(0, 0), (1, 1)])
+        self.assertEqual(
+            [(r.slot_idx, r.tag, r.reasons) for r in recs], [(2, "SWEEP_K_FULL", ["verify_real_kv_hash"])] * 2
+        )
+        self.assertEqual(recs[0].as_dict()["shard"], [0, 0])
+        self.assertEqual(recs[1].record.slot_idx, 2)
 
 
 if __name__ == "__main__":

@@ -138,10 +138,14 @@ class ShardLayout:
 
     @property
     def num_dp(self) -> int:
+        """The number of dp shards: the size of the mesh's ``dp_axis`` (request groups, each with its own slot
+        space)."""
         return int(self.mesh.shape[self.dp_axis])
 
     @property
     def num_tp(self) -> int:
+        """The number of tp (head) shards: the size of the mesh's ``tp_axis`` (each holds ``heads / num_tp`` KV
+        heads)."""
         return int(self.mesh.shape[self.tp_axis])
 
     @property
@@ -160,10 +164,22 @@ class ShardLayout:
         return P(self.dp_axis)
 
     def local_shards(self) -> tuple[Shard, ...]:
-        """The shards whose device belongs to this process (all of them in a single-process run)."""
+        """The shards ``(dp, tp)`` whose device belongs to this process (all of them in a single-process run),
+        row-major: the shards this process's reports and stats cover, and the dp shards whose batches (and
+        :meth:`shard_per_dp` entries) it must give."""
         me = jax.process_index()
         devs = self.mesh.devices
         return tuple((d, t) for d, t in self.shards if devs[d, t].process_index == me)
+
+    def _check_held(self, entries: Sequence[Any], who: str) -> None:
+        """A None entry is allowed only for a dp shard no device of this process holds."""
+        held = {d for d, _ in self.local_shards()}
+        for d, x in enumerate(entries):
+            if x is None and d in held:
+                raise ValueError(
+                    f"kv-canary: {who}: dp shard {d} is held by this process; got None (None is only for dp shards "
+                    "that another process holds)"
+                )
 
     def _global(self, leading: int, template: np.ndarray | None, block: Callable[[int, int], np.ndarray]) -> jax.Array:
         spec = self.state_spec if leading == 2 else self.batch_spec
@@ -234,8 +250,8 @@ class ShardLayout:
           (padding tokens past them are never written or counted).
 
         Raises:
-          ValueError: not one entry per dp shard, no batch at all, a batch larger than ``num_tokens`` /
-            ``num_rows``, or tables of different shapes.
+          ValueError: not one entry per dp shard, no batch at all, None for a dp shard this process holds, a
+            batch larger than ``num_tokens`` / ``num_rows``, or tables of different shapes.
           TypeError: an entry that is not a CanaryBatch or None.
         """
         config = _check_config(config)
@@ -247,6 +263,7 @@ class ShardLayout:
         given = [b for b in batches if b is not None]
         if not given:
             raise ValueError("kv-canary: shard_batch got no batch")
+        self._check_held(batches, "shard_batch")
         for b in given:
             _check_batch(b, config)
         shapes_ = [shapes.padded_batch_shape(b, config) for b in given]
@@ -281,7 +298,8 @@ class ShardLayout:
         ``PartitionSpec(dp)``.
 
         Raises:
-          ValueError: not one entry per dp shard, none given, or leaves of different shapes.
+          ValueError: not one entry per dp shard, none given, None for a dp shard this process holds, or leaves
+            of different shapes.
         """
         trees = list(trees)
         if len(trees) != self.num_dp:
@@ -289,6 +307,7 @@ class ShardLayout:
         given = [x for x in trees if x is not None]
         if not given:
             raise ValueError("kv-canary: shard_per_dp got no entry")
+        self._check_held(trees, "shard_per_dp")
         leaves0, treedef = jax.tree_util.tree_flatten(jax.tree_util.tree_map(np.asarray, given[0]))
         per = [None if x is None else [np.asarray(v) for v in jax.tree_util.tree_leaves(x)] for x in trees]
         for d, ls in enumerate(per):
@@ -402,8 +421,88 @@ class ShardedCanary:
 
     # -- helpers
     def _sources(self, kv_local: Any, state: CanaryState, who: str) -> tuple:
-        srcs = None if self.sources_fn is None else self.sources_fn(kv_local)
+        srcs = None if self.sources_fn is None or kv_local is None else self.sources_fn(kv_local)
         return phases.check_sources(srcs, state, self.config, who)
+
+    def _check_state(self, state: Any, who: str) -> None:
+        """A sharded state of this layout: every leaf ``[num_dp, num_tp, ...]`` (before any shard_map error)."""
+        _check_state(state)
+        want = (self.layout.num_dp, self.layout.num_tp)
+        wi = tuple(state.log.write_index.shape)
+        if len(wi) != 3:
+            raise ValueError(
+                f"kv-canary: {who}: state is not sharded (its log.write_index has shape {wi}; a sharded state's "
+                f"leaves are [dp, tp, ...]); build it with layout.shard_state(state)"
+            )
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+            shape = tuple(getattr(leaf, "shape", ()))
+            if shape[:2] != want:
+                raise ValueError(
+                    f"kv-canary: {who}: state is sharded for another layout (state{jax.tree_util.keystr(path)} has "
+                    f"shape {shape}, leading axes [dp, tp] = {shape[:2]}; this canary's layout is "
+                    f"dp={want[0]} x tp={want[1]}); build it with this layout's shard_state"
+                )
+
+    def _check_batch_only(self, batch: Any, who: str) -> None:
+        """A batch from this layout's :meth:`ShardLayout.shard_batch` (leaves ``[dp, ...]``)."""
+        dp = self.layout.num_dp
+        if not isinstance(batch, CanaryBatch):
+            raise TypeError(
+                f"kv-canary: {who}: batch must be a CanaryBatch (layout.shard_batch), got {type(batch).__name__}"
+            )
+        r2t = tuple(getattr(batch.req_to_token, "shape", np.shape(batch.req_to_token)))
+        if len(r2t) != 3 or r2t[0] != dp:
+            raise ValueError(
+                f"kv-canary: {who}: batch is not sharded for this layout (its req_to_token has shape {r2t}, a "
+                f"sharded batch's is [dp={dp}, rows, len]); build it with layout.shard_batch(batches, config)"
+            )
+
+    def _check_batch(self, batch: Any, num_tokens: Any, who: str) -> None:
+        """A batch and live token counts from this layout's :meth:`ShardLayout.shard_batch`."""
+        self._check_batch_only(batch, who)
+        dp = self.layout.num_dp
+        if num_tokens is None or not hasattr(num_tokens, "shape") or not hasattr(num_tokens, "dtype"):
+            raise TypeError(
+                f"kv-canary: {who}: num_tokens must be an int32[{dp}] array (layout.shard_batch's live token "
+                f"counts), got {type(num_tokens).__name__}"
+            )
+        if tuple(num_tokens.shape) != (dp,) or np.dtype(num_tokens.dtype) != np.int32:
+            raise ValueError(
+                f"kv-canary: {who}: num_tokens must be an int32[{dp}] array (layout.shard_batch's live token "
+                f"counts), got {np.dtype(num_tokens.dtype).name}{list(num_tokens.shape)}"
+            )
+
+    def _check_kv(self, kv_state: Any, kv_specs: Any, state: CanaryState, who: str) -> None:
+        """``kv_state`` given when hashing, and every concrete leaf already laid out as ``kv_specs`` says (else
+        XLA would reshard the pool with pool-sized collectives before the shard_map)."""
+        if kv_state is None:
+            phases.check_sources(None, state, self.config, who)  # raises in a hashing mode
+            return
+        if kv_specs is None:
+            return
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        try:
+            full = jax.tree_util.tree_map(
+                lambda spec, sub: jax.tree_util.tree_map(lambda _: spec, sub), kv_specs, kv_state, is_leaf=is_spec
+            )
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"kv-canary: {who}: kv_state's structure does not match kv_specs: {e}") from None
+        specs = jax.tree_util.tree_leaves(full, is_leaf=is_spec)
+        leaves = jax.tree_util.tree_flatten_with_path(kv_state)[0]
+        for (path, leaf), spec in zip(leaves, specs):
+            if not isinstance(leaf, jax.Array) or shapes.is_traced(leaf):
+                continue
+            expected = NamedSharding(self.layout.mesh, spec)
+            try:
+                ok = leaf.sharding.is_equivalent_to(expected, leaf.ndim)
+            except Exception:  # noqa: BLE001 - a spec longer than the leaf: shard_map names it
+                continue
+            if not ok:
+                raise ValueError(
+                    f"kv-canary: {who}: kv_state{jax.tree_util.keystr(path)} is sharded {leaf.sharding}, not as "
+                    f"kv_specs says ({spec} on the layout's mesh); XLA would move the whole pool with collectives. "
+                    f"Place it with jax.device_put(x, NamedSharding(layout.mesh, {spec}))"
+                )
 
     def _program(self, key: Any, build: Callable[[], Callable]) -> Callable:
         """The jitted program ``key`` of this (layout, config, kv_specs, sources_fn): built once per process and
@@ -427,8 +526,14 @@ class ShardedCanary:
 
         Returns:
           CanaryPlans with leaves ``[dp, tp, ...]`` (equal over tp).
+
+        Raises:
+          TypeError: ``state`` not a CanaryState, ``batch`` not a CanaryBatch.
+          ValueError: a state not sharded for this layout (use :meth:`ShardLayout.shard_state`), a batch not
+            from :meth:`ShardLayout.shard_batch`, or donated state buffers.
         """
-        _check_state(state)
+        self._check_state(state, "ShardedCanary.plan")
+        self._check_batch_only(batch, "ShardedCanary.plan")
         lay, cfg = self.layout, self.config
 
         def build():
@@ -462,8 +567,14 @@ class ShardedCanary:
 
         Returns:
           ``(state, plans)``, both sharded ``[dp, tp, ...]``.
+
+        Raises:
+          TypeError: ``state`` / ``batch`` of the wrong type, ``num_tokens`` not an array.
+          ValueError: a state not sharded for this layout (use :meth:`ShardLayout.shard_state`), a batch not
+            from :meth:`ShardLayout.shard_batch`, ``num_tokens`` not ``int32[dp]``, or donated state buffers.
         """
-        _check_state(state)
+        self._check_state(state, "ShardedCanary.head")
+        self._check_batch(batch, num_tokens, "ShardedCanary.head")
         lay, cfg = self.layout, self.config
         have_plans = plans is not None
 
@@ -505,12 +616,15 @@ class ShardedCanary:
           ``(state, summary)``; the summary's leaves are ``[dp, tp, ...]``.
 
         Raises:
-          ValueError / TypeError: a hashing mode without sources, bad sources (while tracing, before anything
-            runs), or no ``kv_specs``.
+          ValueError / TypeError: a hashing mode without ``kv_state`` or sources, bad sources (while tracing,
+            before anything runs), or no ``kv_specs``; the state, batch or ``num_tokens`` as :meth:`head`.
+          ValueError: a ``kv_state`` leaf not sharded as ``kv_specs`` says (nothing runs; the state is kept).
         """
-        _check_state(state)
+        self._check_state(state, "ShardedCanary.tail")
+        self._check_batch(batch, num_tokens, "ShardedCanary.tail")
         lay, cfg = self.layout, self.config
         kv_specs = self._need_kv_specs() if kv_state is not None else None
+        self._check_kv(kv_state, kv_specs, state, "ShardedCanary.tail")
 
         def build():
             def body(bufs, shell, p, b, n, kv):
@@ -556,12 +670,19 @@ class ShardedCanary:
 
         Returns:
           ``(state, kv_state, summary)``.
+
+        Raises:
+          TypeError: ``kv_write_fn`` not callable; the state, batch or ``num_tokens`` as :meth:`head`.
+          ValueError: no ``kv_specs``; a ``kv_state`` leaf not sharded as ``kv_specs`` says (nothing runs,
+            nothing is donated); the state, batch or ``num_tokens`` as :meth:`head`.
         """
-        _check_state(state)
+        self._check_state(state, "ShardedCanary.step")
+        self._check_batch(batch, num_tokens, "ShardedCanary.step")
         if not callable(kv_write_fn):
             raise TypeError(f"kv-canary: kv_write_fn must be callable, got {type(kv_write_fn).__name__}")
         lay, cfg = self.layout, self.config
         kv_specs = self._need_kv_specs()
+        self._check_kv(kv_state, kv_specs, state, "ShardedCanary.step")
 
         def build():
             def body(bufs, shell, b, n, kv):
@@ -598,13 +719,19 @@ class ShardedCanary:
 
         Returns:
           The state with every shard's new log.
+
+        Raises:
+          ValueError: not one plan entry per group; a state not sharded for this layout; no ``kv_specs``; a
+            hashing mode without ``kv_state``; a ``kv_state`` leaf not sharded as ``kv_specs`` says.
+          TypeError: ``state`` not a CanaryState; bad sources (while tracing).
         """
-        _check_state(state)
+        self._check_state(state, "ShardedCanary.sweep")
         sweep_plans = tuple(sweep_plans)
         if len(sweep_plans) != len(state.groups):
             raise ValueError(f"kv-canary: sweep_plans has {len(sweep_plans)} entries for {len(state.groups)} groups")
         lay, cfg = self.layout, self.config
         kv_specs = self._need_kv_specs() if kv_state is not None else None
+        self._check_kv(kv_state, kv_specs, state, "ShardedCanary.sweep")
 
         def build():
             def body(st, sp, kv):
@@ -637,8 +764,11 @@ class ShardedCanary:
         Returns:
           ``int32[dp, tp]`` (sharded like the state): disagreeing peers per shard. A nonzero entry is a finding
           (:meth:`ShardedViolationReporter.report_disagreement` reports it with its shard).
+
+        Raises:
+          TypeError / ValueError: a state that is not a sharded state of this layout.
         """
-        _check_state(state)
+        self._check_state(state, "ShardedCanary.consistency")
         lay = self.layout
 
         def build():
@@ -702,7 +832,9 @@ def shard_logs(log: layout.ViolationLog) -> dict[Shard, layout.ViolationLog]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ShardedViolationRecord:
-    """One ring row of one shard.
+    """One ring row of one shard. Reads every :class:`~canary_jax.decode.ViolationRecord` field and property
+    (``slot_idx``, ``tag``, ``reasons``, ...) through to ``record``, so it stands in for one (e.g. in
+    :attr:`~canary_jax.runtime.report.CanaryViolationError.records`) while naming its shard.
 
     Fields:
       shard: ``(dp, tp)``.
@@ -711,6 +843,12 @@ class ShardedViolationRecord:
 
     shard: Shard
     record: decode.ViolationRecord
+
+    def __getattr__(self, name: str) -> Any:
+        """The record's fields and properties (``slot_idx``, ``tag``, ``reasons``, ...), read through."""
+        if name in ("shard", "record") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.record, name)
 
     def as_dict(self) -> dict[str, Any]:
         d = self.record.as_dict()
@@ -793,7 +931,8 @@ class ShardedViolationReporter:
           The messages reported (empty in none mode or when nothing is new).
 
         Raises:
-          CanaryViolationError: raise mode, once, every message joined by newlines.
+          CanaryViolationError: raise mode, once, every message joined by newlines; its ``records`` are the
+            :class:`ShardedViolationRecord` s (each with its ``shard``).
         """
         if self._raised:
             return []
@@ -805,7 +944,7 @@ class ShardedViolationReporter:
                 self._logger.warning(m)
             return msgs
         self._raised = True
-        raise CanaryViolationError(msgs, [r.record for r in self.last_records], step=step)
+        raise CanaryViolationError(msgs, list(self.last_records), step=step)
 
     def report_disagreement(self, disagreement: jax.Array, *, step: int = 0) -> list[str]:
         """Reports every addressable shard whose head-shard peers disagree (:meth:`ShardedCanary.consistency`):
@@ -927,10 +1066,21 @@ def sharded_stats(
     """Per-shard :class:`~canary_jax.runtime.report.CanaryStats` and their total (host reads of the small logs).
 
     Args:
-      log: the sharded log.
+      log: the sharded log (leaves ``[dp, tp, ...]``, e.g. ``state.log`` of a :class:`ShardedCanary` state).
+      step: the outer step printed in each stats line.
+      sweep_passes: sweep passes run so far (reported as given; the log does not count them).
+      active_tags: the launch tags the canary runs (:func:`~canary_jax.runtime.state.active_tags`); only their
+        number is reported (``launch_tags_active``).
       all_processes: in a multi-process run, first gather every shard's small counters and write index to every
         process (``jax.experimental.multihost_utils.process_allgather``, ``[dp, tp, 12, 2]`` words; a
         collective: every process must call it), so the total covers the whole mesh.
+
+    Returns:
+      A :class:`ShardedStats`: ``per_shard`` ``{(dp, tp): CanaryStats}`` (this process's shards, or every shard
+      with ``all_processes``) and their ``total``; ``.lines()`` formats them.
+
+    Raises:
+      ValueError: a log whose leaves are not laid out ``[dp, tp, ...]``.
     """
     if all_processes and jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -985,11 +1135,19 @@ class ShardedHealthChecker:
 
     Args: as :class:`~canary_jax.runtime.report.HealthChecker` (``delayed`` not supported: checks read now).
 
-    Raises (from :meth:`step`):
-      RuntimeError: HealthChecker's text with `` shard=(dp,tp)`` appended, for the first stalled shard.
+    Raises:
+      ValueError: ``delayed=True`` (at construction).
+      RuntimeError (from :meth:`step`): HealthChecker's text with `` shard=(dp,tp)`` appended, for the first
+        stalled shard.
     """
 
     def __init__(self, active_tags: Sequence[int], **kw: Any) -> None:
+        if kw.get("delayed"):
+            raise ValueError(
+                "kv-canary: ShardedHealthChecker does not support delayed=True (each check reads the shards' "
+                "counters now); leave delayed out"
+            )
+        kw.pop("delayed", None)
         self._kw = dict(active_tags=tuple(active_tags), **kw)
         self._per_shard: dict[Shard, HealthChecker] = {}
 
