@@ -113,6 +113,27 @@ def _sweep(state, plan, k_pool, v_pool, *, config, page_size, kv_bytes):
     return canary_sweep(state, (plan,), config=config, real_kv_sources=srcs)
 
 
+def step_config(
+    *,
+    verify_capacity: int,
+    write_req_capacity: int,
+    real_kv_hash_mode: constants.RealKvHashMode,
+    token_oracle: bool,
+    enable_v_half: bool,
+    backend: str,
+) -> CanaryStepConfig:
+    """The demo's canary step configuration: the token oracle turns on both of SGLang's token asserts."""
+    return CanaryStepConfig(
+        verify_capacity=verify_capacity,
+        write_req_capacity=write_req_capacity,
+        real_kv_hash_mode=constants.RealKvHashMode(int(real_kv_hash_mode)),
+        enable_write_input_assert=bool(token_oracle),
+        enable_verify_token_assert=bool(token_oracle),
+        enable_v_half=bool(enable_v_half),
+        backend=backend,
+    )
+
+
 class CanaryRuntime:
     """Canary state of the demo engine, its served step (:meth:`forward`: plan, HEAD, the model, TAIL in one
     program) and its SWEEP."""
@@ -136,13 +157,12 @@ class CanaryRuntime:
         self.kv_bytes = kv_bytes_per_token
         self.sweep_capacity = sweep_capacity
         self.backend = backends.resolve_backend(backend)
-        self.config = CanaryStepConfig(
+        self.config = step_config(
             verify_capacity=verify_capacity,
             write_req_capacity=write_req_capacity,
-            real_kv_hash_mode=constants.RealKvHashMode(int(real_kv_hash_mode)),
-            enable_write_input_assert=bool(token_oracle),
-            enable_verify_token_assert=bool(token_oracle),
-            enable_v_half=bool(enable_v_half),
+            real_kv_hash_mode=real_kv_hash_mode,
+            token_oracle=token_oracle,
+            enable_v_half=enable_v_half,
             backend=self.backend,
         )
         group = CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=num_slots, has_v_half=bool(enable_v_half))

@@ -44,7 +44,7 @@ from canary_jax.cli.demo.engine import Engine
 from canary_jax.decode import ViolationRecord
 from canary_jax.runtime import sharded
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
-from canary_jax.runtime.state import CanaryState, CanaryStepConfig, active_tags
+from canary_jax.runtime.state import CanaryState, active_tags
 from canary_jax.runtime.sweep import build_sweep_plan_from_radix
 from canary_jax.sources import RealKvSource
 
@@ -180,13 +180,12 @@ class ShardedCanaryRuntime:
             )
         self.sweep_capacity = sweep_capacity
         self.backend = backends.resolve_backend(backend)
-        self.config = CanaryStepConfig(
+        self.config = canary_ops.step_config(
             verify_capacity=verify_capacity,
             write_req_capacity=write_req_capacity,
-            real_kv_hash_mode=constants.RealKvHashMode(int(real_kv_hash_mode)),
-            enable_write_input_assert=bool(token_oracle),
-            enable_verify_token_assert=bool(token_oracle),
-            enable_v_half=bool(enable_v_half),
+            real_kv_hash_mode=real_kv_hash_mode,
+            token_oracle=token_oracle,
+            enable_v_half=enable_v_half,
             backend=self.backend,
         )
         self.layout = sharded.ShardLayout.create(dp=1, tp=devices, devices=jax.devices()[:devices])
