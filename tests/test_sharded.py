@@ -231,6 +231,12 @@ class RefusalsTest(unittest.TestCase):
             self.assertRefused(
                 f"{who}_kv_none", "ValueError", rf"real_kv_hash_mode=ALL .* ShardedCanary\.{who} got no real_kv_sources"
             )
+        self.assertRefused(
+            "sweep_unsharded_plan",
+            "ValueError",
+            r"ShardedCanary\.sweep: sweep_plans\[0\] must be laid out per dp shard .*from layout\.shard_per_dp\), "
+            r"got \(\d+, 2\)$",
+        )
 
 
 class LayoutErrorsTest(unittest.TestCase):

@@ -721,8 +721,9 @@ class ShardedCanary:
           The state with every shard's new log.
 
         Raises:
-          ValueError: not one plan entry per group; a state not sharded for this layout; no ``kv_specs``; a
-            hashing mode without ``kv_state``; a ``kv_state`` leaf not sharded as ``kv_specs`` says.
+          ValueError: not one plan entry per group; a plan not laid out per dp shard; a state not sharded for
+            this layout; no ``kv_specs``; a hashing mode without ``kv_state``; a ``kv_state`` leaf not sharded as
+            ``kv_specs`` says.
           TypeError: ``state`` not a CanaryState; bad sources (while tracing).
         """
         self._check_state(state, "ShardedCanary.sweep")
@@ -730,6 +731,16 @@ class ShardedCanary:
         if len(sweep_plans) != len(state.groups):
             raise ValueError(f"kv-canary: sweep_plans has {len(sweep_plans)} entries for {len(state.groups)} groups")
         lay, cfg = self.layout, self.config
+        for g, plan in enumerate(sweep_plans):
+            if plan is None:
+                continue
+            slots = getattr(plan, "verify_slot_indices", None)
+            if slots is None or slots.ndim != 3 or int(slots.shape[0]) != lay.num_dp:
+                raise ValueError(
+                    f"kv-canary: ShardedCanary.sweep: sweep_plans[{g}] must be laid out per dp shard "
+                    f"(verify_slot_indices [{lay.num_dp}, C, 2], from layout.shard_per_dp), got "
+                    f"{None if slots is None else tuple(slots.shape)}"
+                )
         kv_specs = self._need_kv_specs() if kv_state is not None else None
         self._check_kv(kv_state, kv_specs, state, "ShardedCanary.sweep")
 

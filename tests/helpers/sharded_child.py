@@ -435,6 +435,7 @@ def run_errors(out: str) -> None:
     refused("shard_batch_none_held", lambda: lay.shard_batch([batches[0], None], CONFIG))
     refused("shard_per_dp_none_held", lambda: lay.shard_per_dp([wl.sweep_plan(0), None]))
     refused("sweep_kv_none", lambda: canary.sweep(lay.shard_state(fresh_state()), (sweep,), None))
+    refused("sweep_unsharded_plan", lambda: canary.sweep(lay.shard_state(fresh_state()), (wl.sweep_plan(0),), good))
     s2 = lay.shard_state(fresh_state())
     s2, p2 = canary.head(s2, sb, n)
     refused("tail_kv_none", lambda: canary.tail(s2, p2, sb, n, None))
