@@ -106,6 +106,17 @@ class CanaryViolationError(RuntimeError):
         self.outputs: Any = None
 
 
+def log_or_raise_messages(mode: str, logger: logging.Logger, msgs: list[str], records: Any, *, step: int) -> list[str]:
+    """Report new messages the way ``mode`` says: ``log`` warns each and returns them, ``raise`` raises
+    :class:`CanaryViolationError` (``msgs`` and ``records``, at ``step``). Callers handle ``none`` mode and an
+    empty ``msgs`` first, and mark themselves raised before calling in ``raise`` mode."""
+    if mode == "log":
+        for m in msgs:
+            logger.warning(m)
+        return msgs
+    raise CanaryViolationError(msgs, records, step=step)
+
+
 class ViolationReporter:
     """Formats new ring rows and logs or raises them (SGLang ``ViolationReporter``).
 
@@ -207,12 +218,8 @@ class ViolationReporter:
             )
         if not msgs:
             return []
-        if self.mode == "log":
-            for m in msgs:
-                self._logger.warning(m)
-            return msgs
-        self._raised = True
-        raise CanaryViolationError(msgs, self.last_records, step=step)
+        self._raised = self.mode == "raise"
+        return log_or_raise_messages(self.mode, self._logger, msgs, self.last_records, step=step)
 
 
 class ViolationMonitor:

@@ -54,6 +54,7 @@ from canary_jax.runtime.report import (
     ViolationReporter,
     _snapshot,
     format_stats,
+    log_or_raise_messages,
     validate_mode,
 )
 from canary_jax.runtime.state import CanaryBatch, CanaryPlans, CanaryState, CanaryStepConfig, StepSummary
@@ -950,12 +951,8 @@ class ShardedViolationReporter:
         msgs = self.messages(log, step=step)
         if self.mode == "none" or not msgs:
             return []
-        if self.mode == "log":
-            for m in msgs:
-                self._logger.warning(m)
-            return msgs
-        self._raised = True
-        raise CanaryViolationError(msgs, list(self.last_records), step=step)
+        self._raised = self.mode == "raise"
+        return log_or_raise_messages(self.mode, self._logger, msgs, list(self.last_records), step=step)
 
     def report_disagreement(self, disagreement: jax.Array, *, step: int = 0) -> list[str]:
         """Reports every addressable shard whose head-shard peers disagree (:meth:`ShardedCanary.consistency`):
