@@ -134,6 +134,28 @@ def step_config(
     )
 
 
+def canary_batch(config: CanaryStepConfig, batch, req_to_token: np.ndarray, expected_pool: np.ndarray) -> CanaryBatch:
+    """The scheduler's batch as the canary's :class:`CanaryBatch` (host data stays on the host); the token
+    oracle's arrays only where ``config`` turns its asserts on."""
+    verify_tokens = config.enable_verify_token_assert
+    return CanaryBatch(
+        req_pool_indices=batch.req_pool_indices.astype(np.int32),
+        prefix_lens=batch.prefix_lens.astype(np.int32),
+        extend_seq_lens=batch.extend_seq_lens.astype(np.int32),
+        input_ids=batch.input_ids,
+        positions=batch.positions,
+        out_cache_loc=batch.out_cache_loc,
+        req_to_token=req_to_token,
+        expected_inputs=(
+            ExpectedInputs(tokens=batch.expected_input_ids, positions=batch.expected_positions)
+            if config.enable_write_input_assert
+            else None
+        ),
+        req_to_verify_expected_tokens=expected_pool if verify_tokens else None,
+        req_to_verify_expected_tokens_valid_lens=batch.valid_lens.astype(np.int32) if verify_tokens else None,
+    )
+
+
 class CanaryRuntime:
     """Canary state of the demo engine, its served step (:meth:`forward`: plan, HEAD, the model, TAIL in one
     program) and its SWEEP."""
@@ -186,23 +208,7 @@ class CanaryRuntime:
         self.state = self.state.replace(groups=(self.state.groups[0].replace(**{name: value}),))
 
     def _batch_of(self, batch, req_to_token: np.ndarray, expected_pool: np.ndarray) -> CanaryBatch:
-        oracle = self.config.enable_write_input_assert
-        return CanaryBatch(
-            req_pool_indices=batch.req_pool_indices.astype(np.int32),
-            prefix_lens=batch.prefix_lens.astype(np.int32),
-            extend_seq_lens=batch.extend_seq_lens.astype(np.int32),
-            input_ids=batch.input_ids,
-            positions=batch.positions,
-            out_cache_loc=batch.out_cache_loc,
-            req_to_token=req_to_token,
-            expected_inputs=(
-                ExpectedInputs(tokens=batch.expected_input_ids, positions=batch.expected_positions) if oracle else None
-            ),
-            req_to_verify_expected_tokens=expected_pool if self.config.enable_verify_token_assert else None,
-            req_to_verify_expected_tokens_valid_lens=(
-                batch.valid_lens.astype(np.int32) if self.config.enable_verify_token_assert else None
-            ),
-        )
+        return canary_batch(self.config, batch, req_to_token, expected_pool)
 
     @staticmethod
     def model_inputs(batch, req_to_token: np.ndarray, key, step: int) -> dict:

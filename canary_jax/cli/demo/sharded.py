@@ -246,7 +246,7 @@ class ShardedCanaryRuntime:
 
     def head(self, batch, req_to_token: np.ndarray, expected_pool: np.ndarray) -> None:
         """Plans the batch, then every head shard's HEAD verify + write."""
-        cb = canary_ops.CanaryRuntime._batch_of(self, batch, req_to_token, expected_pool)
+        cb = canary_ops.canary_batch(self.config, batch, req_to_token, expected_pool)
         self._batch, self._n = self.layout.shard_batch([cb], self.config)
         self.state, self._plans = self.canary.head(self.state, self._batch, self._n)
 
