@@ -134,6 +134,33 @@ def step_config(
     )
 
 
+def canary_setup(
+    *,
+    num_slots: int,
+    verify_capacity: int,
+    write_req_capacity: int,
+    real_kv_hash_mode: constants.RealKvHashMode,
+    token_oracle: bool,
+    ring_capacity: int,
+    backend: str | None,
+    enable_v_half: bool,
+) -> tuple[str, CanaryStepConfig, CanaryState]:
+    """What every demo canary runtime starts from (:class:`CanaryRuntime` and the sharded demo's): ``(backend,
+    config, state)``, the resolved backend, its :func:`step_config` and a fresh single-device state of one FULL
+    group of ``num_slots`` slots (the V half with ``enable_v_half``)."""
+    backend = backends.resolve_backend(backend)
+    config = step_config(
+        verify_capacity=verify_capacity,
+        write_req_capacity=write_req_capacity,
+        real_kv_hash_mode=real_kv_hash_mode,
+        token_oracle=token_oracle,
+        enable_v_half=enable_v_half,
+        backend=backend,
+    )
+    group = CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=num_slots, has_v_half=bool(enable_v_half))
+    return backend, config, CanaryState.create((group,), ring_capacity=ring_capacity)
+
+
 def canary_batch(config: CanaryStepConfig, batch, req_to_token: np.ndarray, expected_pool: np.ndarray) -> CanaryBatch:
     """The scheduler's batch as the canary's :class:`CanaryBatch` (host data stays on the host); the token
     oracle's arrays only where ``config`` turns its asserts on."""
@@ -178,17 +205,16 @@ class CanaryRuntime:
         self.page_size = page_size
         self.kv_bytes = kv_bytes_per_token
         self.sweep_capacity = sweep_capacity
-        self.backend = backends.resolve_backend(backend)
-        self.config = step_config(
+        self.backend, self.config, self.state = canary_setup(
+            num_slots=num_slots,
             verify_capacity=verify_capacity,
             write_req_capacity=write_req_capacity,
             real_kv_hash_mode=real_kv_hash_mode,
             token_oracle=token_oracle,
+            ring_capacity=ring_capacity,
+            backend=backend,
             enable_v_half=enable_v_half,
-            backend=self.backend,
         )
-        group = CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=num_slots, has_v_half=bool(enable_v_half))
-        self.state = CanaryState.create((group,), ring_capacity=ring_capacity)
         self.summary = None
         self.sweep_passes = 0
 

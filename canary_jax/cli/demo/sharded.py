@@ -37,14 +37,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from canary_jax import backends, constants, layout
+from canary_jax import constants, layout
 from canary_jax.cli.demo import campaign as campaign_lib
 from canary_jax.cli.demo import canary_ops, model
 from canary_jax.cli.demo.engine import Engine
 from canary_jax.decode import ViolationRecord
 from canary_jax.runtime import sharded
-from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
-from canary_jax.runtime.state import CanaryState, active_tags
+from canary_jax.runtime.state import active_tags
 from canary_jax.runtime.sweep import build_sweep_plan_from_radix
 from canary_jax.sources import RealKvSource
 
@@ -179,14 +178,16 @@ class ShardedCanaryRuntime:
                 "raise --head-dim"
             )
         self.sweep_capacity = sweep_capacity
-        self.backend = backends.resolve_backend(backend)
-        self.config = canary_ops.step_config(
+        # single_state: the one-device state every shard starts from (the template of active tags)
+        self.backend, self.config, self.single_state = canary_ops.canary_setup(
+            num_slots=num_slots,
             verify_capacity=verify_capacity,
             write_req_capacity=write_req_capacity,
             real_kv_hash_mode=real_kv_hash_mode,
             token_oracle=token_oracle,
+            ring_capacity=ring_capacity,
+            backend=backend,
             enable_v_half=enable_v_half,
-            backend=self.backend,
         )
         self.layout = sharded.ShardLayout.create(dp=1, tp=devices, devices=jax.devices()[:devices])
         self.kv_specs = (POOL_SPEC, POOL_SPEC)
@@ -198,8 +199,6 @@ class ShardedCanaryRuntime:
             kv_specs=self.kv_specs,
             sources_fn=_LocalSources(page_size, bytes_per_token, int(self.config.real_kv_hash_mode), enable_v_half),
         )
-        group = CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=num_slots, has_v_half=bool(enable_v_half))
-        self.single_state = CanaryState.create((group,), ring_capacity=ring_capacity)  # the template (active tags)
         self.state = self.layout.shard_state(self.single_state)
         self.fault_shard = (0, devices - 1)  # canary-record faults land in this head shard
         self._plans = self._batch = self._n = None
