@@ -1,0 +1,508 @@
+"""Pallas ``pallas_call`` equations as :class:`KernelSpec` s (Triton IR, grid, launch options), without triton.
+
+The native torch path (issue #15) runs every compiled ``pallas_call`` equation of a launch's jaxpr as one Triton
+kernel; this module turns the equation into the spec that :mod:`interop.native.triton_kernels` compiles and
+launches with the ``triton`` package (this module itself imports neither triton nor torch):
+
+* :func:`kernel_spec` lowers the equation once for the ``"cuda"`` platform (this works on a CPU-only host: jax
+  falls back to compute capability 9.0) with ``debug=True``, which makes jax print the kernel's Triton IR
+  (TTIR); the printed module, its locations stripped (:func:`strip_locations`), is the :class:`KernelSpec`. On
+  jaxlibs that compile the TTIR inside the lowering (after 0.10.2) the lowering stops once it is printed.
+* Specs are memoised in process (:func:`clear_memo`, :func:`lowering_count`) and on disk (:func:`cache_dir`),
+  so a second process does not lower again.
+
+Where the behaviour comes from (jax 0.10.2 here, 0.11.2 on the H200 image):
+
+* The launch ABI is jax's (``jax/_src/pallas/triton/pallas_call_registration.py``, ``pallas_call_lowering``):
+  the kernel takes one pointer per input buffer, then one per output buffer (an output listed in
+  ``input_output_aliases`` is the very buffer of its input), and nothing else; the grid is ``lowering.grid``
+  (``lowering._process_grid_to_3d_grid``, mirrored by :func:`launch_grid`) padded to 3 dims; ``num_warps``
+  defaults to 4 and ``num_stages`` to 3 on CUDA.
+* The lowering (``jax/_src/pallas/triton/lowering.py``, ``lower_jaxpr_to_triton_module``) marks every pointer
+  parameter ``tt.divisibility = 32`` (jax 0.10.2), and Triton's code generation may rely on it (vector loads):
+  :func:`pointer_alignments` reads it for the launcher's checks.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import pathlib
+import re
+import sys
+import tempfile
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CACHE_ENV",
+    "KernelSpec",
+    "cache_dir",
+    "clear_memo",
+    "kernel_spec",
+    "launch_grid",
+    "lowering_count",
+    "pointer_alignments",
+    "spec_key",
+    "strip_locations",
+    "ttir_params",
+    "write_atomic",
+]
+
+CACHE_ENV = "CANARY_JAX_TRITON_CACHE"
+"""Environment variable naming the cache directory (default ``~/.cache/canary_jax/triton``)."""
+
+_SPEC_FORMAT = 1  # bump when the on-disk spec or its key material changes
+_MEMO_ENTRIES = 512
+
+
+# --- the spec ----------------------------------------------------------------------------------------------
+def spec_key(ttir: str, num_warps: int, num_stages: int) -> str:
+    """The cache key of a kernel: sha256 hex of ``(ttir, num_warps, num_stages)`` (a JSON array)."""
+    return hashlib.sha256(json.dumps([ttir, int(num_warps), int(num_stages)]).encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One compiled-mode ``pallas_call`` as a Triton kernel: what :class:`TritonKernel` compiles and launches.
+
+    Fields:
+      name: the ``pallas_call``'s name (``name=``, e.g. ``"canary_verify"``); else the TTIR function's name.
+      ttir: the Triton IR module text (one ``tt.func``, every parameter a pointer), locations stripped.
+      grid: the launch grid ``(x, y, z)``.
+      num_warps: warps per program (the ``pallas_call``'s compiler params, default 4).
+      num_stages: software-pipelining stages (default 3, jax's CUDA default).
+      num_inputs: pointer parameters that are the equation's inputs (first).
+      num_outputs: pointer parameters that are its outputs (after the inputs).
+      key: :func:`spec_key` of ``(ttir, num_warps, num_stages)``, the cache key.
+
+    Raises:
+      ValueError: a key that is not the spec's own, a grid that is not 3 positive ints, negative counts.
+    """
+
+    name: str
+    ttir: str
+    grid: tuple[int, int, int]
+    num_warps: int
+    num_stages: int
+    num_inputs: int
+    num_outputs: int
+    key: str
+
+    def __post_init__(self):
+        if len(self.grid) != 3 or any(not isinstance(g, int) or g < 1 for g in self.grid):
+            raise ValueError(f"kv-canary: KernelSpec {self.name}: grid must be 3 positive ints, got {self.grid!r}")
+        if self.num_inputs < 0 or self.num_outputs < 0 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(
+                f"kv-canary: KernelSpec {self.name}: bad counts (inputs {self.num_inputs}, outputs "
+                f"{self.num_outputs}, warps {self.num_warps}, stages {self.num_stages})"
+            )
+        if self.key != spec_key(self.ttir, self.num_warps, self.num_stages):
+            raise ValueError(f"kv-canary: KernelSpec {self.name}: key {self.key[:16]}... is not the spec's own")
+
+
+# --- TTIR text ---------------------------------------------------------------------------------------------
+# jax prints the module with ``get_asm(enable_debug_info=True, pretty_debug_info=True)``: every op, block
+# argument and function argument ends in a location, ``[unknown]`` or a name location ``"name"(#locN)``, and
+# ``#locN = ...`` alias lines surround the module.
+_LOCATION = re.compile(r' (?:\[unknown\]|"(?:[^"\\\n]|\\.)*"\(#loc\d*\))')
+_LEFTOVER = re.compile(r"#loc|\[unknown\]|\bloc\(")
+_MODULE_START = re.compile(r"^module @", re.M)
+
+
+def strip_locations(module_text: str) -> str:
+    """The ``module @... {`` ... ``}`` block of jax's debug print, without locations (what ``triton.compile``
+    parses).
+
+    Args:
+      module_text: text starting at the ``module @`` line (what follows the closing ``}`` is ignored).
+
+    Raises:
+      ValueError: no closing ``}`` line, or a location form this function does not know (the line is quoted).
+    """
+    lines = []
+    for line in module_text.splitlines():
+        line = _LOCATION.sub("", line).rstrip()
+        lines.append(line)
+        if line == "}":
+            break
+    else:
+        raise ValueError("kv-canary: the printed Triton module has no closing '}' line")
+    text = "\n".join(lines) + "\n"
+    bad = _LEFTOVER.search(text)
+    if bad:
+        start = text.rfind("\n", 0, bad.start()) + 1
+        raise ValueError(f"kv-canary: unknown location form in the Triton module: {text[start : start + 200]!r}")
+    return text
+
+
+def _split_top(text: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "({<[":
+            depth += 1
+        elif ch in ")}>]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if text[start:].strip():
+        parts.append(text[start:])
+    return [p.strip() for p in parts]
+
+
+_FUNC = re.compile(r"^\s*tt\.func\s+(?:public\s+|private\s+)?@([\w$.-]+)\s*\(", re.M)
+_DIVISIBILITY = re.compile(r"tt\.divisibility\s*=\s*(\d+)")
+
+
+def ttir_params(ttir: str) -> tuple[str, list[tuple[str, int | None]]]:
+    """The TTIR's one function: ``(name, [(type, divisibility or None) per parameter])``.
+
+    ``type`` is the parameter's MLIR type text (``!tt.ptr<i32>``); ``divisibility`` its ``tt.divisibility``
+    attribute (bytes a pointer is aligned to; jax's lowering sets 32 on every pointer).
+
+    Raises:
+      ValueError: not exactly one ``tt.func``.
+    """
+    funcs = list(_FUNC.finditer(ttir))
+    if len(funcs) != 1:
+        raise ValueError(f"kv-canary: the TTIR must hold exactly one tt.func, found {len(funcs)}")
+    m = funcs[0]
+    depth, i = 1, m.end()
+    while depth:
+        depth += {"(": 1, ")": -1}.get(ttir[i], 0)
+        i += 1
+    params = []
+    for p in _split_top(ttir[m.end() : i - 1]):
+        _, _, rest = p.partition(":")
+        rest = rest.strip()
+        ty = rest.split("{", 1)[0].strip()
+        d = _DIVISIBILITY.search(rest)
+        params.append((ty, int(d.group(1)) if d else None))
+    return m.group(1), params
+
+
+def pointer_alignments(ttir: str, label: str) -> list[int]:
+    """Per parameter of the TTIR's function, the byte alignment its pointer must have (``tt.divisibility``, else
+    1); ``label`` names the kernel in errors.
+
+    Raises:
+      NotImplementedError: a parameter that is not a pointer.
+    """
+    _, params = ttir_params(ttir)
+    out = []
+    for k, (ty, div) in enumerate(params):
+        if not ty.startswith("!tt.ptr<"):
+            raise NotImplementedError(f"kv-canary: Triton kernel {label}: parameter {k} is {ty}, not a pointer")
+        out.append(div or 1)
+    return out
+
+
+# --- lowering ----------------------------------------------------------------------------------------------
+def launch_grid(grid_mapping: Any) -> tuple[int, int, int]:
+    """The CUDA launch grid of a Pallas Triton kernel, as jax computes it.
+
+    Mirrors ``jax/_src/pallas/triton/lowering.py`` ``_process_grid_to_3d_grid`` (unmapped dims in order, then
+    vmapped dims inner to outer; leading dims collapsed into x when there are more than 3 or y / z exceed
+    65535) and ``pallas_call_registration.normalize_grid`` (padded with 1s).
+
+    Raises:
+      NotImplementedError: a dynamic grid bound (jax's Triton lowering refuses them too).
+    """
+    if getattr(grid_mapping, "num_dynamic_grid_bounds", 0):
+        raise NotImplementedError("kv-canary: dynamic grid bounds are not supported by the Triton backend")
+    grid = tuple(int(s) for s in grid_mapping.grid)
+    vmapped = tuple(getattr(grid_mapping, "vmapped_dims", ()))
+    launch = [s for i, s in enumerate(grid) if i not in vmapped] + [grid[d] for d in reversed(vmapped)]
+    collapse = len(launch[:-2])
+    limit = 2**16 - 1
+    if collapse + 1 < len(launch) and launch[collapse + 1] > limit:
+        collapse += 2
+    elif collapse < len(launch) and launch[collapse] > limit:
+        collapse += 1
+    if collapse:
+        launch = [int(np.prod(launch[:collapse])), *launch[collapse:]]
+    if len(launch) > 3:
+        raise ValueError(f"kv-canary: launch grid {launch} has more than 3 dims")
+    return tuple(launch) + (1,) * (3 - len(launch))  # type: ignore[return-value]
+
+
+def _launch_options(compiler_params: Any) -> tuple[int, int]:
+    """``(num_warps, num_stages)`` as jax's CUDA lowering resolves them (defaults 4 and 3)."""
+    if compiler_params is None:
+        warps = stages = None
+    elif isinstance(compiler_params, dict):  # older jax: {"triton": {...}} or the dict itself
+        p = compiler_params.get("triton", compiler_params)
+        warps, stages = p.get("num_warps"), p.get("num_stages")
+    else:
+        warps, stages = getattr(compiler_params, "num_warps", None), getattr(compiler_params, "num_stages", None)
+    return (4 if warps is None else int(warps)), (3 if stages is None else int(stages))
+
+
+def _label(params: dict) -> str:
+    name = params.get("name")
+    if name:
+        return str(name)
+    info = getattr(params.get("jaxpr"), "debug_info", None)
+    return str(getattr(info, "func_name", None) or "<unnamed pallas_call>")
+
+
+class _TtirCaptured(Exception):
+    """Stops a lowering once the TTIR is printed (newer jaxlibs compile it with their own Triton next)."""
+
+
+_LOCAL = threading.local()
+_LOWER_LOCK = threading.Lock()
+
+
+class _CompileProxy:
+    """Stands in for jaxlib's ``triton`` module inside ``pallas_call_registration`` during our lowering.
+
+    jaxlibs after 0.10.2 compile the TTIR to PTX inside the lowering rule (``triton.compile(platform, ...)``),
+    seconds per kernel that :func:`kernel_spec` would throw away. Only the thread that runs
+    :func:`kernel_spec` stops there; other threads reach the real module.
+    """
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def compile(self, *args, **kwargs):
+        if getattr(_LOCAL, "skip_compile", False):
+            _LOCAL.captured = True
+            raise _TtirCaptured()
+        return self._real.compile(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _skip_jaxlib_compile():
+    try:
+        from jax._src.pallas.triton import pallas_call_registration as reg
+    except ImportError:  # another jax layout: lower with whatever compile it does
+        reg = None
+    real = getattr(reg, "triton", None)
+    patch = real is not None and callable(getattr(real, "compile", None)) and not isinstance(real, _CompileProxy)
+    if patch:
+        reg.triton = _CompileProxy(real)
+    _LOCAL.skip_compile, _LOCAL.captured = True, False
+    try:
+        yield
+    finally:
+        _LOCAL.skip_compile = False
+        if patch:
+            reg.triton = real
+
+
+def _lower_and_print(eqn: Any, params: dict, avals_in: tuple) -> str:
+    """What lowering ``eqn`` for ``"cuda"`` with ``debug=True`` prints (the kernel jaxpr, grid mapping, TTIR)."""
+    import jax
+
+    bind_params = dict(params, debug=True)
+
+    def launch(*args):
+        return eqn.primitive.bind(*args, **bind_params)
+
+    buf = io.StringIO()
+    with _LOWER_LOCK, _skip_jaxlib_compile(), contextlib.redirect_stdout(buf):
+        try:
+            jax.jit(launch).trace(*avals_in).lower(lowering_platforms=("cuda",))
+        except Exception:  # noqa: BLE001 - ours (possibly wrapped by jax) once the TTIR is out; anything else raises
+            if not getattr(_LOCAL, "captured", False):
+                raise
+    return buf.getvalue()
+
+
+_LOWER_COUNT = [0]
+
+
+def _lower_spec(eqn: Any, label: str, params: dict, avals_in: tuple, avals_out: tuple) -> KernelSpec:
+    _LOWER_COUNT[0] += 1
+    printed = _lower_and_print(eqn, params, avals_in)
+    starts = [m.start() for m in _MODULE_START.finditer(printed)]
+    if len(starts) != 1:
+        raise ValueError(
+            f"kv-canary: lowering pallas_call {label} for cuda printed {len(starts)} Triton modules, expected exactly 1"
+        )
+    ttir = strip_locations(printed[starts[0] :])
+    func, ptr_params = ttir_params(ttir)
+    n_in, n_out = len(avals_in), len(avals_out)
+    if len(ptr_params) != n_in + n_out:
+        raise ValueError(
+            f"kv-canary: pallas_call {label}: its TTIR function takes {len(ptr_params)} parameters, the equation has "
+            f"{n_in} inputs + {n_out} outputs"
+        )
+    pointer_alignments(ttir, label)
+    warps, stages = _launch_options(params.get("compiler_params"))
+    return KernelSpec(
+        name=str(params.get("name") or func),
+        ttir=ttir,
+        grid=launch_grid(params["grid_mapping"]),
+        num_warps=warps,
+        num_stages=stages,
+        num_inputs=n_in,
+        num_outputs=n_out,
+        key=spec_key(ttir, warps, stages),
+    )
+
+
+# --- caches ------------------------------------------------------------------------------------------------
+def cache_dir() -> pathlib.Path:
+    """``$CANARY_JAX_TRITON_CACHE`` or ``~/.cache/canary_jax/triton``, created if missing.
+
+    Holds ``specs/<sha256>.json`` (one :class:`KernelSpec` per lowered equation, keyed by what the lowering
+    depends on) and ``<key>.ttir`` (the TTIR files triton compiles). Triton keeps the compiled kernels in its
+    own cache (``$TRITON_CACHE_DIR``, default ``~/.triton/cache``).
+    """
+    env = os.environ.get(CACHE_ENV)
+    path = pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "canary_jax" / "triton"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_atomic(path: pathlib.Path, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file and ``os.replace`` (readers never see a partial file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+_CAPABILITY: list[str] = []
+
+
+def _lowering_capability() -> str:
+    """The compute capability jax lowers for (its first GPU's, else 9.0), as ``pallas_call_lowering`` picks it."""
+    if not _CAPABILITY:
+        import jax
+
+        try:
+            cc = str(jax.local_devices(backend="gpu")[0].compute_capability)
+        except Exception:  # noqa: BLE001 - no GPU backend: jax falls back to 9.0
+            cc = "9.0"
+        _CAPABILITY.append(cc)
+    return _CAPABILITY[0]
+
+
+def _describe(value: Any) -> str:
+    return value if isinstance(value, str) else str(value)
+
+
+def _disk_key(params: dict, avals_in: tuple, avals_out: tuple) -> str:
+    """sha256 of everything the lowering depends on: versions, x64, the capability, the avals and every
+    parameter but ``debug`` as text (the kernel jaxpr in full, literals unabbreviated)."""
+    import jax
+    import jaxlib
+
+    jaxpr = params.get("jaxpr")
+    with np.printoptions(threshold=sys.maxsize):
+        described = {name: _describe(value) for name, value in sorted(params.items()) if name != "debug"}
+    material = {
+        "format": _SPEC_FORMAT,
+        "jax": jax.__version__,
+        "jaxlib": getattr(jaxlib, "__version__", ""),
+        "x64": bool(jax.config.jax_enable_x64),
+        "capability": _lowering_capability(),
+        "func": str(getattr(getattr(jaxpr, "debug_info", None), "func_name", "")),
+        "in": [str(a) for a in avals_in],
+        "out": [str(a) for a in avals_out],
+        "params": described,
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def _load_spec(path: pathlib.Path) -> KernelSpec | None:
+    try:
+        d = json.loads(path.read_text())
+        if d.pop("format", None) != _SPEC_FORMAT:
+            return None
+        d["grid"] = tuple(d["grid"])
+        return KernelSpec(**d)
+    except (OSError, ValueError, TypeError, KeyError):  # missing or damaged: lower again
+        return None
+
+
+_MEMO: collections.OrderedDict = collections.OrderedDict()
+_MEMO_LOCK = threading.Lock()
+
+
+def clear_memo() -> None:
+    """Forgets the in-process specs (the disk cache stays)."""
+    with _MEMO_LOCK:
+        _MEMO.clear()
+
+
+def lowering_count() -> int:
+    """How many equations :func:`kernel_spec` has lowered in this process (cache misses; tests pin hits)."""
+    return _LOWER_COUNT[0]
+
+
+def kernel_spec(eqn: Any) -> KernelSpec:
+    """The :class:`KernelSpec` of one compiled-mode ``pallas_call`` equation.
+
+    Lowers ``eqn`` for ``"cuda"`` (``jax.jit`` of a function binding ``eqn.primitive`` with ``eqn.params`` but
+    ``debug=True``, ``.trace(*avals).lower(lowering_platforms=("cuda",))``, stdout captured) and takes the one
+    Triton module jax prints, locations stripped. On jaxlibs that compile the TTIR inside the lowering (after
+    0.10.2) the lowering stops once the module is printed (our compile is triton's, later).
+
+    Memoised in process by the identity of every equation parameter (held, so an id cannot be reused) and the
+    avals; and on disk under :func:`cache_dir` by a sha256 of the versions, x64 mode, lowering capability,
+    avals and every parameter's text, so another process with the same kernel does not lower.
+
+    Args:
+      eqn: a ``jax.core.JaxprEqn`` of primitive ``pallas_call`` with ``params["interpret"]`` false.
+
+    Returns:
+      The spec: ``num_inputs = len(eqn.invars)``, ``num_outputs = len(eqn.outvars)``, grid and warps from the
+      equation's grid mapping and compiler params.
+
+    Raises:
+      TypeError: ``eqn`` is not a ``pallas_call`` equation.
+      ValueError: the kernel is interpreted (``interpret`` true), the lowering printed no or several Triton
+        modules, or the TTIR's parameters do not match the equation; each message names the kernel.
+      NotImplementedError: a dynamic grid or a non-pointer kernel parameter.
+    """
+    primitive = getattr(eqn, "primitive", None)
+    if getattr(primitive, "name", None) != "pallas_call":
+        raise TypeError(f"kv-canary: kernel_spec needs a pallas_call equation, got {getattr(primitive, 'name', eqn)!r}")
+    params = eqn.params
+    label = _label(params)
+    if params.get("interpret"):
+        raise ValueError(
+            f"kv-canary: pallas_call {label} runs interpreted (interpret={params.get('interpret')!r}); only compiled "
+            "kernels (interpret=False) have a Triton kernel"
+        )
+    avals_in = tuple(v.aval for v in eqn.invars)
+    avals_out = tuple(v.aval for v in eqn.outvars)
+    values = tuple(params.values())
+    memo_key = (tuple(params), tuple(id(v) for v in values), avals_in, avals_out)
+    with _MEMO_LOCK:
+        hit = _MEMO.get(memo_key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], values)):
+            _MEMO.move_to_end(memo_key)
+            return hit[1]
+    path = cache_dir() / "specs" / f"{_disk_key(params, avals_in, avals_out)}.json"
+    spec = _load_spec(path)
+    if spec is None:
+        spec = _lower_spec(eqn, label, params, avals_in, avals_out)
+        with contextlib.suppress(OSError):  # a read-only cache only costs the next process a lowering
+            write_atomic(path, json.dumps({"format": _SPEC_FORMAT, **dataclasses.asdict(spec)}))
+    with _MEMO_LOCK:
+        _MEMO[memo_key] = (values, spec)  # holds the values: their ids stay theirs while the entry lives
+        while len(_MEMO) > _MEMO_ENTRIES:
+            _MEMO.popitem(last=False)
+    return spec
