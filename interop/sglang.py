@@ -49,6 +49,7 @@ import torch
 from canary_jax import backends, validation
 from interop import arguments, kernels, padding, runner
 from interop.arguments import TORCH_DTYPES, check, tensor
+from interop.native import launch as native
 from interop.runner import TensorArg
 from interop.sglang_types import (
     CANARY_SLOT_BYTES,
@@ -92,9 +93,26 @@ def _check_canary_buf(buf: torch.Tensor) -> None:
     validation.check_canary_buffer(arguments.facts(buf), u8=TORCH_DTYPES.u8)
 
 
+def _run(op: str, statics: Any, body_factory: Any, args: list, path: str | None) -> None:
+    """Runs a checked launch on the torch path ``path`` picks (:func:`interop.native.launch.resolve_path`)."""
+    backend = statics[0] if op in ("verify", "write") else "pallas"  # the plan is one jnp program
+    if native.resolve_path(path, args[0].tensor.device, backend) == "native":
+        if op == "plan":
+            native.run_plan(statics, args)
+        else:
+            native.run_native(op, statics, body_factory, args)
+    else:
+        runner.run_in_place(op, statics, body_factory, args)
+
+
 # --- verify ----------------------------------------------------------------------------------------------
 def launch_canary_verify_kernel(
-    *, context: Any, plan: Any, check_verify_expected_token: bool, backend: str | None = None
+    *,
+    context: Any,
+    plan: Any,
+    check_verify_expected_token: bool,
+    backend: str | None = None,
+    path: str | None = None,
 ) -> None:
     """SGLang's ``launch_canary_verify_kernel`` on torch tensors (SPEC 5; canary-jax ``verify_reference``).
 
@@ -126,7 +144,7 @@ def launch_canary_verify_kernel(
     platform = ctx["canary_buf"].device.type
     check = bool(check_verify_expected_token)
     statics = (backends.resolve_backend(backend, platform=platform), platform, tag, mode, meta, check)
-    runner.run_in_place("verify", statics, kernels.verify_body_factory, args)
+    _run("verify", statics, kernels.verify_body_factory, args, path)
 
 
 # --- write -----------------------------------------------------------------------------------------------
@@ -141,6 +159,7 @@ def launch_canary_write_kernel(
     expected_input_tokens: torch.Tensor | None,
     expected_input_positions: torch.Tensor | None,
     backend: str | None = None,
+    path: str | None = None,
 ) -> None:
     """SGLang's ``launch_canary_write_kernel`` on torch tensors (SPEC 6; canary-jax ``write_reference``).
 
@@ -189,7 +208,7 @@ def launch_canary_write_kernel(
     args += src_args
     platform = ctx["canary_buf"].device.type
     statics = (backends.resolve_backend(backend, platform=platform), platform, tag, mode, meta, flag)
-    runner.run_in_place("write", statics, kernels.write_body_factory, args)
+    _run("write", statics, kernels.write_body_factory, args, path)
 
 
 # --- plan ------------------------------------------------------------------------------------------------
@@ -208,6 +227,7 @@ def launch_canary_plan_kernels(
     req_to_verify_expected_tokens_valid_lens: torch.Tensor | None,
     kv_token_id_vs_position_offset: int,
     backend: str | None = None,
+    path: str | None = None,
 ) -> None:
     """SGLang's ``launch_canary_plan_kernels`` on torch tensors (SPEC 7; canary-jax ``build_plans``).
 
@@ -278,4 +298,4 @@ def launch_canary_plan_kernels(
     args = [TensorArg(n, t) for n, t in ins.items()]
     args += [TensorArg(n, t, True) for n, t in {**vp, **wp}.items()]
     statics = (int(swa_window_size), int(kv_token_id_vs_position_offset), has_lut, has_pool)
-    runner.run_in_place("plan", statics, kernels.plan_body_factory, args)
+    _run("plan", statics, kernels.plan_body_factory, args, path)

@@ -14,6 +14,9 @@ Skipped without a CUDA device (and a JAX GPU backend). What each test establishe
   outputs, consumed capsule)
   raises naming the argument and leaves the tensors untouched;
 * donated buffers that alias torch memory survive many allocate/launch/free cycles (no double free).
+
+These are the DLPack path's mechanics, so the module pins ``$CANARY_JAX_TORCH_PATH=dlpack`` (the default on
+CUDA is the native path); the byte-parity tests also run on the native path.
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ def _have_gpu() -> bool:
 pytestmark = pytest.mark.skipif(not _have_gpu(), reason="needs CUDA in torch and a JAX GPU backend")
 
 BACKENDS = ["reference", "pallas"]
+
+
+@pytest.fixture(autouse=True)
+def _dlpack_path(monkeypatch):
+    monkeypatch.setenv("CANARY_JAX_TORCH_PATH", "dlpack")
 
 
 def _clone_plan(p):
@@ -142,6 +150,23 @@ def test_cuda_random_launches_match_sglang_reference(backend):
     ref = gpu.clone()
     for step, op in _random_sequence(backend, [(gpu, "gpu"), (ref, "ref")]):
         assert_same_bytes(gpu.tensors(), ref.tensors(), f"{backend} gpu vs sglang ref, step {step} {op}")
+    assert gpu.state.violation_write_index.item() > 0 and gpu.state.slot_run_counters.sum().item() > 0
+
+
+def test_cuda_native_path_random_launches_match_sglang_reference(monkeypatch):
+    """The native path (Triton kernels on torch's stream, torch-op glue) gives SGLang's bytes on CUDA."""
+    from interop.native import launch as native
+    from interop.native import triton_kernels
+
+    if not triton_kernels.triton_available():
+        pytest.skip("needs triton")
+    monkeypatch.setenv("CANARY_JAX_TORCH_PATH", "native")
+    gpu = World.make(random.Random(2), device="cuda", sources=SOURCES, mode=1)
+    ref = gpu.clone()
+    traces = native.trace_count()
+    for step, op in _random_sequence("pallas", [(gpu, "gpu"), (ref, "ref")]):
+        assert_same_bytes(gpu.tensors(), ref.tensors(), f"native gpu vs sglang ref, step {step} {op}")
+    assert native.trace_count() > traces  # it really took the native path
     assert gpu.state.violation_write_index.item() > 0 and gpu.state.slot_run_counters.sum().item() > 0
 
 

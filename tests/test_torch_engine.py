@@ -34,6 +34,7 @@ class TinyEngine:
         *,
         device="cpu",
         backend=None,
+        path=None,
         num_slots=1024,
         layers=3,
         heads=2,
@@ -46,7 +47,7 @@ class TinyEngine:
         ring=64,
     ):
         self.rng = random.Random(seed)
-        self.dev, self.backend = device, backend
+        self.dev, self.backend, self.path = device, backend, path
         self.bs_cap, self.t_cap, self.verify_cap = bs_cap, t_cap, verify_cap
         g = torch.Generator().manual_seed(seed)
         self.k = [
@@ -129,6 +130,35 @@ class TinyEngine:
         batch = self._schedule()
         if corrupt is not None:
             corrupt(self, batch)
+        plan_kw, write_kw, loc = self.batch_inputs(batch)
+        before = int(self.worlds["ours"]["state"].violation_write_index.item())
+        for who in ("ours", "ref"):
+            w = self.worlds[who]
+            if who == "ours":
+                sglang.launch_canary_plan_kernels(
+                    verify_plan_out=w["vp"], write_plan_out=w["wp"], path=self.path, **plan_kw
+                )
+            else:
+                ref_plan(verify_plan_out=w["vp"], write_plan_out=w["wp"], **plan_kw)
+        self._phase(TAG.HEAD_K_FULL, write_kw)
+        for layer in range(len(self.k)):  # the model forward writes K/V of the new tokens
+            idx = torch.tensor(loc, dtype=torch.int64, device=self.dev)
+            if len(loc):
+                self.k[layer][idx] = torch.randn(len(loc), *self.k[layer].shape[1:]).to(torch.bfloat16).to(self.dev)
+                self.v[layer][idx] = torch.randn(len(loc), *self.v[layer].shape[1:]).to(torch.bfloat16).to(self.dev)
+        self._phase(TAG.TAIL_K_FULL, write_kw)
+        for req in batch:
+            req["written"] = len(req["tokens"])
+        self.steps += 1
+        self.assert_parity()
+        st = self.worlds["ours"]["state"]
+        after = int(st.violation_write_index.item())
+        cap = st.violation_ring.shape[0]
+        return st.violation_ring[min(before, cap) : min(after, cap)].tolist()
+
+    def batch_inputs(self, batch):
+        """Allocates the batch's new slots; returns the plan and write keyword arguments (padded to the
+        capacities) and the written slots."""
         rpi, prefix, extend, ids, pos, loc = [], [], [], [], [], []
         for req in batch:
             p, e = req["written"], len(req["tokens"]) - req["written"]
@@ -161,37 +191,18 @@ class TinyEngine:
             expected_input_tokens=None,
             expected_input_positions=None,
         )
-        before = int(self.worlds["ours"]["state"].violation_write_index.item())
-        for who in ("ours", "ref"):
-            w = self.worlds[who]
-            if who == "ours":
-                sglang.launch_canary_plan_kernels(verify_plan_out=w["vp"], write_plan_out=w["wp"], **plan_kw)
-            else:
-                ref_plan(verify_plan_out=w["vp"], write_plan_out=w["wp"], **plan_kw)
-        self._phase(TAG.HEAD_K_FULL, write_kw)
-        for layer in range(len(self.k)):  # the model forward writes K/V of the new tokens
-            idx = t(loc)
-            if len(loc):
-                self.k[layer][idx] = torch.randn(len(loc), *self.k[layer].shape[1:]).to(torch.bfloat16).to(self.dev)
-                self.v[layer][idx] = torch.randn(len(loc), *self.v[layer].shape[1:]).to(torch.bfloat16).to(self.dev)
-        self._phase(TAG.TAIL_K_FULL, write_kw)
-        for req in batch:
-            req["written"] = len(req["tokens"])
-        self.steps += 1
-        self.assert_parity()
-        st = self.worlds["ours"]["state"]
-        after = int(st.violation_write_index.item())
-        cap = st.violation_ring.shape[0]
-        return st.violation_ring[min(before, cap) : min(after, cap)].tolist()
+        return plan_kw, write_kw, loc
 
     def _phase(self, tag, write_kw):
         for who in ("ours", "ref"):
             w, ctx = self.worlds[who], self.contexts[who][tag]
             if who == "ours":
                 sglang.launch_canary_verify_kernel(
-                    context=ctx, plan=w["vp"], check_verify_expected_token=True, backend=self.backend
+                    context=ctx, plan=w["vp"], check_verify_expected_token=True, backend=self.backend, path=self.path
                 )
-                sglang.launch_canary_write_kernel(context=ctx, plan=w["wp"], backend=self.backend, **write_kw)
+                sglang.launch_canary_write_kernel(
+                    context=ctx, plan=w["wp"], backend=self.backend, path=self.path, **write_kw
+                )
             else:
                 ref_verify(context=ctx, plan=w["vp"], check_verify_expected_token=True)
                 ref_write(context=ctx, plan=w["wp"], **write_kw)
@@ -211,8 +222,8 @@ class TinyEngine:
         return [(req, q, int(self.r2t[req["row"], q])) for req in self.reqs for q in range(req["written"])]
 
 
-def _run_engine(device, backend=None):
-    eng = TinyEngine(seed=1, device=device, backend=backend)
+def _run_engine(device, backend=None, path=None):
+    eng = TinyEngine(seed=1, device=device, backend=backend, path=path)
     for _ in range(6):
         assert eng.step() == []
     st = eng.worlds["ours"]["state"]
@@ -267,7 +278,13 @@ def test_engine_clean_run_and_detects_corruption_cpu():
     _run_engine("cpu")
 
 
+def test_engine_native_path_cpu():
+    """The native torch path (torch ops; the Pallas kernels interpreted by JAX on CPU) gives SGLang's bytes."""
+    _run_engine("cpu", "pallas", path="native")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("path", ["dlpack", "native"])
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
-def test_engine_clean_run_and_detects_corruption_cuda(backend):
-    _run_engine("cuda", backend)
+def test_engine_clean_run_and_detects_corruption_cuda(backend, path):
+    _run_engine("cuda", backend, path)

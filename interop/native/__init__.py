@@ -1,1 +1,10 @@
-"""The native torch path: a launch's jaxpr executed with torch ops and Triton kernels (issue #15)."""
+"""The native torch path of the SGLang launchers: the launch bodies as torch ops and Triton kernels, no JAX per
+launch, capturable in a torch CUDA graph (``interop/README.md``, "The native path").
+
+* :mod:`interop.native.launch`: path choice (:func:`~interop.native.launch.resolve_path`), the traced program per
+  launch shape, the write-back;
+* :mod:`interop.native.program`: a jaxpr as straight-line torch steps with a memory plan;
+* :mod:`interop.native.prims` (and ``prims_*``): a torch rule per primitive, XLA's bytes;
+* :mod:`interop.native.triton_ttir` / :mod:`interop.native.triton_kernels`: a ``pallas_call`` as a Triton kernel;
+* :mod:`interop.native.plan`: the plan launch as hand-written torch int64 ops.
+"""

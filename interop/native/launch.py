@@ -1,0 +1,241 @@
+"""The native torch path of the launchers: trace once, then run torch ops and Triton kernels on torch's stream.
+
+:func:`run_native` has :func:`interop.runner.run_in_place`'s contract (same body factories, same in-place
+result) without JAX at launch time: the first launch of a (op, statics, shapes, dtypes, device, x64) traces the
+body with ``jax.make_jaxpr`` on abstract values and builds a :class:`~interop.native.program.Program`; every
+later launch runs that program on the caller's tensors: torch ops for the glue XLA would run, the Pallas kernels
+as Triton kernels compiled with the ``triton`` package that torch ships (:mod:`interop.native.triton_kernels`),
+all on ``torch.cuda.current_stream()``. No DLPack, no host sync: a torch CUDA graph captures a launch.
+
+Which path a launcher takes (:func:`resolve_path`): the ``path`` keyword, else ``$CANARY_JAX_TORCH_PATH``, else
+``"native"`` for CUDA tensors when triton is importable and ``"dlpack"`` otherwise. ``path="native"`` on CPU
+tensors runs the same program with the Pallas kernels interpreted by JAX (the CPU test vehicle); with
+``backend="reference"`` the whole launch is torch ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+
+from interop import buffers
+from interop.buffers import TensorArg
+from interop.native import plan, prims, program, triton_kernels
+
+PATHS = ("native", "dlpack")
+"""Torch launch paths: ``native`` (torch ops + Triton kernels) and ``dlpack`` (a jitted JAX program)."""
+
+PATH_ENV = "CANARY_JAX_TORCH_PATH"
+"""Environment variable naming the default torch launch path (case-insensitive)."""
+
+
+def resolve_path(path: str | None, device: torch.device, backend: str = "pallas") -> str:
+    """The torch launch path for tensors on ``device`` running ``backend``'s kernels.
+
+    Returns ``path`` if given, else ``$CANARY_JAX_TORCH_PATH`` if set and non-empty, else ``"native"`` for the
+    Pallas backend on CUDA when :func:`interop.native.triton_kernels.triton_available`, and ``"dlpack"``
+    otherwise (the jnp reference's serial loops are ``while`` loops, which the native path refuses).
+
+    Raises:
+      ValueError: a name not in :data:`PATHS` (from the argument or the environment).
+    """
+    name = path if path is not None else (os.environ.get(PATH_ENV) or None)
+    if name is None:
+        native = device.type == "cuda" and backend == "pallas" and triton_kernels.triton_available()
+        return "native" if native else "dlpack"
+    low = str(name).lower()
+    if low not in PATHS:
+        src = "path" if path is not None else f"${PATH_ENV}"
+        raise ValueError(f"kv-canary: {src} must be one of {PATHS}, got {name!r}")
+    return low
+
+
+def body_form(t: torch.Tensor) -> torch.Tensor:
+    """The tensor as the launch body sees it, sharing its memory: int64 / uint64 as ``int32[*S, 2]`` word pairs
+    (the storage of the body's ``uint32[*S, 2]``), everything else as it is."""
+    if t.dtype in (torch.int64, torch.uint64):
+        return t.unsqueeze(-1).view(torch.int32)
+    return t
+
+
+_JAX_DTYPES = {
+    torch.uint8: np.uint8,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.bool: np.bool_,
+}
+
+
+def _aval(t: torch.Tensor, name: str) -> jax.ShapeDtypeStruct:
+    if t.dtype in (torch.int64, torch.uint64):
+        return jax.ShapeDtypeStruct((*t.shape, 2), np.uint32)
+    if t.dtype == torch.bfloat16:
+        return jax.ShapeDtypeStruct(tuple(t.shape), jax.numpy.bfloat16)
+    if t.dtype in (torch.float64, torch.complex128) and not jax.config.read("jax_enable_x64"):
+        raise TypeError(f"kv-canary: {name} has dtype {t.dtype}, which JAX narrows with jax_enable_x64 off")
+    dt = _JAX_DTYPES.get(t.dtype) or (np.float64 if t.dtype == torch.float64 else None)
+    if dt is None:
+        raise TypeError(f"kv-canary: {name} has dtype {t.dtype}, which the native torch path does not take")
+    return jax.ShapeDtypeStruct(tuple(t.shape), dt)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    """A pallas_call as a Triton kernel: its launch and its aliasing (pairs ``(input, output)``)."""
+
+    kernel: Any
+    aliases: tuple
+    name: str
+
+
+def compiled_pallas(eqn, device: torch.device) -> tuple[Callable, tuple[int, ...], Any]:
+    """A compiled ``pallas_call`` (``interpret=False``) as a step of a :class:`~interop.native.program.Program`.
+
+    XLA's contract, kept: operands then results as pointers; a result aliased to an operand gets that operand's
+    memory (donated when the memory plan allows, a copy otherwise); every pointer contiguous and aligned as the
+    TTIR declares (``tt.divisibility``, 32 bytes with jax 0.10.2; copied if not).
+    """
+    if device.type != "cuda":
+        raise program.NotNative(f"a compiled pallas_call ({eqn.params.get('name')}) needs CUDA tensors, not {device}")
+    spec = triton_kernels.kernel_spec(eqn)
+    kern = triton_kernels.TritonKernel(spec, device)
+    aliases = tuple((int(i), int(o)) for i, o in eqn.params["input_output_aliases"])
+    alias_in = {o: i for i, o in aliases}
+    outs_meta = [(tuple(v.aval.shape), prims.storage_dtype(v.aval.dtype)) for v in eqn.outvars]
+
+    align = kern.alignments[: len(eqn.invars)]
+
+    def run(args, donate):
+        ins = [
+            a if a.is_contiguous() and a.data_ptr() % al == 0 else a.clone(memory_format=torch.contiguous_format)
+            for a, al in zip(args, align)
+        ]
+        outs = []
+        for q, (shape, dt) in enumerate(outs_meta):
+            i = alias_in.get(q)
+            if i is None:
+                outs.append(torch.empty(shape, dtype=dt, device=device))
+                continue
+            if not donate[i] and ins[i] is args[i]:
+                ins[i] = args[i].clone(memory_format=torch.contiguous_format)
+            outs.append(ins[i])
+        kern.launch_unchecked([*ins, *outs])  # contiguity and alignment made sure of above
+        return outs
+
+    return run, tuple(i for i, _ in aliases), _Compiled(kern, aliases, spec.name)
+
+
+def _pallas_for(device: torch.device) -> Callable:
+    def pallas(eqn):
+        if eqn.params.get("interpret"):
+            return program.interpreted_pallas(eqn)
+        return compiled_pallas(eqn, device)
+
+    return pallas
+
+
+@dataclasses.dataclass
+class _Launch:
+    program: program.Program
+    names: tuple[str, ...]
+    out_names: tuple[str, ...]
+    launches: int = 0
+
+
+_PROGRAMS: dict[Hashable, _Launch] = {}
+_LOCK = threading.Lock()
+_TRACES = [0]
+
+
+def trace_count() -> int:
+    """How many launch bodies the native path has traced (a steady state traces none)."""
+    return _TRACES[0]
+
+
+def _build(op, statics, body_factory, args: Sequence[TensorArg], device) -> _Launch:
+    body = body_factory(statics)
+    names = tuple(a.name for a in args)
+    out_names = tuple(a.name for a in args if a.mutable)
+
+    def flat(*xs):
+        new = body(dict(zip(names, xs)))
+        return tuple(new[n] for n in out_names)
+
+    avals = [_aval(a.tensor, a.name) for a in args]
+    closed = jax.make_jaxpr(flat)(*avals)
+    _TRACES[0] += 1
+    try:
+        prog = program.build(closed, device=device, mutable=[a.mutable for a in args], pallas=_pallas_for(device))
+    except (program.NotNative, prims.UnsupportedPrimitive) as e:
+        backend = statics[0] if op in ("verify", "write") else "jnp plan builder"
+        raise type(e)(f"kv-canary: the {op} launch ({backend}) cannot take the native torch path: {e}") from e
+    return _Launch(prog, names, out_names)
+
+
+def program_for(op: Hashable, statics: Hashable, body_factory: Callable, args: Sequence[TensorArg]) -> program.Program:
+    """The compiled program of a launch (built on first use; for tests and reports)."""
+    return _launch_for(op, statics, body_factory, args, args[0].tensor.device).program
+
+
+def _launch_for(op, statics, body_factory, args, device) -> _Launch:
+    key = (
+        op,
+        statics,
+        body_factory,
+        device,
+        bool(jax.config.read("jax_enable_x64")),
+        tuple((a.name, a.mutable, tuple(a.tensor.shape), a.tensor.dtype) for a in args),
+    )
+    hit = _PROGRAMS.get(key)
+    if hit is None:
+        with _LOCK:
+            hit = _PROGRAMS.get(key)
+            if hit is None:
+                hit = _PROGRAMS[key] = _build(op, statics, body_factory, args, device)
+    return hit
+
+
+def run_native(op: Hashable, statics: Hashable, body_factory: Callable, args: Sequence[TensorArg]) -> None:
+    """Runs ``body_factory(statics)`` on ``args`` with torch ops and Triton kernels, writing the mutable
+    arguments back in place (the contract of :func:`interop.runner.run_in_place`).
+
+    Raises:
+      ValueError / TypeError: device mix or overlapping mutable tensors (:func:`interop.buffers.
+        check_device_and_aliasing`), or a dtype JAX would narrow; raised before anything runs.
+      interop.native.program.NotNative / interop.native.prims.UnsupportedPrimitive: a body the native path
+        cannot run (first launch only; nothing has run).
+    """
+    device = buffers.check_device_and_aliasing(args)
+    launch = _launch_for(op, statics, body_factory, args, device)
+    views = [body_form(a.tensor) for a in args]
+    outs = launch.program(views)
+    k = 0
+    for a, v in zip(args, views):
+        if not a.mutable:
+            continue
+        out = outs[k]
+        k += 1
+        if out.data_ptr() != v.data_ptr() or out.stride() != v.stride():
+            v.copy_(out)
+    launch.launches += 1
+
+
+def run_plan(statics: Hashable, args: Sequence[TensorArg]) -> None:
+    """The plan launch on the native path: :func:`interop.native.plan.launch_plan` (vectorised torch int64
+    ops, byte-identical to the jnp plan builder) after the same device and aliasing checks as every launch.
+
+    Raises:
+      ValueError: device mix or outputs overlapping other arguments; raised before anything is written.
+    """
+    buffers.check_device_and_aliasing(args)
+    plan.launch_plan(statics, {a.name: a.tensor for a in args})

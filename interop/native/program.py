@@ -1,0 +1,431 @@
+"""A traced launch body as a straight list of torch steps: the executor of the native torch path.
+
+:func:`build` takes the closed jaxpr of a launch body (``jax.make_jaxpr`` of a verify / write / plan body of
+:mod:`interop.kernels`) and turns it into a :class:`Program`:
+
+1. **Flatten.** ``pjit`` / ``jit`` / ``closed_call`` / ``custom_jvp_call`` / ``custom_vjp_call`` bodies are
+   inlined; a ``scan`` is unrolled (its trip count is static and, in our plans, the log2 steps of a
+   ``searchsorted``); ``cond`` and ``while`` are refused (they would need a host sync per step).
+2. **Fold constants.** Every step whose inputs are all literals or constants (``iota``, broadcasts of
+   literals, ...) runs once, at build time, on the launch's device.
+3. **Plan memory.** Like XLA's buffer assignment, but conservative: each value belongs to the buffers it may
+   share memory with (a view shares its input's; a fresh result gets its own). A step may overwrite an input in
+   place (a ``pallas_call`` operand it aliases to an output, a scatter's operand) only when nothing read later
+   shares that memory, the memory is not a constant, and it is not a read-only argument of the launch;
+   otherwise the step works on a copy, as XLA would.
+4. **Run.** Each primitive runs through its torch rule (:mod:`interop.native.prims`); each compiled
+   ``pallas_call`` through its Triton kernel (:mod:`interop.native.triton_kernels`) on torch's current stream;
+   an interpreted ``pallas_call`` (CPU launches) through JAX's interpreter on host copies. No step reads a value
+   back to the host, so a torch CUDA graph can capture a whole launch.
+
+Values live in torch *storage* dtypes (:func:`interop.native.prims.storage_dtype`: unsigned integers as the
+signed type's bit pattern), so every tensor holds the same bytes XLA would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import numpy as np
+import torch
+
+from interop.native import prims, prims_views
+
+INLINED = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat", "checkpoint")
+"""Primitives whose body is inlined into the step list."""
+
+REFUSED = ("while",)
+"""Control flow the native path refuses: its trip count would need a host read per launch. (A ``cond`` without
+kernels runs every branch and selects the results on the device; one with a ``pallas_call`` is refused.)"""
+
+IN_PLACE = frozenset(
+    {"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min"}
+    | {"scatter-max", "scatter_max", "dynamic_update_slice"}
+)
+"""Primitives whose rule updates operand 0 in place when it is donated (and works on a copy otherwise)."""
+
+VIEW_OF_FIRST = frozenset(
+    {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "bitcast_convert_type", "convert_element_type"}
+    | {"slice", "dynamic_slice", "transpose", "rev", "reduce_precision", "copy", "copy_p"}
+)
+"""Primitives whose result may be a view of operand 0 only (never of their other operands)."""
+
+MAX_UNROLL = 64
+"""Largest ``scan`` trip count unrolled (ours are a ``searchsorted``'s log2 steps)."""
+
+
+class NotNative(NotImplementedError):
+    """A launch body the native path cannot run (names the primitive and why)."""
+
+
+@dataclasses.dataclass
+class Step:
+    """One step: ``run(args, donate) -> outputs`` on the values ``ins``, defining ``outs``."""
+
+    name: str
+    run: Callable[[list[torch.Tensor], tuple[bool, ...]], list[torch.Tensor]]
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    fresh: bool  # outputs never share memory with inputs
+    inplace: tuple[int, ...] = ()  # input positions the step may overwrite when allowed (else it copies)
+    donate: tuple[bool, ...] = ()  # per input: may be overwritten (decided by the memory plan)
+    drop: tuple[int, ...] = ()  # values dead after this step (released for the allocator)
+    kernel: Any = None  # the pallas_call's kernel object, for reports
+    eqns: tuple = ()  # the equations a primitive step runs (compiled once constants are folded)
+
+
+class _Builder:
+    """Flattens a closed jaxpr into steps over integer value ids."""
+
+    def __init__(self, device: torch.device, pallas: Callable):
+        self.device = device
+        self.pallas = pallas  # eqn -> (run, inplace positions, kernel object)
+        self.steps: list[Step] = []
+        self.consts: dict[int, torch.Tensor] = {}
+        self.avals: list[Any] = []
+
+    def new(self, aval) -> int:
+        self.avals.append(aval)
+        return len(self.avals) - 1
+
+    def const(self, value, aval) -> int:
+        i = self.new(aval)
+        self.consts[i] = prims.constant(np.asarray(value), aval.dtype, self.device)
+        return i
+
+    def read(self, env: dict, v) -> int:
+        if isinstance(v, jcore.Literal):
+            return self.const(v.val, v.aval)
+        return env[v]
+
+    def inline(self, jaxpr, consts: Sequence, args: Sequence[int]) -> list[int]:
+        """Adds the steps of ``jaxpr`` (a core Jaxpr) applied to value ids ``args``; returns its output ids."""
+        env: dict = {}
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = self.const(c, v.aval)
+        for v, a in zip(jaxpr.invars, args):
+            env[v] = a
+        for eqn in jaxpr.eqns:
+            ins = [self.read(env, v) for v in eqn.invars]
+            outs = self.eqn(eqn, ins)
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+        return [self.read(env, v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn, ins: list[int]) -> list[int]:
+        name = eqn.primitive.name
+        if name in INLINED:
+            sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+            if isinstance(sub, jcore.ClosedJaxpr):
+                return self.inline(sub.jaxpr, sub.consts, ins)
+            return self.inline(sub, (), ins)
+        if name == "scan":
+            return self.scan(eqn, ins)
+        if name == "cond":
+            return self.cond(eqn, ins)
+        if name in REFUSED:
+            raise NotNative(
+                f"the native torch path cannot run a {name!r} in a launch body (it would read a value back to the "
+                "host every launch); use the DLPack path (path='dlpack')"
+            )
+        outs = [self.new(v.aval) for v in eqn.outvars]
+        if name == "pallas_call":
+            run, inplace, kernel = self.pallas(eqn)
+            self.steps.append(Step(name, run, tuple(ins), tuple(outs), False, tuple(inplace), kernel=kernel))
+            return outs
+        fresh = name in prims.FRESH and name not in IN_PLACE
+        inplace = (0,) if name in IN_PLACE else ()
+        rule = prims.rule_for(eqn)  # refuses an unsupported primitive now; compiled after folding (_compile)
+
+        def run(args, donate, rule=rule, eqn=eqn):
+            return rule(eqn, args, donate)
+
+        self.steps.append(Step(name, run, tuple(ins), tuple(outs), fresh, inplace, eqns=(eqn,)))
+        return outs
+
+    def scan(self, eqn, ins: list[int]) -> list[int]:
+        p = eqn.params
+        length, nc, nk = int(p["length"]), int(p["num_consts"]), int(p["num_carry"])
+        if length > MAX_UNROLL:
+            raise NotNative(f"a scan of length {length} (the native path unrolls at most {MAX_UNROLL} trips)")
+        body: jcore.ClosedJaxpr = p["jaxpr"]
+        consts, carry, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
+        ys_per_trip: list[list[int]] = []
+        order = range(length - 1, -1, -1) if p["reverse"] else range(length)
+        for t in order:
+            x_t = [self.index(x, t) for x in xs]
+            out = self.inline(body.jaxpr, body.consts, [*consts, *carry, *x_t])
+            carry, ys = out[:nk], out[nk:]
+            ys_per_trip.append(ys)
+        if p["reverse"]:
+            ys_per_trip.reverse()
+        stacked = [self.stack([trip[k] for trip in ys_per_trip], v.aval) for k, v in enumerate(eqn.outvars[nk:])]
+        return [*carry, *stacked]
+
+    def cond(self, eqn, ins: list[int]) -> list[int]:
+        """Every branch inlined, then the results selected by the (clamped) branch index on the device."""
+        branches = eqn.params["branches"]
+        for br in branches:
+            if any(e.primitive.name == "pallas_call" for e in _all_eqns(br.jaxpr)):
+                raise NotNative(
+                    "the native torch path cannot run a cond with a pallas_call in a branch (it would run every "
+                    "branch's kernel); use the DLPack path (path='dlpack')"
+                )
+        index, ops = ins[0], ins[1:]
+        results = [self.inline(br.jaxpr, br.consts, ops) for br in branches]
+        outs = []
+        for k, v in enumerate(eqn.outvars):
+            out = self.new(v.aval)
+            n = len(branches)
+
+            def select(a, d, n=n):
+                idx, vals = a[0].to(torch.int64).clamp(0, n - 1), a[1:]
+                res = vals[0]
+                for j in range(1, n):
+                    res = torch.where(idx == j, vals[j], res)
+                return [res.clone() if n == 1 else res]
+
+            self.steps.append(Step("cond_select", select, (index, *(r[k] for r in results)), (out,), True))
+            outs.append(out)
+        return outs
+
+    def index(self, x: int, t: int) -> int:
+        aval = self.avals[x]
+        out = self.new(aval.update(shape=aval.shape[1:]))
+        self.steps.append(Step("scan_index", lambda a, d, t=t: [a[0][t]], (x,), (out,), False))
+        return out
+
+    def stack(self, ids: list[int], aval) -> int:
+        out = self.new(aval)
+        self.steps.append(Step("scan_stack", lambda a, d: [torch.stack(a)], tuple(ids), (out,), True))
+        return out
+
+
+def _all_eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs in its equations' parameters."""
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jcore.jaxprs_in_params(e.params):
+            yield from _all_eqns(sub)
+
+
+def _fold_constants(b: _Builder) -> list[Step]:
+    """Runs, once, every step whose inputs are all constants (never a pallas_call); returns the rest."""
+    rest = []
+    for s in b.steps:
+        if s.name != "pallas_call" and all(i in b.consts for i in s.ins):
+            outs = s.run([b.consts[i] for i in s.ins], (False,) * len(s.ins))
+            for i, o in zip(s.outs, outs):
+                b.consts[i] = o
+        else:
+            rest.append(s)
+    return rest
+
+
+def _compile(steps: list[Step], consts: dict[int, torch.Tensor], device: torch.device) -> None:
+    """Each primitive step's rule compiled for ``device`` with every constant operand (literal, closed-over or
+    folded) baked in (:func:`interop.native.prims.compile_rule`)."""
+    for s in steps:
+        if len(s.eqns) == 1:
+            known = {k: consts[i] for k, i in enumerate(s.ins) if i in consts}
+            s.run = prims.compile_rule(s.eqns[0], device, known)
+
+
+def _fuse_views(steps: list[Step], out_ids, device: torch.device) -> list[Step]:
+    """Runs of view steps (each the only reader of the one before, which is no program output) as one step
+    (:func:`interop.native.prims_views.compile_view_chain`: one or two torch calls on a contiguous input)."""
+    readers: dict[int, int] = {}
+    for s in steps:
+        for i in s.ins:
+            readers[i] = readers.get(i, 0) + 1
+    outs = set(out_ids)
+    fused: list[Step] = []
+    chain: list[Step] = []
+
+    def flush():
+        if len(chain) == 1:
+            fused.append(chain[0])
+        elif chain:
+            eqns = tuple(e for c in chain for e in c.eqns)
+            run = prims_views.compile_view_chain(eqns, device)
+            fused.append(Step("view_chain", run, chain[0].ins, chain[-1].outs, False, eqns=eqns))
+        chain.clear()
+
+    for s in steps:
+        view = len(s.eqns) == 1 and len(s.ins) == 1 and prims_views.is_view(s.eqns[0])
+        if view and chain and s.ins[0] == chain[-1].outs[0]:
+            chain.append(s)
+        else:
+            flush()
+            if view:
+                chain.append(s)
+            else:
+                fused.append(s)
+        if chain and (readers.get(chain[-1].outs[0], 0) != 1 or chain[-1].outs[0] in outs):
+            flush()  # the chain's value is read elsewhere too: it ends here
+    flush()
+    return fused
+
+
+def _plan_memory(steps: list[Step], in_ids, out_ids, mutable: Sequence[bool], consts: dict) -> tuple[bool, ...]:
+    """Sets each step's ``donate`` and ``drop`` (see the module docstring, item 3); returns, per output, whether
+    it may share memory with another *mutable* input than its own (then the launch copies it before writing
+    results back, so one write-back cannot change another's value)."""
+    n_steps = len(steps)
+    last: dict[int, int] = {}
+    for k, s in enumerate(steps):
+        for i in s.ins:
+            last[i] = k
+    for i in out_ids:
+        last[i] = n_steps
+    roots: dict[int, frozenset] = {}
+    for j, i in enumerate(in_ids):
+        roots[i] = frozenset({("in", j)})
+    for i in consts:
+        roots[i] = frozenset({("const", i)})
+    holders: dict[Any, list[int]] = {}
+    for i, r in roots.items():
+        for root in r:
+            holders.setdefault(root, []).append(i)
+    read_only = {("in", j) for j, m in enumerate(mutable) if not m}
+    for k, s in enumerate(steps):
+        donate = []
+        for pos, i in enumerate(s.ins):
+            ok = pos in s.inplace
+            # memory this step also reads through another operand must not change under it
+            others = frozenset().union(*(roots.get(j, frozenset()) for q, j in enumerate(s.ins) if q != pos))
+            for root in roots.get(i, ()):
+                if root[0] == "const" or root in read_only or root in others:
+                    ok = False
+                elif any(last.get(h, -1) > k for h in holders[root]):
+                    ok = False
+            donate.append(ok)
+        s.donate = tuple(donate)
+        own = [frozenset({("step", k, q)}) for q in range(len(s.outs))]
+        if s.fresh or (s.name in IN_PLACE and not s.donate[0]):
+            out_roots = own  # a fresh result, or the copy an in-place rule made of an operand it could not take
+        elif s.name in IN_PLACE or s.name in VIEW_OF_FIRST:
+            out_roots = [roots.get(s.ins[0], frozenset()) | o for o in own]
+        elif s.name == "pallas_call":
+            # an aliased result is its operand's memory when donated, the launch's own copy otherwise
+            back = {o: i for i, o in s.kernel.aliases if s.donate[i]}
+            out_roots = [roots.get(s.ins[back[q]], frozenset()) | o if q in back else o for q, o in enumerate(own)]
+        else:
+            shared = frozenset().union(*(roots.get(i, frozenset()) for i in s.ins)) if s.ins else frozenset()
+            out_roots = [shared | frozenset({("step", k, q)}) for q in range(len(s.outs))]
+        for i, r in zip(s.outs, out_roots):
+            roots[i] = r
+            for root in r:
+                holders.setdefault(root, []).append(i)
+    for k, s in enumerate(steps):
+        s.drop = tuple(sorted({i for i in s.ins if last.get(i) == k}))
+    own_input = [j for j, m in enumerate(mutable) if m]  # output q writes back to mutable input own_input[q]
+    return tuple(
+        any(r[0] == "in" and r[1] != j and mutable[r[1]] for r in roots.get(i, ()))
+        for i, j in zip(out_ids, own_input + [None] * (len(out_ids) - len(own_input)))
+    )
+
+
+@dataclasses.dataclass
+class Program:
+    """A launch body compiled to torch steps: ``program(inputs) -> outputs`` (storage tensors)."""
+
+    steps: list[Step]
+    num_values: int
+    consts: dict[int, torch.Tensor]
+    in_ids: tuple[int, ...]
+    out_ids: tuple[int, ...]
+    avals_in: tuple
+    avals_out: tuple
+    avals: tuple = ()  # of every value id
+    clone_outs: tuple = ()  # per output: copy before the write-back (see _plan_memory)
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        env: list[Any] = [None] * self.num_values
+        for i, c in self.consts.items():
+            env[i] = c
+        for i, t in zip(self.in_ids, inputs):
+            env[i] = t
+        for s in self.steps:
+            outs = s.run([env[i] for i in s.ins], s.donate)
+            for i, o in zip(s.outs, outs):
+                env[i] = o
+            for i in s.drop:
+                if i not in self.consts:
+                    env[i] = None
+        outs = [env[i] for i in self.out_ids]
+        return [o.clone() if c else o for o, c in zip(outs, self.clone_outs)] if any(self.clone_outs) else outs
+
+    def kernels(self) -> list[Any]:
+        """The pallas_call kernel objects, in launch order."""
+        return [s.kernel for s in self.steps if s.name == "pallas_call"]
+
+    def step_names(self) -> list[str]:
+        return [s.name for s in self.steps]
+
+
+def build(closed: jcore.ClosedJaxpr, *, device: torch.device, mutable: Sequence[bool], pallas: Callable) -> Program:
+    """Compiles a closed jaxpr to a :class:`Program` on ``device``.
+
+    Args:
+      closed: the launch body's closed jaxpr (flat inputs and outputs).
+      device: where the launch's tensors live.
+      mutable: per flat input, whether the launch may overwrite it (a read-only input is never donated).
+      pallas: ``eqn -> (run, inplace_positions, kernel)`` for a ``pallas_call`` equation, where ``kernel`` has
+        an ``aliases`` attribute (pairs ``(input position, output position)``).
+
+    Raises:
+      NotNative: control flow the native path refuses, or a scan past :data:`MAX_UNROLL`.
+      interop.native.prims.UnsupportedPrimitive: a primitive without a torch rule.
+    """
+    b = _Builder(device, pallas)
+    in_ids = [b.new(v.aval) for v in closed.jaxpr.invars]
+    with torch.device(device):  # constants folded now land on the launch's device
+        out_ids = b.inline(closed.jaxpr, closed.consts, in_ids)
+        steps = _fold_constants(b)
+    _compile(steps, b.consts, device)
+    steps = _fuse_views(steps, out_ids, device)
+    clone_outs = _plan_memory(steps, in_ids, out_ids, mutable, b.consts)
+    return Program(
+        steps,
+        len(b.avals),
+        b.consts,
+        tuple(in_ids),
+        tuple(out_ids),
+        tuple(v.aval for v in closed.jaxpr.invars),
+        tuple(v.aval for v in closed.jaxpr.outvars),
+        tuple(b.avals),
+        clone_outs,
+    )
+
+
+def interpreted_pallas(eqn) -> tuple[Callable, tuple[int, ...], Any]:
+    """A ``pallas_call`` with ``interpret=True`` run by JAX's interpreter on host copies (CPU launches).
+
+    Every output is a fresh tensor (the aliasing is by value: the copy-out of the launch writes results back),
+    so no input is overwritten in place.
+    """
+    in_dtypes = [v.aval.dtype for v in eqn.invars]
+    out_dtypes = [v.aval.dtype for v in eqn.outvars]
+    kernel = _Interpreted(tuple(eqn.params["input_output_aliases"]), eqn.params.get("name") or "pallas_call")
+
+    call = jax.jit(lambda *xs: eqn.primitive.bind(*xs, **eqn.params))  # compiled once, on first use
+
+    def run(args, donate):
+        del donate
+        dev = args[0].device if args else torch.device("cpu")
+        xs = [prims.to_numpy(a, dt) for a, dt in zip(args, in_dtypes)]
+        outs = call(*xs)
+        return [prims.from_numpy(np.asarray(o).astype(dt, copy=False), dev) for o, dt in zip(outs, out_dtypes)]
+
+    return run, (), kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class _Interpreted:
+    aliases: tuple
+    name: str

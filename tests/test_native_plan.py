@@ -1,0 +1,339 @@
+"""interop.native.plan: the hand-written torch plan launch, byte for byte against canary-jax's jnp builder.
+
+Every case runs one SGLang-shaped launch twice on copies of the same stale outputs: through
+``interop.sglang.launch_canary_plan_kernels(path="dlpack")`` (the jitted jnp builder, the contract) and through
+:func:`interop.native.plan.launch_plan` with the statics and tensors the launcher builds (its ``_run`` is patched
+to capture them). Every output tensor must then be byte-identical, including what the builder leaves untouched.
+In-range cases are also checked against SGLang's torch reference (``helpers.torch_reference.ref_plan``).
+Shapes come from a few fixed configurations (each compiles the builder once) while the values are fuzzed,
+out-of-range ones included (rows outside ``req_to_token``, prefixes past its width, negative lengths, slots past
+the LUT, valid lengths past the pool, int64 wrap-around of the offsets).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import zlib
+from unittest import mock
+
+import jax
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from helpers.torch_reference import ref_plan
+from interop import sglang
+from interop.native import plan
+
+# name: shapes and statics (bs, C, Cw, req_to_token rows x width, W, LUT, pool rows x width or None, k)
+CONFIGS = {
+    "full": dict(bs=5, cap=16, cw=8, rows=6, width=24),
+    "full_long_rows": dict(bs=8, cap=512, cw=8, rows=9, width=300),
+    "full_lut": dict(bs=4, cap=40, cw=7, rows=5, width=20, lut=True),
+    "swa_lut": dict(bs=6, cap=12, cw=6, rows=7, width=24, w=5, lut=True),
+    "pool_k0": dict(bs=7, cap=64, cw=8, rows=8, width=30, pool=(8, 32)),
+    "pool_eagle_other_rows": dict(bs=6, cap=24, cw=9, rows=7, width=26, pool=(5, 12), k=1),
+    "pool_k2_swa": dict(bs=8, cap=20, cw=8, rows=9, width=40, w=3, lut=True, pool=(9, 41), k=2),
+    "pool_negative_k": dict(bs=3, cap=10, cw=4, rows=4, width=16, pool=(4, 16), k=-1),
+    "bs0": dict(bs=0, cap=6, cw=3, rows=4, width=8, pool=(4, 8)),
+    "bs1_cap1": dict(bs=1, cap=1, cw=1, rows=3, width=8, lut=True, w=2),
+    "empty_tables": dict(bs=3, cap=8, cw=3, rows=4, width=0, lut=True, pool=(0, 5)),
+}
+NUM_SLOTS = 60  # slot values drawn below this; the LUT covers [0, NUM_SLOTS]
+
+
+def _inputs(rng: random.Random, cfg: dict, *, wild: bool) -> dict:
+    """Keyword arguments of ``launch_canary_plan_kernels`` (plans excluded) for one random case.
+
+    ``wild`` mixes in the values the builder defines but SGLang's reference does not (see the module doc).
+    """
+    bs, rows, width = cfg["bs"], cfg["rows"], cfg["width"]
+    hi = NUM_SLOTS + (20 if wild else 0)  # wild slots run past the LUT (clamped to its last entry)
+    r2t = torch.tensor([[rng.randrange(-3 if wild else 1, hi) for _ in range(width)] for _ in range(rows)])
+    r2t = r2t.to(torch.int32).reshape(rows, width)
+    if rows and width:
+        r2t[0] = 0  # SGLang's padding row
+    n_real = rng.randrange(0, bs + 1)
+    rpi = [rng.randrange(1, rows) for _ in range(n_real)] + [0] * (bs - n_real)  # padding rows at the end
+    cap = cfg["cap"]
+    # prefixes around the row width and the capacity: short ones, long ones and overflowing totals
+    plen = [rng.choice([0, 1, rng.randrange(0, max(width, 1) + 1), rng.randrange(0, cap + 2)]) for _ in rpi]
+    elen = [rng.choice([0, 1, 2, rng.randrange(0, 9)]) for _ in rpi]
+    if wild and bs:
+        for _ in range(rng.randrange(1, 4)):
+            j = rng.randrange(bs)
+            rpi[j] = rng.choice([rpi[j], -1, -(2**40), rows, rows + 3, 2**40])
+            plen[j] = rng.choice([plen[j], -1, -(2**62), width + rng.randrange(1, 9), 2**62, 2**63 - 1])
+            elen[j] = rng.choice([elen[j], -3, 2**62, -(2**63)])
+        if rng.random() < 0.3:
+            rng.shuffle(rpi)  # padding rows anywhere: the builder skips each one where it is
+    kw = dict(
+        req_pool_indices=torch.tensor(rpi, dtype=torch.int64),
+        prefix_lens=torch.tensor(plen, dtype=torch.int64),
+        extend_seq_lens=torch.tensor(elen, dtype=torch.int64),
+        req_to_token=r2t,
+        swa_window_size=cfg.get("w", 0),
+        full_to_swa_index_mapping=None,
+        req_to_verify_expected_tokens=None,
+        req_to_verify_expected_tokens_valid_lens=None,
+        kv_token_id_vs_position_offset=cfg.get("k", 0),
+    )
+    if cfg.get("lut"):
+        lut = [0] + [rng.choice([0, rng.randrange(1, 40)]) for _ in range(NUM_SLOTS)]
+        if wild:
+            lut = [rng.choice([v, -7]) for v in lut]
+        kw["full_to_swa_index_mapping"] = torch.tensor(lut, dtype=torch.int64)
+    if cfg.get("pool"):
+        p_rows, p_cols = cfg["pool"]
+        kw["req_to_verify_expected_tokens"] = torch.randint(
+            -5, 1000, (p_rows, p_cols), dtype=torch.int32, generator=torch.Generator().manual_seed(rng.randrange(99))
+        )
+        top = p_cols + (6 if wild else 0)
+        lens = [rng.choice([0, p_cols, rng.randrange(0, top + 1)]) for _ in rpi]
+        if wild and bs:
+            lens[rng.randrange(bs)] = rng.choice([-4, -(2**63), 2**62])
+        kw["req_to_verify_expected_tokens_valid_lens"] = torch.tensor(lens, dtype=torch.int64)
+    return kw
+
+
+def _stale_plans(rng: random.Random, cap: int, cw: int) -> tuple:
+    """Plans full of stale values (77 and random ones) that must survive where the builder leaves them."""
+
+    def stale(n, dtype):
+        t = torch.full((n,), 77, dtype=dtype)
+        if n and rng.random() < 0.5:
+            t[rng.randrange(n)] = rng.randrange(-(2**31), 2**31)
+        return t
+
+    vp = sglang.VerifyPlan(
+        **{f: stale(cap, torch.int64) for f in plan.validation.VERIFY_PLAN_FIELDS[:4]},
+        verify_num_valid=stale(1, torch.int32),
+        enable=stale(1, torch.int32),
+    )
+    wp = sglang.WritePlan(
+        write_offsets=stale(cw + 1, torch.int64),
+        write_seed_slot_indices=stale(cw, torch.int64),
+        write_num_valid_reqs=stale(1, torch.int32),
+    )
+    return vp, wp
+
+
+def _clone(p):
+    return type(p)(**{f: getattr(p, f).clone() for f in p.__dataclass_fields__})
+
+
+def _capture_native(op, statics, body_factory, args, path):
+    """Stands in for ``interop.sglang._run``: the launcher's statics and tensors go to the native plan."""
+    del body_factory, path
+    assert op == "plan"
+    plan.launch_plan(statics, {a.name: a.tensor for a in args})
+
+
+def _launch(kw: dict, vp, wp, cap: int, *, native: bool) -> None:
+    ctx = mock.patch.object(sglang, "_run", _capture_native) if native else contextlib.nullcontext()
+    with ctx:
+        path = None if native else "dlpack"
+        sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=cap, path=path, **kw)
+
+
+def _assert_same(a, b, label) -> None:
+    for f in a.__dataclass_fields__:
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and x.shape == y.shape, (label, f)
+        assert torch.equal(x, y), (label, f, x, y)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_jnp_builder_bytes(name, x64):
+    cfg = CONFIGS[name]
+    rng = random.Random(zlib.crc32(f"{name}/{x64}".encode()))
+    trials = 24 if not x64 else 6
+    with jax.enable_x64(x64):
+        for trial in range(trials):
+            kw = _inputs(rng, cfg, wild=trial % 2 == 1)
+            vp, wp = _stale_plans(rng, cfg["cap"], cfg["cw"])
+            vp_n, wp_n = _clone(vp), _clone(wp)
+            _launch(kw, vp, wp, cfg["cap"], native=False)
+            _launch(kw, vp_n, wp_n, cfg["cap"], native=True)
+            _assert_same(vp, vp_n, (name, trial))
+            _assert_same(wp, wp_n, (name, trial))
+
+
+def test_matches_sglang_reference_sweep():
+    """In-range inputs over many shapes (no builder compile): SGLang's torch reference re-implemented."""
+    rng = random.Random(7)
+    for trial in range(160):
+        cfg = dict(
+            bs=rng.randrange(0, 9),
+            cap=rng.choice([1, 2, 5, 16, 40, 97]),
+            rows=rng.randrange(2, 10),
+            width=rng.choice([1, 3, 24, 130]),
+            w=rng.choice([0, 0, 1, 4, 9]),
+            k=rng.choice([0, 1, 2]),
+        )
+        cfg["cw"] = cfg["bs"] + rng.randrange(0, 3) or 1
+        cfg["lut"] = cfg["w"] > 0 or rng.random() < 0.3
+        if rng.random() < 0.5:
+            cfg["pool"] = (cfg["rows"], cfg["width"] + rng.randrange(0, 4))
+        kw = _inputs(rng, cfg, wild=False)
+        kw["prefix_lens"] = kw["prefix_lens"].clamp(max=cfg["width"])  # the reference reads only in range
+        if cfg.get("pool"):
+            lens = kw["req_to_verify_expected_tokens_valid_lens"]
+            kw["req_to_verify_expected_tokens_valid_lens"] = lens.clamp(max=cfg["pool"][1])
+        vp, wp = _stale_plans(rng, cfg["cap"], cfg["cw"])
+        vp_r, wp_r = _clone(vp), _clone(wp)
+        _launch(kw, vp, wp, cfg["cap"], native=True)
+        ref_plan(verify_plan_out=vp_r, write_plan_out=wp_r, verify_capacity=cfg["cap"], **kw)
+        _assert_same(vp, vp_r, (trial, cfg))
+        _assert_same(wp, wp_r, (trial, cfg))
+
+
+def test_hand_built_scenario():
+    """One SWA + LUT + EAGLE-pool launch worked by hand (W = 3, k = 1, C = 8, Cw = 4)."""
+    r2t = torch.zeros(4, 8, dtype=torch.int32)
+    r2t[1] = torch.tensor([10, 11, 12, 13, 14, 15, 16, 17])
+    r2t[2] = torch.tensor([20, 21, 22, 23, 24, 25, 26, 27])
+    lut = torch.arange(30) + 100
+    lut[21] = 0  # slot 21 evicted from the SWA pool
+    pool = torch.arange(32, dtype=torch.int32).reshape(4, 8) * 10
+    kw = dict(
+        req_pool_indices=torch.tensor([1, 2, 0]),  # row 2 is a padding row
+        prefix_lens=torch.tensor([5, 2, 4]),
+        extend_seq_lens=torch.tensor([2, 0, 3]),
+        req_to_token=r2t,
+        swa_window_size=3,
+        full_to_swa_index_mapping=lut,
+        req_to_verify_expected_tokens=pool,
+        req_to_verify_expected_tokens_valid_lens=torch.tensor([5, 8, 8]),
+        kv_token_id_vs_position_offset=1,
+    )
+    vp, wp = _stale_plans(random.Random(0), 8, 4)
+    vp.verify_slot_indices.fill_(77)
+    wp.write_seed_slot_indices.fill_(77)
+    _launch(kw, vp, wp, 8, native=True)
+    # request 0: window [2, 5); request 1: [0, 2) (prev -1 at position 0, slot 21 -> 0); request 2: padding
+    assert vp.verify_slot_indices.tolist() == [112, 113, 114, 120, 0, 77, 77, 77]
+    assert vp.verify_prev_slot_indices[:5].tolist() == [111, 112, 113, -1, 120]
+    assert vp.verify_expected_positions[:5].tolist() == [2, 3, 4, 0, 1]
+    # token = pool[rpi, p + 1] while p + 1 < valid_len: request 0 stops at p + 1 = 5
+    assert vp.verify_expected_tokens[:5].tolist() == [110, 120, -1, 170, 180]
+    assert (vp.verify_num_valid.item(), vp.enable.item()) == (5, 1)
+    assert wp.write_offsets.tolist() == [0, 2, 2, 2, 0]
+    assert wp.write_seed_slot_indices.tolist() == [114, -1, -1, 77]
+    assert wp.write_num_valid_reqs.item() == 3
+    # overflow: 5 entries > C = 4: enable 0, num_valid = C, no entry written
+    vp4, wp4 = _stale_plans(random.Random(1), 4, 4)
+    before = _clone(vp4)
+    _launch(kw, vp4, wp4, 4, native=True)
+    assert (vp4.verify_num_valid.item(), vp4.enable.item()) == (4, 0)
+    for f in plan.validation.VERIFY_PLAN_FIELDS[:4]:
+        assert torch.equal(getattr(vp4, f), getattr(before, f)), f
+
+
+class _Count(TorchFunctionMode):
+    """Counts torch calls (attribute reads such as ``.shape`` excluded) and the largest tensor any returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+        self.max_numel = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", "") != "__get__":
+            self.ops.append(getattr(func, "__qualname__", str(func)))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+def _direct_args(name: str, seed: int = 3) -> tuple[tuple, dict, dict]:
+    """The launcher's statics and tensors for one case of ``CONFIGS[name]``, captured once."""
+    cfg = CONFIGS[name]
+    kw = _inputs(random.Random(seed), cfg, wild=False)
+    vp, wp = _stale_plans(random.Random(seed), cfg["cap"], cfg["cw"])
+    got = {}
+
+    def capture(op, statics, body_factory, args, path):
+        got["statics"], got["tensors"] = statics, {a.name: a.tensor for a in args}
+
+    with mock.patch.object(sglang, "_run", capture):
+        sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=cfg["cap"], **kw)
+    return got["statics"], got["tensors"], cfg
+
+
+# budgets: the FULL group, the SWA group with its LUT, and everything (LUT, expected-token pool, k != 0)
+@pytest.mark.parametrize(
+    ("name", "budget"), [("full", 47), ("swa_lut", 51), ("pool_k2_swa", 59), ("pool_eagle_other_rows", 57)]
+)
+def test_op_count_and_no_pool_sized_temporaries(name, budget):
+    statics, tensors, cfg = _direct_args(name)
+    with _Count() as count:
+        plan.launch_plan(statics, tensors)
+    assert len(count.ops) <= budget, (len(count.ops), count.ops)
+    # every temporary is entry- or request-sized: nothing the size of req_to_token or the pool
+    assert count.max_numel <= 6 * (cfg["cap"] + cfg["bs"]) + 8, count.max_numel
+
+
+def test_long_table_reads_only_entries():
+    """A wide ``req_to_token`` (4096 x 8192 int32, 128 MiB) costs nothing proportional to it."""
+    r2t = torch.zeros(4096, 8192, dtype=torch.int32)
+    r2t[5, 8000:8192] = torch.arange(192, dtype=torch.int32) + 1
+    kw = dict(
+        req_pool_indices=torch.tensor([5, 0]),
+        prefix_lens=torch.tensor([8192, 0]),
+        extend_seq_lens=torch.tensor([1, 1]),
+        req_to_token=r2t,
+        swa_window_size=4,
+        full_to_swa_index_mapping=torch.arange(200),
+        req_to_verify_expected_tokens=None,
+        req_to_verify_expected_tokens_valid_lens=None,
+        kv_token_id_vs_position_offset=0,
+    )
+    vp, wp = _stale_plans(random.Random(2), 16, 2)
+    with _Count() as count:
+        _launch(kw, vp, wp, 16, native=True)
+    assert count.max_numel < 1000
+    assert vp.verify_slot_indices[:4].tolist() == [189, 190, 191, 192]
+    assert vp.verify_prev_slot_indices[:4].tolist() == [188, 189, 190, 191]
+    assert wp.write_seed_slot_indices.tolist() == [192, -1]
+
+
+def _raise(*args, **kwargs):
+    raise AssertionError("host sync inside launch_plan")
+
+
+@pytest.mark.parametrize("name", ["full", "pool_k2_swa", "pool_eagle_other_rows", "bs0", "empty_tables"])
+def test_no_host_sync(name, monkeypatch):
+    statics, tensors, cfg = _direct_args(name)
+    expected = {n: t.clone() for n, t in tensors.items()}
+    plan.launch_plan(statics, expected)
+    for attr in ("item", "tolist", "nonzero", "__bool__", "__int__", "__index__", "__float__", "__len__"):
+        monkeypatch.setattr(torch.Tensor, attr, _raise)
+    plan.launch_plan(statics, tensors)
+    monkeypatch.undo()
+    for n, t in tensors.items():
+        assert torch.equal(t, expected[n]), n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_capture_replays():
+    statics, tensors, cfg = _direct_args("pool_k2_swa")
+    dev = {n: t.cuda() for n, t in tensors.items()}
+    want = {n: t.clone() for n, t in tensors.items()}
+    plan.launch_plan(statics, want)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        plan.launch_plan(statics, dev)  # warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.launch_plan(statics, dev)
+    graph.replay()
+    torch.cuda.synchronize()
+    for n, t in want.items():
+        assert torch.equal(dev[n].cpu(), t), n
