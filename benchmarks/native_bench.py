@@ -120,12 +120,17 @@ def plan_args(s: Setup, cap: int):
     r2t[1:, per:] = s.new_slots.to(torch.int32)
     vp = sglang.VerifyPlan.allocate(verify_capacity=cap, device=DEV)
     wp = sglang.WritePlan.allocate(write_req_capacity=reqs, device=DEV)
-    kw = dict(
-        verify_plan_out=vp,
-        write_plan_out=wp,
-        req_pool_indices=torch.arange(1, reqs + 1, device=DEV),
-        prefix_lens=torch.full((reqs,), per, device=DEV),
-        extend_seq_lens=torch.full((reqs,), interop_setup.WRITE_TOKENS, device=DEV),
+    return dict(verify_plan_out=vp, write_plan_out=wp, **full_plan_kw(r2t, per, interop_setup.WRITE_TOKENS, cap))
+
+
+def full_plan_kw(r2t, prefix: int, extend: int, cap: int) -> dict:
+    """Plan keyword arguments for rows ``1..bs`` of ``r2t`` (``bs = r2t.shape[0] - 1``), each with ``prefix``
+    cached and ``extend`` new tokens, no SWA, no expected-token pool."""
+    bs = r2t.shape[0] - 1
+    return dict(
+        req_pool_indices=torch.arange(1, bs + 1, device=DEV),
+        prefix_lens=torch.full((bs,), prefix, device=DEV),
+        extend_seq_lens=torch.full((bs,), extend, device=DEV),
         req_to_token=r2t,
         swa_window_size=0,
         full_to_swa_index_mapping=None,
@@ -134,7 +139,6 @@ def plan_args(s: Setup, cap: int):
         req_to_verify_expected_tokens_valid_lens=None,
         kv_token_id_vs_position_offset=0,
     )
-    return kw
 
 
 def bench_cases(s: Setup, cap: int, results: list, log):
@@ -198,18 +202,7 @@ def bench_step(s: Setup, bs: int, ctx_len: int, results: list, log):
         ctx_head = s.state.context(canary_buf=head, kernel_kind=sglang.CanaryLaunchTag.HEAD_K_FULL)
         vp = sglang.VerifyPlan.allocate(verify_capacity=cap, device=DEV)
         wp = sglang.WritePlan.allocate(write_req_capacity=bs, device=DEV)
-        plan_kw = dict(
-            req_pool_indices=torch.arange(1, bs + 1, device=DEV),
-            prefix_lens=torch.full((bs,), ctx_len, device=DEV),
-            extend_seq_lens=torch.ones(bs, dtype=torch.int64, device=DEV),
-            req_to_token=r2t,
-            swa_window_size=0,
-            full_to_swa_index_mapping=None,
-            verify_capacity=cap,
-            req_to_verify_expected_tokens=None,
-            req_to_verify_expected_tokens_valid_lens=None,
-            kv_token_id_vs_position_offset=0,
-        )
+        plan_kw = full_plan_kw(r2t, ctx_len, 1, cap)
         write_kw = dict(
             input_ids=torch.randint(0, 50000, (bs,), device=DEV),
             positions=torch.full((bs,), ctx_len, device=DEV),

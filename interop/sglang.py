@@ -42,6 +42,7 @@ which equal SGLang's torch references whenever those are well defined.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -99,8 +100,9 @@ def _run(op: str, statics: Any, body_factory: Any, args: list, path: str | None)
     if native.resolve_path(path, args[0].tensor.device, backend) == "native":
         if op == "plan":
             native.run_plan(statics, args)
-        else:
-            native.run_native(op, statics, body_factory, args)
+        else:  # a default (not asked for) native path falls back to DLPack where it cannot build
+            asked = path is not None or bool(os.environ.get(native.PATH_ENV))
+            native.run_native(op, statics, body_factory, args, fallback=None if asked else runner.run_in_place)
     else:
         runner.run_in_place(op, statics, body_factory, args)
 

@@ -20,7 +20,8 @@ import random
 import pytest
 import torch
 
-from helpers.torch_reference import ref_plan, ref_verify, ref_write
+from helpers.engine_worlds import assert_parity, run_phase
+from helpers.torch_reference import ref_plan
 from interop import sglang
 
 TAG = sglang.CanaryLaunchTag
@@ -194,28 +195,10 @@ class TinyEngine:
         return plan_kw, write_kw, loc
 
     def _phase(self, tag, write_kw):
-        for who in ("ours", "ref"):
-            w, ctx = self.worlds[who], self.contexts[who][tag]
-            if who == "ours":
-                sglang.launch_canary_verify_kernel(
-                    context=ctx, plan=w["vp"], check_verify_expected_token=True, backend=self.backend, path=self.path
-                )
-                sglang.launch_canary_write_kernel(
-                    context=ctx, plan=w["wp"], backend=self.backend, path=self.path, **write_kw
-                )
-            else:
-                ref_verify(context=ctx, plan=w["vp"], check_verify_expected_token=True)
-                ref_write(context=ctx, plan=w["wp"], **write_kw)
+        run_phase(self.worlds, self.contexts, tag, write_kw, backend=self.backend, path=self.path)
 
     def assert_parity(self):
-        a, b = self.worlds["ours"], self.worlds["ref"]
-        for name in ("k_head", "k_tail"):
-            assert torch.equal(a[name], b[name]), (self.steps, name)
-        for f in ("violation_ring", "violation_write_index", "slot_run_counters", "kernel_run_counters"):
-            assert torch.equal(getattr(a["state"], f), getattr(b["state"], f)), (self.steps, f)
-        for p in ("vp", "wp"):
-            for f in a[p].__dataclass_fields__:
-                assert torch.equal(getattr(a[p], f), getattr(b[p], f)), (self.steps, p, f)
+        assert_parity(self.worlds, self.steps)
 
     def used_slots(self):
         """(request, position, slot) of every written position, shared slots listed once per request."""

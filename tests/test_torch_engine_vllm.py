@@ -26,7 +26,8 @@ import torch
 from canary_jax import ints
 from canary_jax.adapters.batches import from_block_tables
 from canary_jax.plan_builder import build_plans
-from helpers.torch_reference import ref_plan, ref_verify, ref_write
+from helpers.engine_worlds import assert_parity, run_phase
+from helpers.torch_reference import ref_plan
 from interop import sglang, vllm
 
 TAG = sglang.CanaryLaunchTag
@@ -270,25 +271,10 @@ class VllmEngine:
         return st.violation_ring[min(before, cap) : min(after, cap)].tolist()
 
     def _phase(self, tag, write_kw):
-        for who, w in self.worlds.items():
-            ctx = self.contexts[who][tag]
-            if who == "ours":
-                kw = dict(backend="pallas", path=self.path)
-                sglang.launch_canary_verify_kernel(context=ctx, plan=w["vp"], check_verify_expected_token=True, **kw)
-                sglang.launch_canary_write_kernel(context=ctx, plan=w["wp"], **write_kw, **kw)
-            else:
-                ref_verify(context=ctx, plan=w["vp"], check_verify_expected_token=True)
-                ref_write(context=ctx, plan=w["wp"], **write_kw)
+        run_phase(self.worlds, self.contexts, tag, write_kw, backend="pallas", path=self.path)
 
     def assert_parity(self):
-        a, b = self.worlds["ours"], self.worlds["ref"]
-        for name in ("k_head", "k_tail"):
-            assert torch.equal(a[name], b[name]), (self.steps, name)
-        for f in ("violation_ring", "violation_write_index", "slot_run_counters", "kernel_run_counters"):
-            assert torch.equal(getattr(a["state"], f), getattr(b["state"], f)), (self.steps, f)
-        for p in ("vp", "wp"):
-            for f in a[p].__dataclass_fields__:
-                assert torch.equal(getattr(a[p], f), getattr(b[p], f)), (self.steps, p, f)
+        assert_parity(self.worlds, self.steps)
 
     def assert_jax_adapter_agrees(self, x, plan_kw, write_kw):
         """The JAX adapter (``from_block_tables``, a BlockTable read in the gather) gives the batch fields and

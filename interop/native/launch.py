@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -109,6 +110,7 @@ def compiled_pallas(eqn, device: torch.device) -> tuple[Callable, tuple[int, ...
         raise program.NotNative(f"a compiled pallas_call ({eqn.params.get('name')}) needs CUDA tensors, not {device}")
     spec = triton_kernels.kernel_spec(eqn)
     kern = triton_kernels.TritonKernel(spec, device)
+    kern.compile()  # at build time: a kernel that does not compile fails the build, before anything has run
     aliases = tuple((int(i), int(o)) for i, o in eqn.params["input_output_aliases"])
     alias_in = {o: i for i, o in aliases}
     outs_meta = [(tuple(v.aval.shape), prims.storage_dtype(v.aval.dtype)) for v in eqn.outvars]
@@ -187,8 +189,8 @@ def program_for(op: Hashable, statics: Hashable, body_factory: Callable, args: S
     return _launch_for(op, statics, body_factory, args, args[0].tensor.device).program
 
 
-def _launch_for(op, statics, body_factory, args, device) -> _Launch:
-    key = (
+def _key(op, statics, body_factory, args, device) -> tuple:
+    return (
         op,
         statics,
         body_factory,
@@ -196,6 +198,10 @@ def _launch_for(op, statics, body_factory, args, device) -> _Launch:
         bool(jax.config.read("jax_enable_x64")),
         tuple((a.name, a.mutable, tuple(a.tensor.shape), a.tensor.dtype) for a in args),
     )
+
+
+def _launch_for(op, statics, body_factory, args, device) -> _Launch:
+    key = _key(op, statics, body_factory, args, device)
     hit = _PROGRAMS.get(key)
     if hit is None:
         with _LOCK:
@@ -205,18 +211,51 @@ def _launch_for(op, statics, body_factory, args, device) -> _Launch:
     return hit
 
 
-def run_native(op: Hashable, statics: Hashable, body_factory: Callable, args: Sequence[TensorArg]) -> None:
+_FELL_BACK: dict[Hashable, str] = {}  # launch key -> why its native build failed (the path was not asked for)
+
+
+def run_native(
+    op: Hashable,
+    statics: Hashable,
+    body_factory: Callable,
+    args: Sequence[TensorArg],
+    *,
+    fallback: Callable | None = None,
+) -> None:
     """Runs ``body_factory(statics)`` on ``args`` with torch ops and Triton kernels, writing the mutable
     arguments back in place (the contract of :func:`interop.runner.run_in_place`).
+
+    ``fallback`` (the launchers pass :func:`interop.runner.run_in_place` when the native path is only the
+    default, not asked for): if the first launch of a shape cannot be *built* (tracing, a primitive without a
+    rule, a kernel whose Triton IR does not lower or compile), nothing has run yet; the launch then takes
+    ``fallback(op, statics, body_factory, args)`` instead, with one ``RuntimeWarning`` naming the error, and
+    so do later launches of that shape. The same checks run either way; only the path differs.
 
     Raises:
       ValueError / TypeError: device mix or overlapping mutable tensors (:func:`interop.buffers.
         check_device_and_aliasing`), or a dtype JAX would narrow; raised before anything runs.
-      interop.native.program.NotNative / interop.native.prims.UnsupportedPrimitive: a body the native path
-        cannot run (first launch only; nothing has run).
+      interop.native.program.NotNative / interop.native.prims.UnsupportedPrimitive (or the lowering's / triton's
+        error): a body the native path cannot build, without ``fallback`` (first launch only; nothing has run).
     """
     device = buffers.check_device_and_aliasing(args)
-    launch = _launch_for(op, statics, body_factory, args, device)
+    if fallback is not None and _FELL_BACK:
+        key = _key(op, statics, body_factory, args, device)
+        if key in _FELL_BACK:
+            return fallback(op, statics, body_factory, args)
+    try:
+        launch = _launch_for(op, statics, body_factory, args, device)
+    except Exception as e:  # noqa: BLE001 - any build failure; nothing has run
+        if fallback is None:
+            raise
+        why = f"{type(e).__name__}: {e}"
+        _FELL_BACK[_key(op, statics, body_factory, args, device)] = why
+        warnings.warn(
+            f"kv-canary: the native torch path could not build this {op} launch ({why}); launches of this shape "
+            "take the DLPack path instead (path='native' raises the error)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return fallback(op, statics, body_factory, args)
     views = [body_form(a.tensor) for a in args]
     outs = launch.program(views)
     k = 0
