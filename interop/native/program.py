@@ -344,21 +344,39 @@ class Program:
     avals: tuple = ()  # of every value id
     clone_outs: tuple = ()  # per output: copy before the write-back (see _plan_memory)
 
+    _run: Callable | None = None  # the straight-line function, generated on the first call
+
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        env: list[Any] = [None] * self.num_values
-        for i, c in self.consts.items():
-            env[i] = c
-        for i, t in zip(self.in_ids, inputs):
-            env[i] = t
-        for s in self.steps:
-            outs = s.run([env[i] for i in s.ins], s.donate)
-            for i, o in zip(s.outs, outs):
-                env[i] = o
-            for i in s.drop:
-                if i not in self.consts:
-                    env[i] = None
-        outs = [env[i] for i in self.out_ids]
+        if self._run is None:
+            self._run = self._straight_line()
+        outs = self._run(inputs)
         return [o.clone() if c else o for o, c in zip(outs, self.clone_outs)] if any(self.clone_outs) else outs
+
+    def _straight_line(self) -> Callable:
+        """The steps as one generated Python function (locals instead of an environment list, dead values
+        deleted as they die): about 0.7 us per step less than a loop. The steps' ``run`` functions and donation
+        flags are bound now, so a step changed after the first call is not seen."""
+        ns: dict[str, Any] = {}
+
+        def name(i: int) -> str:
+            if i in self.consts:
+                ns.setdefault(f"c{i}", self.consts[i])
+                return f"c{i}"
+            return f"v{i}"
+
+        lines = ["def run(inputs):"]
+        if self.in_ids:
+            lines.append(f"    ({', '.join(name(i) for i in self.in_ids)},) = inputs")
+        for k, s in enumerate(self.steps):
+            ns[f"r{k}"], ns[f"d{k}"] = s.run, s.donate
+            args = ", ".join(name(i) for i in s.ins)
+            lines.append(f"    ({', '.join(f'v{i}' for i in s.outs)},) = r{k}([{args}], d{k})")
+            dead = [f"v{i}" for i in s.drop if i not in self.consts]
+            if dead:
+                lines.append(f"    del {', '.join(dead)}")
+        lines.append(f"    return [{', '.join(name(i) for i in self.out_ids)}]")
+        exec(compile("\n".join(lines), f"<canary native program {id(self):x}>", "exec"), ns)  # noqa: S102
+        return ns["run"]
 
     def kernels(self) -> list[Any]:
         """The pallas_call kernel objects, in launch order."""
