@@ -14,8 +14,14 @@ A torch serving engine keeps using its tensors and its calls::
 Names, keyword arguments, field names, shapes and dtypes are SGLang's (``python/sglang/kernels/ops/kv_canary/``
 ``verify.py``, ``write.py``, ``plan/api.py``; SPEC sections 4 to 7). Any object with those attribute names is
 accepted (SGLang's own dataclasses included). After a call the torch tensors hold what SGLang's launchers
-would have written (canary buffer, ring, write index, counters, plan outputs); on CUDA without copying
-them (donation, see :mod:`interop.runner`), ordered against torch's current stream.
+would have written (canary buffer, ring, write index, counters, plan outputs), in place and ordered against
+torch's current stream.
+
+Path: the keyword ``path=`` (``"native"`` or ``"dlpack"``), else ``$CANARY_JAX_TORCH_PATH``, else ``"native"`` for
+the Pallas backend on CUDA tensors with triton importable and ``"dlpack"`` otherwise
+(:func:`interop.native.launch.resolve_path`). ``native``: torch ops and Triton kernels on torch's current stream,
+no JAX per launch, capturable in a torch CUDA graph (:mod:`interop.native`). ``dlpack``: one jitted JAX program
+on zero-copy imports, outputs donated (:mod:`interop.runner`). Same bytes either way.
 
 Errors are SGLang's (SPEC 10), raised before anything runs, so a refused call leaves every tensor untouched:
 ``len(real_kv_sources) > 4``, ``kv-canary: {name} must be contiguous``, the RealKvSource ABI checks, the

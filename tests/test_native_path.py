@@ -279,3 +279,25 @@ def test_a_default_native_path_that_cannot_build_falls_back_to_dlpack_once_with_
         native.run_native("write", statics, kernels.write_body_factory, launch_args(ours), fallback=runner.run_in_place)
     assert native.trace_count() == traces
     assert int(ours.state.kernel_run_counters[2]) == 2
+
+
+def test_inference_tensor_outputs_outside_inference_mode_are_refused_before_anything_runs(native_env):
+    rng = random.Random(18)
+    with torch.inference_mode():
+        w = World.make(rng)
+        vp = random_verify_plan(rng, w)
+        vplan, kw = random_write_args(rng, w)
+    snap = {k: t.clone() for k, t in w.tensors().items()}
+    with pytest.raises(ValueError, match=r"canary_buf is an inference tensor .* outside inference mode"):
+        sglang.launch_canary_write_kernel(context=w.context(2), plan=vplan, backend="pallas", **kw)
+    with pytest.raises(ValueError, match=r"violation_ring is an inference tensor"):
+        sglang.launch_canary_verify_kernel(
+            context=w.context(2), plan=vp, check_verify_expected_token=False, backend="pallas"
+        )
+    for k, t in w.tensors().items():
+        assert torch.equal(t, snap[k]), k
+    with torch.inference_mode():  # inside inference mode the same launch runs
+        sglang.launch_canary_verify_kernel(
+            context=w.context(2), plan=vp, check_verify_expected_token=False, backend="pallas"
+        )
+    assert int(w.state.kernel_run_counters[2]) == 1

@@ -8,9 +8,10 @@ as Triton kernels compiled with the ``triton`` package that torch ships (:mod:`i
 all on ``torch.cuda.current_stream()``. No DLPack, no host sync: a torch CUDA graph captures a launch.
 
 Which path a launcher takes (:func:`resolve_path`): the ``path`` keyword, else ``$CANARY_JAX_TORCH_PATH``, else
-``"native"`` for CUDA tensors when triton is importable and ``"dlpack"`` otherwise. ``path="native"`` on CPU
-tensors runs the same program with the Pallas kernels interpreted by JAX (the CPU test vehicle); with
-``backend="reference"`` the whole launch is torch ops.
+``"native"`` for the Pallas backend on CUDA tensors when triton is importable and ``"dlpack"`` otherwise.
+``path="native"`` with ``backend="pallas"`` on CPU tensors runs the same program with the Pallas kernels
+interpreted by JAX (the CPU test vehicle). With ``backend="reference"`` a verify is all torch ops, while a write
+(serial ``while`` loops) is refused with ``NotNative``.
 """
 
 from __future__ import annotations
@@ -164,6 +165,25 @@ def trace_count() -> int:
     return _TRACES[0]
 
 
+def check_writable(args: Sequence[TensorArg]) -> None:
+    """Refuses, before anything runs, a mutable argument torch would not let the launch update in place: an
+    inference tensor (allocated under ``torch.inference_mode()``) launched outside inference mode. Without this
+    the launch would fail half-way, some outputs written and others not.
+
+    Raises:
+      ValueError: naming the argument.
+    """
+    if torch.is_inference_mode_enabled():
+        return
+    for a in args:
+        if a.mutable and a.tensor.is_inference():
+            raise ValueError(
+                f"kv-canary: {a.name} is an inference tensor (allocated under torch.inference_mode()) and this "
+                "launch runs outside inference mode, where torch refuses in-place updates of it; launch inside "
+                "torch.inference_mode() or allocate the canary state outside it"
+            )
+
+
 def _build(op, statics, body_factory, args: Sequence[TensorArg], device) -> _Launch:
     body = body_factory(statics)
     names = tuple(a.name for a in args)
@@ -233,11 +253,13 @@ def run_native(
 
     Raises:
       ValueError / TypeError: device mix or overlapping mutable tensors (:func:`interop.buffers.
-        check_device_and_aliasing`), or a dtype JAX would narrow; raised before anything runs.
+        check_device_and_aliasing`), an inference tensor as an output outside inference mode
+        (:func:`check_writable`), or a dtype JAX would narrow; raised before anything runs.
       interop.native.program.NotNative / interop.native.prims.UnsupportedPrimitive (or the lowering's / triton's
         error): a body the native path cannot build, without ``fallback`` (first launch only; nothing has run).
     """
     device = buffers.check_device_and_aliasing(args)
+    check_writable(args)
     if fallback is not None and _FELL_BACK:
         key = _key(op, statics, body_factory, args, device)
         if key in _FELL_BACK:
@@ -274,7 +296,9 @@ def run_plan(statics: Hashable, args: Sequence[TensorArg]) -> None:
     ops, byte-identical to the jnp plan builder) after the same device and aliasing checks as every launch.
 
     Raises:
-      ValueError: device mix or outputs overlapping other arguments; raised before anything is written.
+      ValueError: device mix, outputs overlapping other arguments, or an inference tensor as an output outside
+        inference mode; raised before anything is written.
     """
     buffers.check_device_and_aliasing(args)
+    check_writable(args)
     plan.launch_plan(statics, {a.name: a.tensor for a in args})

@@ -130,7 +130,7 @@ class _Builder:
         if name in REFUSED:
             raise NotNative(
                 f"the native torch path cannot run a {name!r} in a launch body (it would read a value back to the "
-                "host every launch); use the DLPack path (path='dlpack')"
+                "host every launch); use the DLPack path (path='dlpack'), or backend='pallas' whose kernels it runs"
             )
         outs = [self.new(v.aval) for v in eqn.outvars]
         if name == "pallas_call":
