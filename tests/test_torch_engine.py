@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 
-from helpers.engine_worlds import assert_parity, run_phase
+from helpers.engine_worlds import assert_parity, make_worlds, run_phase
 from helpers.torch_reference import ref_plan
 from interop import sglang
 
@@ -62,33 +62,20 @@ class TinyEngine:
         self.pool = torch.zeros(max_reqs, max_len, dtype=torch.int32, device=device)
         self.free_rows = list(range(1, max_reqs))
         self.reqs: list[dict] = []
-        # two identical canary worlds: ours (launchers) and ref (re-implemented SGLang references)
-        self.worlds = {}
-        for who in ("ours", "ref"):
-            self.worlds[who] = dict(
-                state=sglang.CanaryDeviceState.allocate(ring_capacity=ring, device=device),
-                k_head=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
-                k_tail=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
-                vp=sglang.VerifyPlan.allocate(verify_capacity=verify_cap, device=device).zero_for_testing_(),
-                wp=sglang.WritePlan.allocate(write_req_capacity=bs_cap, device=device).zero_for_testing_(),
-            )
         nbpt = heads * head_dim * 2
         # layer-0 K as SGLang's pool patch exposes it: [rows, bytes_per_row], page_size 1, ALL mode
         self.k0_source = sglang.RealKvSource(
             tensor=self.k[0].view(num_slots, heads * head_dim), page_size=1, num_bytes_per_token=nbpt, read_bytes=nbpt
         )
-        self.contexts = {}
-        for who, w in self.worlds.items():
-            st = w["state"]
-            self.contexts[who] = {
-                TAG.HEAD_K_FULL: st.context(canary_buf=w["k_head"], kernel_kind=TAG.HEAD_K_FULL),
-                TAG.TAIL_K_FULL: st.context(
-                    canary_buf=w["k_tail"],
-                    kernel_kind=TAG.TAIL_K_FULL,
-                    real_kv_sources=(self.k0_source,),
-                    real_kv_hash_mode=sglang.RealKvHashMode.ALL,
-                ),
-            }
+        # two identical canary worlds: ours (launchers) and ref (re-implemented SGLang references)
+        self.worlds, self.contexts = make_worlds(
+            num_slots=num_slots,
+            ring=ring,
+            verify_cap=verify_cap,
+            bs_cap=bs_cap,
+            k0_source=self.k0_source,
+            device=device,
+        )
         self.steps = 0
 
     # --- scheduling -------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch
 from canary_jax import ints
 from canary_jax.adapters.batches import from_block_tables
 from canary_jax.plan_builder import build_plans
-from helpers.engine_worlds import assert_parity, run_phase
+from helpers.engine_worlds import assert_parity, make_worlds, run_phase
 from helpers.torch_reference import ref_plan
 from interop import sglang, vllm
 
@@ -84,26 +84,9 @@ class VllmEngine:
         self.last_rows: dict[int, int] = {}
         num_slots = num_blocks * block_size
         self.k0 = vllm.k_source(self.kv[0], layout=layout, block_size=block_size)
-        self.worlds, self.contexts = {}, {}
-        for who in ("ours", "ref"):
-            st = sglang.CanaryDeviceState.allocate(ring_capacity=ring, device=device)
-            w = dict(
-                state=st,
-                k_head=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
-                k_tail=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
-                vp=sglang.VerifyPlan.allocate(verify_capacity=verify_cap, device=device).zero_for_testing_(),
-                wp=sglang.WritePlan.allocate(write_req_capacity=bs_cap, device=device).zero_for_testing_(),
-            )
-            self.worlds[who] = w
-            self.contexts[who] = {
-                TAG.HEAD_K_FULL: st.context(canary_buf=w["k_head"], kernel_kind=TAG.HEAD_K_FULL),
-                TAG.TAIL_K_FULL: st.context(
-                    canary_buf=w["k_tail"],
-                    kernel_kind=TAG.TAIL_K_FULL,
-                    real_kv_sources=(self.k0,),
-                    real_kv_hash_mode=sglang.RealKvHashMode.ALL,
-                ),
-            }
+        self.worlds, self.contexts = make_worlds(
+            num_slots=num_slots, ring=ring, verify_cap=verify_cap, bs_cap=bs_cap, k0_source=self.k0, device=device
+        )
         self.steps = 0
 
     # --- KV cache -----------------------------------------------------------------------------------------

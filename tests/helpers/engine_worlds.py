@@ -14,6 +14,32 @@ from helpers.torch_reference import ref_verify, ref_write
 from interop import sglang
 
 
+def make_worlds(*, num_slots: int, ring: int, verify_cap: int, bs_cap: int, k0_source, device) -> tuple[dict, dict]:
+    """``(worlds, contexts)``: two identical zeroed canary worlds, ``"ours"`` (the launchers) and ``"ref"`` (the
+    references), each with a HEAD context (no real KV) and a TAIL context hashing ``k0_source`` in ALL mode."""
+    worlds, contexts = {}, {}
+    for who in ("ours", "ref"):
+        st = sglang.CanaryDeviceState.allocate(ring_capacity=ring, device=device)
+        w = worlds[who] = dict(
+            state=st,
+            k_head=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
+            k_tail=torch.zeros(num_slots, 32, dtype=torch.uint8, device=device),
+            vp=sglang.VerifyPlan.allocate(verify_capacity=verify_cap, device=device).zero_for_testing_(),
+            wp=sglang.WritePlan.allocate(write_req_capacity=bs_cap, device=device).zero_for_testing_(),
+        )
+        tag = sglang.CanaryLaunchTag
+        contexts[who] = {
+            tag.HEAD_K_FULL: st.context(canary_buf=w["k_head"], kernel_kind=tag.HEAD_K_FULL),
+            tag.TAIL_K_FULL: st.context(
+                canary_buf=w["k_tail"],
+                kernel_kind=tag.TAIL_K_FULL,
+                real_kv_sources=(k0_source,),
+                real_kv_hash_mode=sglang.RealKvHashMode.ALL,
+            ),
+        }
+    return worlds, contexts
+
+
 def run_phase(worlds: dict, contexts: dict, tag, write_kw: dict, **launch_kw) -> None:
     """HEAD or TAIL of one forward: verify then write, through the launchers on ``worlds["ours"]`` (with
     ``launch_kw``: ``backend``, ``path``) and through the references on ``worlds["ref"]``."""
