@@ -5,6 +5,7 @@ launch, capturable in a torch CUDA graph (``interop/README.md``, "The native pat
   launch shape, the write-back;
 * :mod:`interop.native.program`: a jaxpr as straight-line torch steps with a memory plan;
 * :mod:`interop.native.prims` (and ``prims_*``): a torch rule per primitive, XLA's bytes;
-* :mod:`interop.native.triton_ttir` / :mod:`interop.native.triton_kernels`: a ``pallas_call`` as a Triton kernel;
+* :mod:`interop.native.triton_ttir` (with :mod:`interop.native.ttir_text`) / :mod:`interop.native.triton_kernels`: a
+  ``pallas_call`` as a Triton kernel;
 * :mod:`interop.native.plan`: the plan launch as hand-written torch int64 ops.
 """

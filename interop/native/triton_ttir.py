@@ -33,13 +33,14 @@ import io
 import json
 import os
 import pathlib
-import re
 import sys
 import tempfile
 import threading
 from typing import Any
 
 import numpy as np
+
+from interop.native.ttir_text import MODULE_START, pointer_alignments, strip_locations, ttir_params
 
 __all__ = [
     "CACHE_ENV",
@@ -106,103 +107,6 @@ class KernelSpec:
             )
         if self.key != spec_key(self.ttir, self.num_warps, self.num_stages):
             raise ValueError(f"kv-canary: KernelSpec {self.name}: key {self.key[:16]}... is not the spec's own")
-
-
-# --- TTIR text ---------------------------------------------------------------------------------------------
-# jax prints the module with ``get_asm(enable_debug_info=True, pretty_debug_info=True)``: every op, block
-# argument and function argument ends in a location, ``[unknown]`` or a name location ``"name"(#locN)``, and
-# ``#locN = ...`` alias lines surround the module.
-_LOCATION = re.compile(r' (?:\[unknown\]|"(?:[^"\\\n]|\\.)*"\(#loc\d*\))')
-_LEFTOVER = re.compile(r"#loc|\[unknown\]|\bloc\(")
-_MODULE_START = re.compile(r"^module @", re.M)
-
-
-def strip_locations(module_text: str) -> str:
-    """The ``module @... {`` ... ``}`` block of jax's debug print, without locations (what ``triton.compile``
-    parses).
-
-    Args:
-      module_text: text starting at the ``module @`` line (what follows the closing ``}`` is ignored).
-
-    Raises:
-      ValueError: no closing ``}`` line, or a location form this function does not know (the line is quoted).
-    """
-    lines = []
-    for line in module_text.splitlines():
-        line = _LOCATION.sub("", line).rstrip()
-        lines.append(line)
-        if line == "}":
-            break
-    else:
-        raise ValueError("kv-canary: the printed Triton module has no closing '}' line")
-    text = "\n".join(lines) + "\n"
-    bad = _LEFTOVER.search(text)
-    if bad:
-        start = text.rfind("\n", 0, bad.start()) + 1
-        raise ValueError(f"kv-canary: unknown location form in the Triton module: {text[start : start + 200]!r}")
-    return text
-
-
-def _split_top(text: str) -> list[str]:
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch in "({<[":
-            depth += 1
-        elif ch in ")}>]":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    if text[start:].strip():
-        parts.append(text[start:])
-    return [p.strip() for p in parts]
-
-
-_FUNC = re.compile(r"^\s*tt\.func\s+(?:public\s+|private\s+)?@([\w$.-]+)\s*\(", re.M)
-_DIVISIBILITY = re.compile(r"tt\.divisibility\s*=\s*(\d+)")
-
-
-def ttir_params(ttir: str) -> tuple[str, list[tuple[str, int | None]]]:
-    """The TTIR's one function: ``(name, [(type, divisibility or None) per parameter])``.
-
-    ``type`` is the parameter's MLIR type text (``!tt.ptr<i32>``); ``divisibility`` its ``tt.divisibility``
-    attribute (bytes a pointer is aligned to; jax's lowering sets 32 on every pointer).
-
-    Raises:
-      ValueError: not exactly one ``tt.func``.
-    """
-    funcs = list(_FUNC.finditer(ttir))
-    if len(funcs) != 1:
-        raise ValueError(f"kv-canary: the TTIR must hold exactly one tt.func, found {len(funcs)}")
-    m = funcs[0]
-    depth, i = 1, m.end()
-    while depth:
-        depth += {"(": 1, ")": -1}.get(ttir[i], 0)
-        i += 1
-    params = []
-    for p in _split_top(ttir[m.end() : i - 1]):
-        _, _, rest = p.partition(":")
-        rest = rest.strip()
-        ty = rest.split("{", 1)[0].strip()
-        d = _DIVISIBILITY.search(rest)
-        params.append((ty, int(d.group(1)) if d else None))
-    return m.group(1), params
-
-
-def pointer_alignments(ttir: str, label: str) -> list[int]:
-    """Per parameter of the TTIR's function, the byte alignment its pointer must have (``tt.divisibility``, else
-    1); ``label`` names the kernel in errors.
-
-    Raises:
-      NotImplementedError: a parameter that is not a pointer.
-    """
-    _, params = ttir_params(ttir)
-    out = []
-    for k, (ty, div) in enumerate(params):
-        if not ty.startswith("!tt.ptr<"):
-            raise NotImplementedError(f"kv-canary: Triton kernel {label}: parameter {k} is {ty}, not a pointer")
-        out.append(div or 1)
-    return out
 
 
 # --- lowering ----------------------------------------------------------------------------------------------
@@ -327,7 +231,7 @@ _LOWER_COUNT = [0]
 def _lower_spec(eqn: Any, label: str, params: dict, avals_in: tuple, avals_out: tuple) -> KernelSpec:
     _LOWER_COUNT[0] += 1
     printed = _lower_and_print(eqn, params, avals_in)
-    starts = [m.start() for m in _MODULE_START.finditer(printed)]
+    starts = [m.start() for m in MODULE_START.finditer(printed)]
     if len(starts) != 1:
         raise ValueError(
             f"kv-canary: lowering pallas_call {label} for cuda printed {len(starts)} Triton modules, expected exactly 1"
