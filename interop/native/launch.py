@@ -152,7 +152,6 @@ class _Launch:
     program: program.Program
     names: tuple[str, ...]
     out_names: tuple[str, ...]
-    launches: int = 0
 
 
 _PROGRAMS: dict[Hashable, _Launch] = {}
@@ -202,11 +201,6 @@ def _build(op, statics, body_factory, args: Sequence[TensorArg], device) -> _Lau
         backend = statics[0] if op in ("verify", "write") else "jnp plan builder"
         raise type(e)(f"kv-canary: the {op} launch ({backend}) cannot take the native torch path: {e}") from e
     return _Launch(prog, names, out_names)
-
-
-def program_for(op: Hashable, statics: Hashable, body_factory: Callable, args: Sequence[TensorArg]) -> program.Program:
-    """The compiled program of a launch (built on first use; for tests and reports)."""
-    return _launch_for(op, statics, body_factory, args, args[0].tensor.device).program
 
 
 def _key(op, statics, body_factory, args, device) -> tuple:
@@ -288,7 +282,6 @@ def run_native(
         k += 1
         if out.data_ptr() != v.data_ptr() or out.stride() != v.stride():
             v.copy_(out)
-    launch.launches += 1
 
 
 def run_plan(statics: Hashable, args: Sequence[TensorArg]) -> None:

@@ -378,13 +378,6 @@ class Program:
         exec(compile("\n".join(lines), f"<canary native program {id(self):x}>", "exec"), ns)  # noqa: S102
         return ns["run"]
 
-    def kernels(self) -> list[Any]:
-        """The pallas_call kernel objects, in launch order."""
-        return [s.kernel for s in self.steps if s.name == "pallas_call"]
-
-    def step_names(self) -> list[str]:
-        return [s.name for s in self.steps]
-
 
 def build(closed: jcore.ClosedJaxpr, *, device: torch.device, mutable: Sequence[bool], pallas: Callable) -> Program:
     """Compiles a closed jaxpr to a :class:`Program` on ``device``.
