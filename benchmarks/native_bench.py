@@ -8,7 +8,8 @@ tiny (1 x 1 token) and full (32 x 8 tokens), ``plan`` (32 request rows, ``--cap`
 Per case and path:
 
 * ``host_us``: wall time of 200 back-to-back launches divided by 200, read *before* the device sync (what the
-  launch costs the host thread; the GPU runs behind it), after 10 warm-up launches;
+  launch costs the host thread; the GPU runs behind it), after 10 warm-up launches; ``native`` with the
+  launchers' own graph replay (:mod:`interop.native.replay`, the default), ``native_eager`` with it off;
 * ``wall_us``: the same 200 launches including the final sync (throughput);
 * ``device_us`` (native): a torch CUDA graph of 20 launches replayed, timed with CUDA events, divided by 20;
 * ``device_us`` (JAX): the launch's own jitted program (the DLPack path's, ``interop.runner.last_launch_program``)
@@ -40,6 +41,7 @@ from benchmarks import interop_setup
 from benchmarks.interop_setup import DEV, Setup, sync
 from interop import runner, sglang
 from interop.native import launch as native
+from interop.native import replay
 
 
 def host_and_wall(fn, n=200, warm=10):
@@ -154,7 +156,12 @@ def bench_cases(s: Setup, cap: int, results: list, log):
         try:
             if stamp is not None:
                 stamp()
-            for path in ("native", "dlpack"):
+            for variant in ("native", "native_eager", "dlpack"):
+                path = variant.removesuffix("_eager")
+                # native: the launchers replay their own CUDA graph once a launch repeats; native_eager: replay
+                # off ($CANARY_JAX_NATIVE_GRAPHS=0), every launch runs its checks, staging and program
+                os.environ[replay.GRAPHS_ENV] = "0" if variant == "native_eager" else str(replay.DEFAULT_MAX_GRAPHS)
+                replay.GRAPHS.clear()
                 if op == "verify":
 
                     def fn(path=path, vp=obj):
@@ -172,8 +179,8 @@ def bench_cases(s: Setup, cap: int, results: list, log):
                         sglang.launch_canary_plan_kernels(path=path, **kw)
 
                 host, wall = host_and_wall(fn)
-                row[f"{path}_host_us"], row[f"{path}_wall_us"] = host, wall
-                if DEV != "cuda":  # CPU dry run: host times only
+                row[f"{variant}_host_us"], row[f"{variant}_wall_us"] = host, wall
+                if DEV != "cuda" or variant == "native_eager":  # CPU dry run: host times only
                     continue
                 if path == "native":
                     row["native_device_us"], _ = graph_device_us(fn)
@@ -181,6 +188,7 @@ def bench_cases(s: Setup, cap: int, results: list, log):
                     row["jax_device_us"] = jax_device_us(fn)
                     _, row["jax_launched_us"] = None, interop_setup.timeit(interop_setup.program_twin(fn)[0])[0]
             os.environ.pop(native.PATH_ENV, None)
+            os.environ.pop(replay.GRAPHS_ENV, None)
         except Exception as e:  # a failing case is reported, the others still run
             row["error"] = f"{type(e).__name__}: {e}"
             log(traceback.format_exc())
@@ -272,7 +280,8 @@ def main():
     bench_step(s, a.decode_bs, a.decode_ctx, results, log)
     with open(os.path.join(a.out, "native_bench.json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)
-    keys = ("native_host_us", "dlpack_host_us", "jax_launched_us", "native_device_us", "jax_device_us")
+    keys = ("native_host_us", "native_eager_host_us", "dlpack_host_us", "jax_launched_us")
+    keys += ("native_device_us", "jax_device_us")
     log("op       case  " + "  ".join(f"{k:>16}" for k in keys))
     for r in results:
         if r["op"] == "captured_step":

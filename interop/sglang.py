@@ -51,12 +51,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
 import torch
 
 from canary_jax import backends, validation
 from interop import arguments, kernels, padding, runner
 from interop.arguments import TORCH_DTYPES, check, tensor
 from interop.native import launch as native
+from interop.native import replay
 from interop.runner import TensorArg
 from interop.sglang_types import (
     CANARY_SLOT_BYTES,
@@ -100,17 +102,54 @@ def _check_canary_buf(buf: torch.Tensor) -> None:
     validation.check_canary_buffer(arguments.facts(buf), u8=TORCH_DTYPES.u8)
 
 
-def _run(op: str, statics: Any, body_factory: Any, args: list, path: str | None) -> None:
-    """Runs a checked launch on the torch path ``path`` picks (:func:`interop.native.launch.resolve_path`)."""
+def _run(op: str, statics: Any, body_factory: Any, args: list, path: str | None) -> bool:
+    """Runs a checked launch on the torch path ``path`` picks (:func:`interop.native.launch.resolve_path`);
+    whether it ran on the native path (a CUDA graph can then capture it)."""
     backend = statics[0] if op in ("verify", "write") else "pallas"  # the plan is one jnp program
     if native.resolve_path(path, args[0].tensor.device, backend) == "native":
         if op == "plan":
             native.run_plan(statics, args)
-        else:  # a default (not asked for) native path falls back to DLPack where it cannot build
-            asked = path is not None or bool(os.environ.get(native.PATH_ENV))
-            native.run_native(op, statics, body_factory, args, fallback=None if asked else runner.run_in_place)
+            return True
+        # a default (not asked for) native path falls back to DLPack where it cannot build
+        asked = path is not None or bool(os.environ.get(native.PATH_ENV))
+        return native.run_native(op, statics, body_factory, args, fallback=None if asked else runner.run_in_place)
+    runner.run_in_place(op, statics, body_factory, args)
+    return False
+
+
+def _replay_key(op: str, path: str | None, backend: str | None, first: Any, parts: Any) -> tuple | None:
+    """The launch's replay key (:mod:`interop.native.replay`), or None where replay does not apply: not CUDA
+    tensors, not the native path, an argument the key cannot name, or a bad name (the checks will raise).
+    ``parts()`` gives the launch's arguments already keyed (:func:`interop.native.replay.sig`); it is called only
+    where replay applies."""
+    if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
+        return None
+    try:
+        b = backends.resolve_backend(backend, platform="cuda") if op != "plan" else "pallas"
+        if native.resolve_path(path, first.device, b) != "native":
+            return None
+        env = (os.environ.get(native.PATH_ENV), os.environ.get(backends.BACKEND_ENV))
+        x64 = bool(jax.config.jax_enable_x64)
+        return (op, path, backend, env, x64, torch.is_inference_mode_enabled(), parts())
+    except (ValueError, TypeError, replay.NotKeyable):
+        return None
+
+
+def _context_key(context: Any, fields: tuple[str, ...]) -> tuple:
+    sources = getattr(context, "real_kv_sources", ()) or ()
+    if isinstance(sources, (tuple, list)):
+        src = tuple(replay.fields_sig(x, _SOURCE_FIELDS) for x in sources)
     else:
-        runner.run_in_place(op, statics, body_factory, args)
+        src = replay.sig(sources)  # not a sequence: the checks will refuse it
+    return (replay.fields_sig(context, (*fields, "kernel_kind", "real_kv_hash_mode")), src)
+
+
+_SOURCE_FIELDS = ("tensor", "page_size", "num_bytes_per_token", "read_bytes")
+
+
+def _staged(before: dict, after: dict) -> list[torch.Tensor]:
+    """The staging tensors :mod:`interop.padding` put in place of the caller's (a graph keeps them alive)."""
+    return [t for n, t in after.items() if before.get(n) is not t]
 
 
 # --- verify ----------------------------------------------------------------------------------------------
@@ -131,6 +170,19 @@ def launch_canary_verify_kernel(
     Raises:
       ValueError / TypeError: SGLang's errors and the interop's (see the module docstring); nothing runs.
     """
+    key = _replay_key(
+        "verify",
+        path,
+        backend,
+        getattr(context, "canary_buf", None),
+        lambda: (
+            _context_key(context, arguments.CONTEXT_FIELDS),
+            replay.fields_sig(plan, validation.VERIFY_PLAN_FIELDS),
+            replay.sig(check_verify_expected_token),
+        ),
+    )
+    if replay.GRAPHS.replay(key):
+        return
     sources = tuple(getattr(context, "real_kv_sources", ()) or ())
     validation.check_source_count(len(sources))
     ctx = arguments.tensors(context, arguments.CONTEXT_FIELDS)
@@ -144,15 +196,19 @@ def launch_canary_verify_kernel(
     arguments.check_log(ctx, with_flag=False)
     src_args, meta = arguments.source_args(launch_sources, mode, num_slots=int(ctx["canary_buf"].shape[0]))
     arguments.check_devices({**named, **{a.name: a.tensor for a in src_args}}, "canary_buf")
-    padded = padding.verify_plan(pl)
-    args = [TensorArg("canary_buf", ctx["canary_buf"])]
-    args += [TensorArg(n, t) for n, t in padded.items()]
-    args += [TensorArg(n, ctx[n], True) for n in arguments.CONTEXT_FIELDS[1:]]
-    args += src_args
     platform = ctx["canary_buf"].device.type
     check = bool(check_verify_expected_token)
     statics = (backends.resolve_backend(backend, platform=platform), platform, tag, mode, meta, check)
-    _run("verify", statics, kernels.verify_body_factory, args, path)
+
+    def launch():  # bucket staging and the launch: what a launch graph captures
+        padded = padding.verify_plan(pl)
+        args = [TensorArg("canary_buf", ctx["canary_buf"])]
+        args += [TensorArg(n, t) for n, t in padded.items()]
+        args += [TensorArg(n, ctx[n], True) for n in arguments.CONTEXT_FIELDS[1:]]
+        args += src_args
+        return _run("verify", statics, kernels.verify_body_factory, args, path), _staged(pl, padded)
+
+    replay.GRAPHS.run(key, launch)
 
 
 # --- write -----------------------------------------------------------------------------------------------
@@ -178,6 +234,20 @@ def launch_canary_write_kernel(
     Raises:
       ValueError / TypeError: SGLang's errors and the interop's (see the module docstring); nothing runs.
     """
+    key = _replay_key(
+        "write",
+        path,
+        backend,
+        getattr(context, "canary_buf", None),
+        lambda: (
+            _context_key(context, (*arguments.CONTEXT_FIELDS, "enable_chain_position_assert")),
+            replay.fields_sig(plan, validation.WRITE_PLAN_FIELDS),
+            replay.sig((input_ids, positions, out_cache_loc, enable_write_input_assert)),
+            replay.sig((expected_input_tokens, expected_input_positions)),
+        ),
+    )
+    if replay.GRAPHS.replay(key):
+        return
     sources = tuple(getattr(context, "real_kv_sources", ()) or ())
     validation.check_source_count(len(sources))
     ctx = arguments.tensors(context, (*arguments.CONTEXT_FIELDS, "enable_chain_position_assert"))
@@ -207,16 +277,21 @@ def launch_canary_write_kernel(
     arguments.check_log(ctx, with_flag=True)
     src_args, meta = arguments.source_args(launch_sources, mode, num_slots=int(ctx["canary_buf"].shape[0]))
     arguments.check_devices({**ctx, **pl, **toks, **{a.name: a.tensor for a in src_args}}, "canary_buf")
-    pl_p, toks_p = padding.write_inputs(pl, toks)
-    args = [TensorArg("canary_buf", ctx["canary_buf"], True)]
-    args += [TensorArg(n, t) for n, t in pl_p.items()]
-    args += [TensorArg(n, t) for n, t in toks_p.items()]
-    args += [TensorArg(n, ctx[n], True) for n in arguments.CONTEXT_FIELDS[1:]]
-    args += [TensorArg("enable_chain_position_assert", ctx["enable_chain_position_assert"])]
-    args += src_args
     platform = ctx["canary_buf"].device.type
     statics = (backends.resolve_backend(backend, platform=platform), platform, tag, mode, meta, flag)
-    _run("write", statics, kernels.write_body_factory, args, path)
+
+    def launch():  # bucket staging and the launch: what a launch graph captures
+        pl_p, toks_p = padding.write_inputs(pl, toks)
+        args = [TensorArg("canary_buf", ctx["canary_buf"], True)]
+        args += [TensorArg(n, t) for n, t in pl_p.items()]
+        args += [TensorArg(n, t) for n, t in toks_p.items()]
+        args += [TensorArg(n, ctx[n], True) for n in arguments.CONTEXT_FIELDS[1:]]
+        args += [TensorArg("enable_chain_position_assert", ctx["enable_chain_position_assert"])]
+        args += src_args
+        ran = _run("write", statics, kernels.write_body_factory, args, path)
+        return ran, _staged(pl, pl_p) + _staged(toks, toks_p)
+
+    replay.GRAPHS.run(key, launch)
 
 
 # --- plan ------------------------------------------------------------------------------------------------
@@ -248,6 +323,21 @@ def launch_canary_plan_kernels(
         path's checks and messages, CPU tensors the reference's) and the interop's; nothing runs.
     """
     del backend
+    key = _replay_key(
+        "plan",
+        path,
+        None,
+        getattr(verify_plan_out, "verify_slot_indices", None),
+        lambda: (
+            replay.fields_sig(verify_plan_out, validation.VERIFY_PLAN_FIELDS),
+            replay.fields_sig(write_plan_out, validation.WRITE_PLAN_FIELDS),
+            replay.sig((req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, full_to_swa_index_mapping)),
+            replay.sig((req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens)),
+            replay.sig((swa_window_size, verify_capacity, kv_token_id_vs_position_offset)),
+        ),
+    )
+    if replay.GRAPHS.replay(key):
+        return
     vp = arguments.tensors(verify_plan_out, validation.VERIFY_PLAN_FIELDS, "verify_plan_out.")
     wp = arguments.tensors(write_plan_out, validation.WRITE_PLAN_FIELDS, "write_plan_out.")
     ins = {
@@ -306,4 +396,4 @@ def launch_canary_plan_kernels(
     args = [TensorArg(n, t) for n, t in ins.items()]
     args += [TensorArg(n, t, True) for n, t in {**vp, **wp}.items()]
     statics = (int(swa_window_size), int(kv_token_id_vs_position_offset), has_lut, has_pool)
-    _run("plan", statics, kernels.plan_body_factory, args, path)
+    replay.GRAPHS.run(key, lambda: (_run("plan", statics, kernels.plan_body_factory, args, path), ()))

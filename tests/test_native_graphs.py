@@ -16,7 +16,7 @@ from test_torch_engine import REAL_KV, TAG, TinyEngine
 from helpers.torch_reference import ref_plan, ref_verify, ref_write
 from interop import sglang
 from interop.native import launch as native
-from interop.native import triton_kernels
+from interop.native import replay, triton_kernels
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and triton_kernels.triton_available()), reason="needs CUDA and triton"
@@ -100,13 +100,15 @@ class GraphEngine(TinyEngine):
             self._ours()  # warm-up: traces, lowers and compiles every program
         torch.cuda.current_stream().wait_stream(side)
         self.worlds["ours"], self.contexts["ours"], self.k = saved
-        traces = native.trace_count()
+        traces, captures = native.trace_count(), replay.GRAPHS.captures
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._ours()
         assert native.trace_count() == traces  # capture built nothing new
+        assert replay.GRAPHS.captures == captures  # inside the caller's capture the launchers record eagerly
 
-    def graph_step(self, corrupt=None):
+    def graph_step(self, corrupt=None, eager=False):
+        """One step: the captured graph replayed, or (``eager``) the launchers called on the static tensors."""
         batch = self._schedule()
         if corrupt is not None:
             corrupt(self, batch)
@@ -123,7 +125,10 @@ class GraphEngine(TinyEngine):
             new[:n] = torch.randn(n, *k.shape[1:], device="cuda").to(torch.bfloat16)
             self.new_k[layer].copy_(new)
         before = int(self.worlds["ours"]["state"].violation_write_index.item())
-        self.graph.replay()
+        if eager:
+            self._ours()
+        else:
+            self.graph.replay()
         # the reference world, eagerly, on the same inputs and the KV the replay's forward wrote (HEAD reads no KV)
         w, ctx = self.worlds["ref"], self.contexts["ref"]
         ref_plan(verify_plan_out=w["vp"], write_plan_out=w["wp"], **plan_kw)
@@ -149,11 +154,16 @@ def test_captured_step_replays_100_times_with_sglang_bytes_and_reports_a_fault()
         batches.add(tuple(eng.static["prefix_lens"].tolist()) + tuple(eng.static["extend_seq_lens"].tolist()))
     assert len(batches) >= 90  # the batch really changed under the same graph (prefixes grow every step)
     st = eng.worlds["ours"]["state"]
-    assert st.kernel_run_counters[int(TAG.HEAD_K_FULL)].item() == 100
-    assert st.kernel_run_counters[int(TAG.TAIL_K_FULL)].item() == 100
+    # each step launches verify and write under both tags, and each launch counts once under its tag
+    assert st.kernel_run_counters[int(TAG.HEAD_K_FULL)].item() == 200
+    assert st.kernel_run_counters[int(TAG.TAIL_K_FULL)].item() == 200
 
     hit = {}
+    rows = eng.graph_step(corrupt=_flip(hit))
+    assert [(r[0], r[1], r[2], r[7]) for r in rows] == [(int(TAG.TAIL_K_FULL), hit["slot"], hit["q"], REAL_KV)]
 
+
+def _flip(hit):
     def flip(e, batch):
         counts = {}
         for _, _, s in e.used_slots():
@@ -162,5 +172,34 @@ def test_captured_step_replays_100_times_with_sglang_bytes_and_reports_a_fault()
         e.k[0].view(e.k[0].shape[0], -1).view(torch.uint8)[slot, 3] ^= 0x40
         hit.update(slot=slot, q=q)
 
-    rows = eng.graph_step(corrupt=flip)
+    return flip
+
+
+def test_eager_launches_on_static_tensors_replay_their_own_graphs_with_sglang_bytes():
+    """An engine that calls the launchers eagerly on the same tensors every step: from the second step on, each
+    launch is one replay of a graph the launcher captured (no checks, no staging ops on the host), and the
+    canary state stays byte-identical to SGLang's references; a flipped KV byte is still reported."""
+    replay.GRAPHS.clear()
+    eng = GraphEngine(seed=5, backend="pallas")
+    captures, replays = replay.GRAPHS.captures, replay.GRAPHS.replays
+    for _ in range(30):
+        assert eng.graph_step(eager=True) == []
+    # plan, and verify + write under HEAD and TAIL: five launch keys, captured at their second step
+    assert replay.GRAPHS.captures - captures == 5
+    assert replay.GRAPHS.replays - replays == 5 * 29
+    traces = native.trace_count()
+    hit = {}
+    rows = eng.graph_step(corrupt=_flip(hit), eager=True)
+    assert native.trace_count() == traces
     assert [(r[0], r[1], r[2], r[7]) for r in rows] == [(int(TAG.TAIL_K_FULL), hit["slot"], hit["q"], REAL_KV)]
+    assert replay.GRAPHS.replays - replays == 5 * 30
+
+
+def test_replay_off_runs_every_launch_eagerly_with_the_same_bytes(monkeypatch):
+    monkeypatch.setenv(replay.GRAPHS_ENV, "0")
+    replay.GRAPHS.clear()
+    eng = GraphEngine(seed=6, backend="pallas")
+    captures, replays = replay.GRAPHS.captures, replay.GRAPHS.replays
+    for _ in range(4):
+        assert eng.graph_step(eager=True) == []
+    assert (replay.GRAPHS.captures, replay.GRAPHS.replays) == (captures, replays)

@@ -235,9 +235,10 @@ def run_native(
     args: Sequence[TensorArg],
     *,
     fallback: Callable | None = None,
-) -> None:
+) -> bool:
     """Runs ``body_factory(statics)`` on ``args`` with torch ops and Triton kernels, writing the mutable
-    arguments back in place (the contract of :func:`interop.runner.run_in_place`).
+    arguments back in place (the contract of :func:`interop.runner.run_in_place`). Returns whether it did
+    (False: it took ``fallback``).
 
     ``fallback`` (the launchers pass :func:`interop.runner.run_in_place` when the native path is only the
     default, not asked for): if the first launch of a shape cannot be *built* (tracing, a primitive without a
@@ -257,7 +258,8 @@ def run_native(
     if fallback is not None and _FELL_BACK:
         key = _key(op, statics, body_factory, args, device)
         if key in _FELL_BACK:
-            return fallback(op, statics, body_factory, args)
+            fallback(op, statics, body_factory, args)
+            return False
     try:
         launch = _launch_for(op, statics, body_factory, args, device)
     except Exception as e:  # noqa: BLE001 - any build failure; nothing has run
@@ -269,9 +271,10 @@ def run_native(
             f"kv-canary: the native torch path could not build this {op} launch ({why}); launches of this shape "
             "take the DLPack path instead (path='native' raises the error)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=6,  # run_native < _run < launch < replay.run < the launcher < its caller
         )
-        return fallback(op, statics, body_factory, args)
+        fallback(op, statics, body_factory, args)
+        return False
     views = [body_form(a.tensor) for a in args]
     outs = launch.program(views)
     k = 0
@@ -282,6 +285,7 @@ def run_native(
         k += 1
         if out.data_ptr() != v.data_ptr() or out.stride() != v.stride():
             v.copy_(out)
+    return True
 
 
 def run_plan(statics: Hashable, args: Sequence[TensorArg]) -> None:

@@ -31,6 +31,7 @@ Where the behaviour comes from (triton 3.6.0; the launch ABI and pointer alignme
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import re
 import threading
@@ -76,9 +77,10 @@ __all__ = [
 
 
 # --- compile -----------------------------------------------------------------------------------------------
+@functools.cache
 def triton_available() -> bool:
     """Whether Triton kernels can run here: ``import triton`` works and ``torch.cuda.is_available()``. Never
-    raises."""
+    raises; asked once per process (the launchers ask on every launch)."""
     try:
         import triton  # noqa: F401
 
