@@ -14,7 +14,8 @@ ring, write index, counters) keep their shapes and are never copied. The padding
 The copies are staging tensors on the tensors' device, one per (caller tensor, bucket, role), kept while the
 caller's tensor lives and refilled on torch's current stream before every launch (torch ops, no compile). So a
 steady-state launch imports nothing new, and a refill cannot overtake the previous launch: after a launch,
-torch's current stream waits for it (:mod:`interop.runner`).
+torch's current stream waits for it (:mod:`interop.runner`). A staging tensor used inside a caller's own CUDA-graph
+capture is kept for the life of the process, since that graph may replay it after the caller's tensor is gone.
 """
 
 from __future__ import annotations
@@ -23,16 +24,26 @@ import torch
 
 from canary_jax.buckets import Buckets, bucket_size
 from interop import dlpack
+from interop.native import replay
 
 _STAGES = dlpack.ImportCache(max_entries=512)  # staging tensors, entries die with the caller's tensor
+_PINNED: dict = {}  # staging tensors a caller's CUDA graph captured: kept for the process (the graph may replay)
 
 
 def _stage(t: torch.Tensor, rows: int, role: str) -> torch.Tensor:
     key = dlpack.ImportCache.key_for(t, (rows, role))
-    out = _STAGES.get(key)
+    # Inside a caller's own CUDA-graph capture the graph keeps this buffer's address, while the cache entry dies
+    # with the caller's tensor object (graph runners pass a new slice each call): pin it. The launchers' own
+    # graphs keep their staging buffers themselves (interop.native.replay).
+    pin = t.is_cuda and torch.cuda.is_current_stream_capturing() and not replay.own_capture()
+    out = _PINNED.get(key) if pin else None
+    if out is None:
+        out = _STAGES.get(key)
     if out is None:
         out = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
         _STAGES.put(key, out, (t,))
+    if pin:
+        _PINNED[key] = out
     return out
 
 

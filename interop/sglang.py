@@ -48,6 +48,7 @@ which equal SGLang's torch references whenever those are well defined.
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any
 
@@ -98,6 +99,24 @@ def _statics(context: Any) -> tuple[int, int]:
     return int(tag), int(mode)
 
 
+def _sources(context: Any) -> tuple:
+    sources = getattr(context, "real_kv_sources", ()) or ()
+    if not isinstance(sources, (tuple, list)):
+        raise TypeError(
+            f"kv-canary: real_kv_sources must be a tuple of RealKvSource (at most {MAX_REAL_KV_SOURCES}), "
+            f"got {type(sources).__name__}"
+        )
+    return tuple(sources)
+
+
+def _int(x: Any, name: str) -> int:
+    """``x`` as an int (a Python or numpy integer, or a 0-d integer tensor), else a TypeError naming ``name``."""
+    try:
+        return int(operator.index(x))
+    except TypeError:
+        raise TypeError(f"kv-canary: {name} must be an int, got {type(x).__name__}") from None
+
+
 def _check_canary_buf(buf: torch.Tensor) -> None:
     validation.check_canary_buffer(arguments.facts(buf), u8=TORCH_DTYPES.u8)
 
@@ -124,6 +143,8 @@ def _replay_key(op: str, path: str | None, backend: str | None, first: Any, part
     where replay applies."""
     if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
         return None
+    if first.get_device() != torch.cuda.current_device():  # replay runs on the current device's stream: eager
+        return None
     try:
         b = backends.resolve_backend(backend, platform="cuda") if op != "plan" else "pallas"
         if native.resolve_path(path, first.device, b) != "native":
@@ -138,13 +159,13 @@ def _replay_key(op: str, path: str | None, backend: str | None, first: Any, part
 def _context_key(context: Any, fields: tuple[str, ...]) -> tuple:
     sources = getattr(context, "real_kv_sources", ()) or ()
     if isinstance(sources, (tuple, list)):
-        src = tuple(replay.fields_sig(x, _SOURCE_FIELDS) for x in sources)
+        src = tuple(replay.fields_sig(x, ("tensor",), _SOURCE_VALUES) for x in sources)
     else:
         src = replay.sig(sources)  # not a sequence: the checks will refuse it
-    return (replay.fields_sig(context, (*fields, "kernel_kind", "real_kv_hash_mode")), src)
+    return (replay.fields_sig(context, fields, ("kernel_kind", "real_kv_hash_mode")), src)
 
 
-_SOURCE_FIELDS = ("tensor", "page_size", "num_bytes_per_token", "read_bytes")
+_SOURCE_VALUES = ("page_size", "num_bytes_per_token", "read_bytes")
 
 
 def _staged(before: dict, after: dict) -> list[torch.Tensor]:
@@ -178,12 +199,12 @@ def launch_canary_verify_kernel(
         lambda: (
             _context_key(context, arguments.CONTEXT_FIELDS),
             replay.fields_sig(plan, validation.VERIFY_PLAN_FIELDS),
-            replay.sig(check_verify_expected_token),
+            replay.value_sig(check_verify_expected_token),
         ),
     )
     if replay.GRAPHS.replay(key):
         return
-    sources = tuple(getattr(context, "real_kv_sources", ()) or ())
+    sources = _sources(context)
     validation.check_source_count(len(sources))
     ctx = arguments.tensors(context, arguments.CONTEXT_FIELDS)
     pl = arguments.tensors(plan, validation.VERIFY_PLAN_FIELDS, "plan.")
@@ -242,13 +263,14 @@ def launch_canary_write_kernel(
         lambda: (
             _context_key(context, (*arguments.CONTEXT_FIELDS, "enable_chain_position_assert")),
             replay.fields_sig(plan, validation.WRITE_PLAN_FIELDS),
-            replay.sig((input_ids, positions, out_cache_loc, enable_write_input_assert)),
+            replay.sig((input_ids, positions, out_cache_loc)),
+            replay.value_sig(enable_write_input_assert),
             replay.sig((expected_input_tokens, expected_input_positions)),
         ),
     )
     if replay.GRAPHS.replay(key):
         return
-    sources = tuple(getattr(context, "real_kv_sources", ()) or ())
+    sources = _sources(context)
     validation.check_source_count(len(sources))
     ctx = arguments.tensors(context, (*arguments.CONTEXT_FIELDS, "enable_chain_position_assert"))
     pl = arguments.tensors(plan, validation.WRITE_PLAN_FIELDS, "plan.")
@@ -333,7 +355,7 @@ def launch_canary_plan_kernels(
             replay.fields_sig(write_plan_out, validation.WRITE_PLAN_FIELDS),
             replay.sig((req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, full_to_swa_index_mapping)),
             replay.sig((req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens)),
-            replay.sig((swa_window_size, verify_capacity, kv_token_id_vs_position_offset)),
+            tuple(replay.value_sig(v) for v in (swa_window_size, verify_capacity, kv_token_id_vs_position_offset)),
         ),
     )
     if replay.GRAPHS.replay(key):
@@ -380,10 +402,10 @@ def launch_canary_plan_kernels(
         arguments.fields_facts(wp, "write_plan_out."), TORCH_DTYPES, prefix="write_plan_out.", offsets_message=False
     )
     validation.check_plan_launch(
-        swa_window_size=int(swa_window_size),
+        swa_window_size=_int(swa_window_size, "swa_window_size"),
         has_lut=has_lut,
         lut_len=int(ins["full_to_swa_index_mapping"].shape[0]) if has_lut else 0,
-        verify_capacity=int(verify_capacity),
+        verify_capacity=_int(verify_capacity, "verify_capacity"),
         plan_capacity=plan_cap,
         bs=bs,
         write_req_capacity=cw,
@@ -395,5 +417,6 @@ def launch_canary_plan_kernels(
     arguments.check_devices({**vp, **wp, **ins}, "verify_plan_out.verify_slot_indices")
     args = [TensorArg(n, t) for n, t in ins.items()]
     args += [TensorArg(n, t, True) for n, t in {**vp, **wp}.items()]
-    statics = (int(swa_window_size), int(kv_token_id_vs_position_offset), has_lut, has_pool)
+    offset = _int(kv_token_id_vs_position_offset, "kv_token_id_vs_position_offset")
+    statics = (int(swa_window_size), offset, has_lut, has_pool)
     replay.GRAPHS.run(key, lambda: (_run("plan", statics, kernels.plan_body_factory, args, path), ()))

@@ -4,23 +4,26 @@ A native launch runs 15 to 60 torch ops and Triton launches (the buckets' stagin
 fuse, the kernels); each costs the host thread a few microseconds, a few hundred per launch in all. A serving
 engine calls the launchers with the same tensors step after step (the canary state, the plan buffers, static
 input buffers), so the launchers key each call on everything its checks and its program depend on (every
-tensor's address, shape, strides, dtype and device, every scalar and static field, the environment's path and
-backend, x64, inference mode) and:
+tensor's address, shape, strides, dtype and device; every flag, size and enum by value; the environment's path
+and backend, x64, inference mode) and:
 
-* the first ``CAPTURE_AFTER - 1`` sightings of a key run eagerly (which also builds and loads every kernel);
+* the first ``CAPTURE_AFTER - 1`` sightings of a key run eagerly (which also builds and loads every kernel); a
+  launch that raises is not a sighting;
 * the next one captures the launch (staging copies, program, write-back) in a ``torch.cuda.CUDAGraph`` on a side
   stream, then replays it;
-* later ones skip the checks (the same facts passed them) and replay the graph on
-  ``torch.cuda.current_stream()``: one graph launch of host time.
+* later ones skip the checks (the same facts passed them) and replay the graph on the current stream.
 
-A graph reads and writes exactly the memory its key names, so a replay does what an eager launch would on the
-tensors of that call, whoever owns that memory now. Staging buffers and intermediates are the graph's own (held
-by the entry and its private memory pool). Nothing is captured while the caller's stream is capturing (the
-caller's graph records the eager launch), for the DLPack path, or for a launch that fell back to it; a capture
-that fails leaves that key eager with one ``RuntimeWarning``.
+A graph reads and writes the memory its key names, plus its own staging buffers and intermediates (held by its
+entry and its private memory pool), so a replay does what an eager launch would on the tensors of that call,
+whoever owns that memory now. There is no replay (every launch eager, with its checks) where it could differ:
+tensors on another device than the current one, a 0-d tensor passed for a flag or a size (read at every eager
+launch), arguments the key cannot name (DLPack objects), the DLPack path, a shape that fell back to it, inside a
+caller's own capture (the caller's graph records the eager launch), or after a capture that failed (one
+``RuntimeWarning``).
 
 ``$CANARY_JAX_NATIVE_GRAPHS`` caps the graphs kept (least recently used evicted, with their memory), default
-:data:`DEFAULT_MAX_GRAPHS`; ``0`` turns replay off (every launch eager, with its checks).
+:data:`DEFAULT_MAX_GRAPHS`; ``0`` turns replay off at once (graphs dropped, every launch eager). A graph evicted
+before :data:`MIN_REPLAYS` replays leaves its key eager: more keys rotate than the cap holds.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 GRAPHS_ENV = "CANARY_JAX_NATIVE_GRAPHS"
 """Environment variable: how many launch graphs to keep (``0``: replay off)."""
 
-DEFAULT_MAX_GRAPHS = 32
+DEFAULT_MAX_GRAPHS = 64
 CAPTURE_AFTER = 2
 """A key is captured at its second sighting (the first ran eagerly: every kernel built and loaded)."""
 
@@ -86,29 +89,61 @@ def sig(x: Any) -> Hashable:
     return (type(x), x)
 
 
-def fields_sig(obj: Any, fields: Iterable[str]) -> tuple:
-    """:func:`sig` of ``obj``'s attributes ``fields`` (a missing one keys as a marker; the checks will raise)."""
-    return (type(obj), *(sig(getattr(obj, f, _MISSING)) for f in fields))
+def value_sig(x: Any) -> Hashable:
+    """The replay key of an argument the launch reads as a Python value (a flag, a size, an enum): by value.
+
+    Raises:
+      NotKeyable: a tensor (a 0-d tensor passed as a scalar is read at every eager launch; a graph would keep the
+        value it saw at capture), or anything :func:`sig` cannot key.
+    """
+    if isinstance(x, torch.Tensor):
+        raise NotKeyable("a tensor passed as a scalar")
+    return sig(x)
+
+
+def fields_sig(obj: Any, fields: Iterable[str], values: Iterable[str] = ()) -> tuple:
+    """:func:`sig` of ``obj``'s attributes ``fields`` and :func:`value_sig` of its attributes ``values`` (a missing
+    one keys as a marker; the checks will raise)."""
+    return (
+        type(obj),
+        *(sig(getattr(obj, f, _MISSING)) for f in fields),
+        *(value_sig(getattr(obj, f, _MISSING)) for f in values),
+    )
 
 
 _MISSING = ("<missing>",)
 
 
+_OWN = threading.local()
+
+
+def own_capture() -> bool:
+    """Whether this thread is inside one of the launchers' own captures (which keep their staging buffers)."""
+    return getattr(_OWN, "active", False)
+
+
 class _Entry:
-    __slots__ = ("graph", "keep")
+    __slots__ = ("graph", "keep", "replays")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, keep: tuple):
         self.graph = graph
         self.keep = keep  # tensors the graph reads or writes that the caller does not own (staging buffers)
+        self.replays = 0
+
+
+_EAGER = -1  # a key's sighting count when it must stay eager (fell back, failed to capture, or thrashed)
+MIN_REPLAYS = 16
+"""A graph evicted after fewer replays than this leaves its key eager: more keys are in rotation than the cap
+holds, and capturing them again and again would cost more than it saves."""
 
 
 class LaunchGraphs:
-    """Keys seen, and the graphs captured for them (least recently used first)."""
+    """Keys seen (capped at a few thousand, least recently seen forgotten first), and the graphs captured for
+    them (capped by :func:`max_graphs`, least recently used evicted first)."""
 
     def __init__(self):
         self._graphs: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()
         self._seen: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
-        self._eager: set = set()  # keys that must stay eager (fell back to DLPack, or failed to capture)
         self._lock = threading.Lock()
         self.captures = 0
         self.replays = 0
@@ -117,14 +152,17 @@ class LaunchGraphs:
         with self._lock:
             self._graphs.clear()
             self._seen.clear()
-            self._eager.clear()
 
     def __len__(self) -> int:
         return len(self._graphs)
 
     def replay(self, key: Hashable | None) -> bool:
-        """Replays ``key``'s graph on the current stream if there is one; whether it did."""
+        """Replays ``key``'s graph on the current stream if there is one; whether it did. With
+        ``$CANARY_JAX_NATIVE_GRAPHS=0`` it drops every graph and replays none."""
         if key is None or not self._graphs:
+            return False
+        if max_graphs() == 0:  # replay was turned off since these were captured
+            self.clear()
             return False
         entry = self._graphs.get(key)
         if entry is None:
@@ -135,29 +173,34 @@ class LaunchGraphs:
             if key in self._graphs:
                 self._graphs.move_to_end(key)
         entry.graph.replay()
+        entry.replays += 1
         self.replays += 1
         return True
+
+    def _note(self, key: Hashable, n: int) -> None:
+        with self._lock:
+            self._seen.pop(key, None)
+            self._seen[key] = n
+            while len(self._seen) > _MAX_SEEN:
+                self._seen.popitem(last=False)
 
     def run(self, key: Hashable | None, launch: Callable[[], tuple[bool, Iterable[torch.Tensor]]]) -> None:
         """Runs ``launch`` for ``key``: eagerly, or captured then replayed at the key's :data:`CAPTURE_AFTER`-th
         sighting. ``launch()`` returns ``(capturable, tensors)``: whether it ran on the native path, and the
-        tensors it handed the program (the staging buffers among them are kept alive with the graph).
+        tensors it handed the program (the staging buffers among them are kept alive with the graph). A launch
+        that raises is not a sighting.
         """
         limit = max_graphs() if key is not None else 0
-        if limit == 0 and self._graphs:  # replay was turned off: drop what it kept
-            self.clear()
-        if key is None or limit == 0 or key in self._eager or torch.cuda.is_current_stream_capturing():
+        if key is None or limit == 0 or torch.cuda.is_current_stream_capturing():
             launch()
             return
-        with self._lock:
-            n = self._seen.pop(key, 0) + 1
-            self._seen[key] = n
-            while len(self._seen) > _MAX_SEEN:
-                self._seen.popitem(last=False)
-        if n < CAPTURE_AFTER:
+        n = self._seen.get(key, 0)
+        if n == _EAGER:
+            launch()
+            return
+        if n + 1 < CAPTURE_AFTER:
             capturable, _ = launch()
-            if not capturable:
-                self._eager.add(key)
+            self._note(key, n + 1 if capturable else _EAGER)
             return
         self._capture(key, launch, limit)
 
@@ -169,12 +212,14 @@ class LaunchGraphs:
         try:
             with torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
+                _OWN.active = True
                 try:
                     capturable, tensors = launch()
                 finally:
+                    _OWN.active = False
                     graph.capture_end()
         except Exception as e:  # noqa: BLE001 - nothing captured ran; launch eagerly from now on
-            self._eager.add(key)
+            self._note(key, _EAGER)
             current.wait_stream(side)
             warnings.warn(
                 f"kv-canary: could not capture a native launch in a CUDA graph ({type(e).__name__}: {e}); "
@@ -186,17 +231,27 @@ class LaunchGraphs:
             return
         current.wait_stream(side)
         if not capturable:  # it fell back to the DLPack path: nothing was captured that could replay it
-            self._eager.add(key)
+            self._note(key, _EAGER)
             launch()
             return
-        entry = _Entry(graph, tuple(tensors))
+        entry = self._store(key, graph, tuple(tensors), limit)
+        graph.replay()
+        entry.replays += 1
+        self.replays += 1
+
+    def _store(self, key: Hashable, graph: Any, keep: tuple, limit: int) -> _Entry:
+        """Keeps ``graph`` for ``key``, evicting the least recently used past ``limit``; an evicted key that
+        replayed fewer than :data:`MIN_REPLAYS` times stays eager, the others start counting sightings again."""
+        entry = _Entry(graph, keep)
+        evicted = []
         with self._lock:
             self._graphs[key] = entry
             self.captures += 1
             while len(self._graphs) > limit:
-                self._graphs.popitem(last=False)
-        graph.replay()
-        self.replays += 1
+                evicted.append(self._graphs.popitem(last=False))
+        for old_key, old in evicted:
+            self._note(old_key, _EAGER if old.replays < MIN_REPLAYS else 0)
+        return entry
 
 
 GRAPHS = LaunchGraphs()
