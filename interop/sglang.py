@@ -55,7 +55,7 @@ from typing import Any
 import jax
 import torch
 
-from canary_jax import backends, validation
+from canary_jax import backends, buckets, validation
 from interop import arguments, kernels, padding, runner
 from interop.arguments import TORCH_DTYPES, check, tensor
 from interop.native import launch as native
@@ -151,7 +151,9 @@ def _replay_key(op: str, path: str | None, backend: str | None, first: Any, part
             return None
         env = (os.environ.get(native.PATH_ENV), os.environ.get(backends.BACKEND_ENV))
         x64 = bool(jax.config.jax_enable_x64)
-        return (op, path, backend, env, x64, torch.is_inference_mode_enabled(), parts())
+        # the process-wide bucket policy decides the staging copies a graph captures
+        modes = (x64, torch.is_inference_mode_enabled(), buckets.default_buckets())
+        return (op, path, backend, env, modes, parts())
     except (ValueError, TypeError, replay.NotKeyable):
         return None
 

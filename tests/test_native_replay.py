@@ -83,6 +83,15 @@ def test_cuda_key_separates_what_the_checks_and_program_depend_on(monkeypatch):
     monkeypatch.delenv("CANARY_JAX_BACKEND")
     with torch.inference_mode():
         assert k != key(True)
+    from canary_jax import buckets
+
+    old = buckets.default_buckets()
+    try:
+        buckets.set_default_buckets((64,))
+        assert k != key(True)  # the bucket policy decides the staging a graph captured
+    finally:
+        buckets.set_default_buckets(old.sizes, minimum=old.minimum)
+    assert k == key(True)
     assert sglang._replay_key("verify", "dlpack", None, buf, lambda: ()) is None
     assert sglang._replay_key("verify", None, "reference", buf, lambda: ()) is None  # the jnp reference: DLPack
 

@@ -5,7 +5,7 @@ fuse, the kernels); each costs the host thread a few microseconds, a few hundred
 engine calls the launchers with the same tensors step after step (the canary state, the plan buffers, static
 input buffers), so the launchers key each call on everything its checks and its program depend on (every
 tensor's address, shape, strides, dtype and device; every flag, size and enum by value; the environment's path
-and backend, x64, inference mode) and:
+and backend, x64, inference mode, the default bucket policy) and:
 
 * the first ``CAPTURE_AFTER - 1`` sightings of a key run eagerly (which also builds and loads every kernel); a
   launch that raises is not a sighting;
