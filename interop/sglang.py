@@ -152,7 +152,7 @@ def _replay_key(op: str, path: str | None, backend: str | None, first: Any, part
         env = (os.environ.get(native.PATH_ENV), os.environ.get(backends.BACKEND_ENV))
         x64 = bool(jax.config.jax_enable_x64)
         # the process-wide bucket policy decides the staging copies a graph captures
-        modes = (x64, torch.is_inference_mode_enabled(), buckets.default_buckets())
+        modes = (x64, torch.is_inference_mode_enabled(), torch.is_grad_enabled(), buckets.default_buckets())
         return (op, path, backend, env, modes, parts())
     except (ValueError, TypeError, replay.NotKeyable):
         return None

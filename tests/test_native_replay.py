@@ -33,7 +33,8 @@ def test_the_key_names_memory_layout_and_values():
     assert replay.sig(base[1:]) != replay.sig(base[:3])  # other address
     with torch.inference_mode():
         inf = torch.zeros(3)
-    assert replay.sig(inf)[-1] is True
+    assert replay.sig(inf)[-2] is True
+    assert replay.sig(torch.zeros(3, requires_grad=True))[-1] is True
     assert replay.sig((1, None, [True, "x"])) == (1, None, (True, "x"))
     with pytest.raises(replay.NotKeyable):
         replay.sig({"a": 1})
@@ -99,7 +100,8 @@ def test_cuda_key_separates_what_the_checks_and_program_depend_on(monkeypatch):
 def test_a_tensor_passed_as_a_scalar_is_not_keyed():
     with pytest.raises(replay.NotKeyable, match="scalar"):
         replay.value_sig(torch.tensor(True))
-    assert replay.value_sig(3) == 3
+    assert replay.value_sig(3) == replay.value_sig(3) != replay.value_sig(3.0)  # the checks take only the int
+    assert replay.value_sig(None) is None
 
     class Src:
         tensor = torch.zeros(2, 16, dtype=torch.uint8)

@@ -5,7 +5,7 @@ fuse, the kernels); each costs the host thread a few microseconds, a few hundred
 engine calls the launchers with the same tensors step after step (the canary state, the plan buffers, static
 input buffers), so the launchers key each call on everything its checks and its program depend on (every
 tensor's address, shape, strides, dtype and device; every flag, size and enum by value; the environment's path
-and backend, x64, inference mode, the default bucket policy) and:
+and backend, x64, inference and grad mode, the default bucket policy) and:
 
 * the first ``CAPTURE_AFTER - 1`` sightings of a key run eagerly (which also builds and loads every kernel); a
   launch that raises is not a sighting;
@@ -77,7 +77,7 @@ def sig(x: Any) -> Hashable:
       NotKeyable: anything else (a DLPack object, an unhashable value).
     """
     if isinstance(x, torch.Tensor):
-        return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.get_device(), x.is_inference())
+        return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.get_device(), x.is_inference(), x.requires_grad)
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, (tuple, list)):
@@ -98,7 +98,9 @@ def value_sig(x: Any) -> Hashable:
     """
     if isinstance(x, torch.Tensor):
         raise NotKeyable("a tensor passed as a scalar")
-    return sig(x)
+    if x is None or isinstance(x, (tuple, list)):
+        return sig(x)
+    return (type(x), sig(x))  # by type too: 8 and 8.0 are equal keys, but the checks take only the int
 
 
 def fields_sig(obj: Any, fields: Iterable[str], values: Iterable[str] = ()) -> tuple:
