@@ -5,7 +5,7 @@ vocabulary: per request row ``req_pool_indices`` (0 = padding row), ``prefix_len
 ``extend_seq_lens`` (tokens written this step); per token ``input_ids``, ``positions``, ``out_cache_loc`` (the
 slot written; < 0 = no write); and where each (request, position) lives. Other stacks say the same things
 differently. The functions here translate, with jnp only (jit-able, no host sync, fixed shapes), and give the
-plan builder a :class:`~canary_jax.plan_builder.SlotTable` over the stack's own layout instead of a dense
+plan builder a :class:`~canary_jax.slot_tables.SlotTable` over the stack's own layout instead of a dense
 ``req_to_token``, so the plans are byte-identical to those SGLang's builder makes for the same logical batch
 and the work stays proportional to the planned entries.
 
@@ -47,17 +47,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from canary_jax import ints, pairs
-from canary_jax.plan_builder import (
+from canary_jax.plan_builder import build_plans
+from canary_jax.plans import VerifyPlan
+from canary_jax.runtime.endpoints import ExpectedInputs
+from canary_jax.runtime.state import CanaryBatch
+from canary_jax.slot_tables import (
     BlockTable,
     ExpectedTokenTable,
     GroupSlotTables,
     RaggedSlotTable,
     SlotTable,
-    build_plans,
 )
-from canary_jax.plans import VerifyPlan
-from canary_jax.runtime.endpoints import ExpectedInputs
-from canary_jax.runtime.state import CanaryBatch
 
 __all__ = [
     "from_block_tables",
@@ -355,7 +355,7 @@ def from_sglang_jax(
       canary's padding row is 0: the canary row is ``req_pool_indices + 1`` (0 for rows < 0);
     * ``req_to_token`` stays on the host and the batch carries ``cache_loc``, each row's
       ``req_to_token[req_pool_indices[r], :seq_lens[r]]`` concatenated in row order, each span padded to a
-      multiple of ``cache_loc_page_size``: read through a :class:`~canary_jax.plan_builder.RaggedSlotTable`;
+      multiple of ``cache_loc_page_size``: read through a :class:`~canary_jax.slot_tables.RaggedSlotTable`;
     * decode batches carry no prefix / extend lengths: prefix ``seq_lens - 1``, extend 1 (SGLang's decode
       prefix is the position, the same number).
 
@@ -472,7 +472,7 @@ def from_block_tables(
     (``RaggedPagesMetadata``: ``pages_tables``, ``context_lens``, ``query_start_loc``, ``num_seqs``,
     ``page_size``). Per row ``r < num_reqs``: extend ``E = query_start_loc[r + 1] - query_start_loc[r]``,
     prefix ``seq_lens[r] - E``, canary row ``r + 1``; rows from ``num_reqs`` on are padding (canary row 0).
-    Slots come from the block table in the gather (:class:`~canary_jax.plan_builder.BlockTable`); no
+    Slots come from the block table in the gather (:class:`~canary_jax.slot_tables.BlockTable`); no
     ``req_to_token`` is built. Rows are this step's batch rows: a request may sit in another row next step.
 
     Jit-able (fixed shapes, jnp only; ``num_reqs`` may be a device scalar); called eagerly it runs small jitted
@@ -492,7 +492,7 @@ def from_block_tables(
         tpu-inference's ragged paged attention writes).
       swa_block_table: ``int32[>= num_rows, max_blocks]`` block table of the sliding-window KV-cache group (its
         blocks index the SWA pool), read for SWA canary groups instead of the LUT (see
-        :class:`~canary_jax.plan_builder.GroupSlotTables` and :func:`update_swa_lut`); None: SWA groups, if
+        :class:`~canary_jax.slot_tables.GroupSlotTables` and :func:`update_swa_lut`); None: SWA groups, if
         any, translate the full table through their LUT.
       null_block: the "no block" id, read as slot 0 (skipped by verify, like an evicted slot); None: none.
       expected_inputs: ExpectedInputs (int64-valued ``[T]``) for the write input assert.

@@ -29,9 +29,9 @@ from typing import Any
 import jax
 
 from canary_jax import constants, ints, launch, layout, validation
-from canary_jax.plan_builder import swa_translate
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
+from canary_jax.slot_tables import swa_translate
 
 __all__ = [
     "CanaryEndpoint",

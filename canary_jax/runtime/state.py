@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from canary_jax import buckets as buckets_lib
-from canary_jax import constants, ints, layout, plan_builder
+from canary_jax import constants, ints, layout, slot_tables
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.groups import CanaryBufferGroup
 
@@ -111,13 +111,13 @@ class CanaryBatch:
       input_ids, positions: int64-valued ``[T]``.
       out_cache_loc: int64-valued ``[T]`` full-pool slots written this step (SWA groups translate them).
       req_to_token: ``int32[max_reqs, max_seq_len]``, already holding this step's slots (SGLang), or any
-        :class:`~canary_jax.plan_builder.SlotTable` / :class:`~canary_jax.plan_builder.GroupSlotTables`
+        :class:`~canary_jax.slot_tables.SlotTable` / :class:`~canary_jax.slot_tables.GroupSlotTables`
         (block tables, sglang-jax's ragged ``cache_loc``; see :mod:`canary_jax.adapters.batches`).
       expected_inputs: :class:`~canary_jax.runtime.endpoints.ExpectedInputs` (int64-valued ``[T]`` each) when
         ``enable_write_input_assert``; else None.
       req_to_verify_expected_tokens: ``int32[rows, max_context_len]`` token pool when
         ``enable_verify_token_assert`` (see :func:`canary_jax.plan_builder.scatter_req_token_ids`), or an
-        :class:`~canary_jax.plan_builder.ExpectedTokenTable`; else None.
+        :class:`~canary_jax.slot_tables.ExpectedTokenTable`; else None.
       req_to_verify_expected_tokens_valid_lens: int64-valued ``[bs]`` with the pool.
 
     Construction converts every int64-valued field, exactly, to ``uint32[..., 2]`` pairs (little-endian words,
@@ -197,23 +197,23 @@ class CanaryBatch:
 
 
 def _slot_table(table: Any) -> Any:
-    """``req_to_token`` as the plan builder reads it: a checked :class:`~canary_jax.plan_builder.SlotTable` or
-    :class:`~canary_jax.plan_builder.GroupSlotTables` as given, else SGLang's ``int32[max_reqs, max_seq_len]``."""
-    if isinstance(table, plan_builder.GroupSlotTables):
+    """``req_to_token`` as the plan builder reads it: a checked :class:`~canary_jax.slot_tables.SlotTable` or
+    :class:`~canary_jax.slot_tables.GroupSlotTables` as given, else SGLang's ``int32[max_reqs, max_seq_len]``."""
+    if isinstance(table, slot_tables.GroupSlotTables):
         for t in (table.full, table.swa):
             if t is not None:
                 t.check()
         return table
-    if isinstance(table, plan_builder.SlotTable):
+    if isinstance(table, slot_tables.SlotTable):
         table.check()
         return table
     return ints.as_int32(table, name="req_to_token", shape=(None, None), host=True)
 
 
 def _token_pool(pool: Any) -> Any:
-    """The expected-token pool: a checked :class:`~canary_jax.plan_builder.ExpectedTokenTable` as given, else
+    """The expected-token pool: a checked :class:`~canary_jax.slot_tables.ExpectedTokenTable` as given, else
     SGLang's ``int32[rows, max_context_len]`` addressed by ``req_pool_indices``."""
-    if isinstance(pool, plan_builder.ExpectedTokenTable):
+    if isinstance(pool, slot_tables.ExpectedTokenTable):
         pool.check()
         return pool
     return ints.as_int32(pool, name="req_to_verify_expected_tokens", shape=(None, None), host=True)

@@ -8,7 +8,7 @@ reuses it. SGLang walks the tree on the host (``radix_cache_walker.py``, ``sweep
   it) gets position ``d + j`` and prev slot = the previous slot of the node, or the parent's last slot for
   ``j == 0`` (-1 at the top level). Node boundaries do not break the chain.
 * SWA groups translate slot and prev through the LUT (negatives kept, evicted -> 0; a slot past the LUT
-  clamps to the last entry, the canary-jax rule of :func:`canary_jax.plan_builder.swa_translate`).
+  clamps to the last entry, the canary-jax rule of :func:`canary_jax.slot_tables.swa_translate`).
 * The plan has ``num_valid = n``, ``enable = 1`` and expected tokens -1 (sweeps never check tokens).
 
 Sweep plans are verified by the SWEEP endpoints (:func:`canary_jax.runtime.step.canary_sweep`), which read the TAIL
