@@ -528,7 +528,9 @@ class PallasInChildProcessTest(absltest.TestCase):
         here = os.path.dirname(os.path.abspath(__file__))
         env = dict(os.environ, **{CHILD_ENV: "1"})
         env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)]
+        # one process (pyproject's addopts would start two xdist workers for this one file)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider"]
+        cmd.append(os.path.abspath(__file__))
         proc = subprocess.run(
             cmd + ["-k", "pallas"], cwd=os.path.dirname(here), env=env, capture_output=True, text=True, timeout=1800
         )
