@@ -5,26 +5,18 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-import time
 
 import torch
 
 from benchmarks.interop_setup import Setup, sync
-from canary_jax import validation
+from benchmarks.native_bench import host_and_wall
 from interop import arguments, sglang
 from interop.native import replay
 
 
 def per_call_us(fn, n=2000):
-    for _ in range(20):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) / n * 1e6
-    sync()
-    return round(us, 2)
+    """Host time per call (µs, before the sync), after 20 warm-up calls: :func:`native_bench.host_and_wall`'s."""
+    return host_and_wall(fn, n=n, warm=20)[0]
 
 
 def main():
@@ -35,17 +27,7 @@ def main():
         sglang.launch_canary_verify_kernel(context=s.ctx, plan=vp, check_verify_expected_token=False)
 
     def key():
-        return sglang._replay_key(
-            "verify",
-            None,
-            None,
-            s.ctx.canary_buf,
-            lambda: (
-                sglang._context_key(s.ctx, arguments.CONTEXT_FIELDS),
-                replay.fields_sig(vp, validation.VERIFY_PLAN_FIELDS),
-                replay.sig(False),
-            ),
-        )
+        return sglang.verify_replay_key(s.ctx, vp, False, backend=None, path=None)
 
     verify()
     verify()

@@ -159,11 +159,8 @@ def _replay_key(op: str, path: str | None, backend: str | None, first: Any, part
 
 
 def _context_key(context: Any, fields: tuple[str, ...]) -> tuple:
-    sources = getattr(context, "real_kv_sources", ()) or ()
-    if isinstance(sources, (tuple, list)):
-        src = tuple(replay.fields_sig(x, ("tensor",), _SOURCE_VALUES) for x in sources)
-    else:
-        src = replay.sig(sources)  # not a sequence: the checks will refuse it
+    # _sources' TypeError (not a sequence) means no key: the eager checks then raise it
+    src = tuple(replay.fields_sig(x, ("tensor",), _SOURCE_VALUES) for x in _sources(context))
     return (replay.fields_sig(context, fields, ("kernel_kind", "real_kv_hash_mode")), src)
 
 
@@ -176,6 +173,24 @@ def _staged(before: dict, after: dict) -> list[torch.Tensor]:
 
 
 # --- verify ----------------------------------------------------------------------------------------------
+def verify_replay_key(
+    context: Any, plan: Any, check_verify_expected_token: Any, *, backend: str | None, path: str | None
+) -> tuple | None:
+    """The replay key of a verify launch (:mod:`interop.native.replay`), None where replay does not apply (for
+    :func:`launch_canary_verify_kernel` and ``benchmarks/replay_profile.py``)."""
+    return _replay_key(
+        "verify",
+        path,
+        backend,
+        getattr(context, "canary_buf", None),
+        lambda: (
+            _context_key(context, arguments.CONTEXT_FIELDS),
+            replay.fields_sig(plan, validation.VERIFY_PLAN_FIELDS),
+            replay.value_sig(check_verify_expected_token),
+        ),
+    )
+
+
 def launch_canary_verify_kernel(
     *,
     context: Any,
@@ -193,17 +208,7 @@ def launch_canary_verify_kernel(
     Raises:
       ValueError / TypeError: SGLang's errors and the interop's (see the module docstring); nothing runs.
     """
-    key = _replay_key(
-        "verify",
-        path,
-        backend,
-        getattr(context, "canary_buf", None),
-        lambda: (
-            _context_key(context, arguments.CONTEXT_FIELDS),
-            replay.fields_sig(plan, validation.VERIFY_PLAN_FIELDS),
-            replay.value_sig(check_verify_expected_token),
-        ),
-    )
+    key = verify_replay_key(context, plan, check_verify_expected_token, backend=backend, path=path)
     if replay.GRAPHS.replay(key):
         return
     sources = _sources(context)

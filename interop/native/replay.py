@@ -232,9 +232,8 @@ class LaunchGraphs:
             launch()
             return
         current.wait_stream(side)
-        if not capturable:  # it fell back to the DLPack path: nothing was captured that could replay it
+        if not capturable:  # it took the DLPack path, which ran for real (not captured): nothing to replay
             self._note(key, _EAGER)
-            launch()
             return
         entry = self._store(key, graph, tuple(tensors), limit)
         graph.replay()
