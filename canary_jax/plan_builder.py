@@ -61,6 +61,7 @@ import numpy as np
 from canary_jax import ints, pairs, validation
 from canary_jax.plans import VerifyPlan, WritePlan
 from canary_jax.slot_tables import (  # re-exported: plan_builder is the tables' historical home
+    _INT32_MAX,
     BlockTable,
     ExpectedTokenTable,
     GroupSlotTables,
@@ -72,8 +73,6 @@ from canary_jax.slot_tables import (  # re-exported: plan_builder is the tables'
     _swa_translate,
     swa_translate,
 )
-
-_INT32_MAX = 2**31 - 1
 
 __all__ = [
     "BlockTable",

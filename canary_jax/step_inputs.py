@@ -156,12 +156,7 @@ class StepInputs:
         """The int32 view of a (padded) CanaryBatch whose int64 fields are ``uint32[..., 2]`` pairs."""
         low = lambda p: jax.lax.bitcast_convert_type(jnp.asarray(p)[..., 0], jnp.int32)  # noqa: E731
         return cls(
-            input_ids=low(batch.input_ids),
-            positions=low(batch.positions),
-            out_cache_loc=low(batch.out_cache_loc),
-            req_pool_indices=low(batch.req_pool_indices),
-            prefix_lens=low(batch.prefix_lens),
-            extend_seq_lens=low(batch.extend_seq_lens),
+            **{name: low(getattr(batch, name)) for name in _STEP_INPUT_INT32_FIELDS},
             req_to_token=batch.req_to_token,
             num_tokens=jnp.asarray(num_tokens, jnp.int32),
         )
