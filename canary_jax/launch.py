@@ -30,12 +30,12 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
+import numpy as np
 
-from canary_jax import backends, ints, padding, validation
+from canary_jax import backends, constants, coverage, ints, padding, sources, validation
 from canary_jax.backends import resolve_backend
 from canary_jax.buckets import Buckets, bucket_size
 from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan, check_context
-from canary_jax.sources import device_sources
 
 try:  # public alias in the jax versions we support; fall back for safety
     _Tracer = jax.core.Tracer
@@ -113,6 +113,40 @@ def _placement(context: VerifyOrWriteContext) -> jax.sharding.Sharding | None:
     return None
 
 
+# --- source coverage ------------------------------------------------------------------------------------
+def check_coverage(
+    context: VerifyOrWriteContext,
+    *,
+    tracing: bool,
+    op: str,
+    name: str,
+    hashed: Callable[[int], tuple[np.ndarray, np.ndarray]],
+) -> None:
+    """Every slot the launch hashes lies inside every real-KV source (:mod:`canary_jax.coverage`).
+
+    Nothing to check when the launch hashes nothing or every source covers the canary buffer. Otherwise, outside
+    ``jit`` ``hashed(num_slots)`` gives the ``(entries, slots)`` the launch hashes (read on the host), and a slot
+    past a source is refused; while tracing, the whole-buffer rule applies unless the caller checked the slots on
+    the host (:func:`canary_jax.coverage.checked_on_host`).
+
+    Raises:
+      ValueError: naming the slot, its entry, the source and its coverage; or, while tracing, the source and the
+        canary buffer's slots.
+    """
+    if context.real_kv_hash_mode == constants.RealKvHashMode.NONE or not context.real_kv_sources:
+        return
+    covs = sources.coverages(context.real_kv_sources)
+    n = int(context.canary_buf.shape[0])
+    if not coverage.short(covs, n):
+        return
+    if tracing:
+        if not coverage.host_checked():
+            coverage.check_whole_buffer(covs, n, why=coverage.TRACED)
+        return
+    entries, slots = hashed(n)
+    coverage.check_slots(covs, entries, slots, op=op, name=name)
+
+
 # --- verify ----------------------------------------------------------------------------------------------
 def verify(
     context: VerifyOrWriteContext,
@@ -147,12 +181,25 @@ def verify(
       tracing; nothing is mutated.
     """
     check_context(context)
-    context = context.replace(real_kv_sources=device_sources(context.real_kv_sources))
+    context = context.replace(real_kv_sources=sources.device_sources(context.real_kv_sources))
     if not isinstance(plan, VerifyPlan):
         raise TypeError(f"kv-canary: plan must be a VerifyPlan, got {type(plan).__name__}")
     plan.check()
+    tracing = _is_tracing(context, plan)
+    check_coverage(
+        context,
+        tracing=tracing,
+        op="verify",
+        name="plan.verify_slot_indices",
+        hashed=lambda n: coverage.verify_hashed(
+            ints.pairs_to_int64_np(plan.verify_slot_indices),
+            int(np.asarray(plan.verify_num_valid)[0]),
+            int(np.asarray(plan.enable)[0]),
+            n,
+        ),
+    )
     fn = _implementation("verify", backend, context)
-    if _is_tracing(context, plan):
+    if tracing:
         return fn(context, plan, check_verify_expected_token=bool(check_verify_expected_token))
     plan = padding.pad_verify_plan(plan, bucket_size(plan.verify_capacity, buckets), device=_placement(context))
     statics = (fn, bool(check_verify_expected_token), context.kernel_kind, context.real_kv_hash_mode)
@@ -249,7 +296,7 @@ def write(
       present without the assert or missing with it), before tracing; nothing is mutated.
     """
     check_context(context)
-    context = context.replace(real_kv_sources=device_sources(context.real_kv_sources))
+    context = context.replace(real_kv_sources=sources.device_sources(context.real_kv_sources))
     if not isinstance(plan, WritePlan):
         raise TypeError(f"kv-canary: plan must be a WritePlan, got {type(plan).__name__}")
     plan.check()
@@ -263,6 +310,18 @@ def write(
         expected_input_tokens=expected_input_tokens,
         expected_input_positions=expected_input_positions,
         host=not tracing,
+    )
+    check_coverage(
+        context,
+        tracing=tracing,
+        op="write",
+        name="out_cache_loc",
+        hashed=lambda n: coverage.write_hashed(
+            ints.pairs_to_int64_np(plan.write_offsets),
+            int(np.asarray(plan.write_num_valid_reqs)[0]),
+            ints.pairs_to_int64_np(loc),
+            n,
+        ),
     )
     fn = _implementation("write", backend, context)
     flag = bool(enable_write_input_assert)

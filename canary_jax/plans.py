@@ -295,8 +295,8 @@ jax.tree_util.register_pytree_node(VerifyOrWriteContext, _ctx_flatten, _ctx_unfl
 def check_context(context: VerifyOrWriteContext) -> tuple[sources.SourceDescriptor, ...]:
     """Every static check of a launch context, before tracing; returns the source descriptors.
 
-    Includes, when the launch hashes real KV, that every source covers every slot of the canary buffer
-    (:func:`canary_jax.validation.check_source_coverage`).
+    Coverage of the canary buffer's slots by the sources is the launch's to check against the slots it hashes
+    (:mod:`canary_jax.coverage`; :func:`canary_jax.launch.verify` and :func:`canary_jax.launch.write` do).
 
     Raises:
       TypeError / ValueError naming the argument (see the checks of each part).
@@ -313,6 +313,4 @@ def check_context(context: VerifyOrWriteContext) -> tuple[sources.SourceDescript
             f"kv-canary: kernel_kind={int(context.kernel_kind)} is outside the counter arrays of length "
             f"{context.log.kernel_run_counters.shape[0]}"
         )
-    return sources.check_real_kv_sources(
-        context.real_kv_sources, context.real_kv_hash_mode, num_slots=int(context.canary_buf.shape[0])
-    )
+    return sources.check_real_kv_sources(context.real_kv_sources, context.real_kv_hash_mode)

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants, hashing, pairs, validation
+from canary_jax import constants, coverage, hashing, pairs, validation
 
 
 # --- element sizes and facts ----------------------------------------------------------------------------------
@@ -336,8 +336,9 @@ def check_real_kv_sources(
     The checks are :mod:`canary_jax.validation`'s, on each tensor's facts: the count (first, every mode),
     each source's kind, contiguity and 2-D uint8 view (every mode; a chunked source may be N-D), and, when the
     launch hashes, each row's width and, given ``num_slots`` (the canary buffer's slots), that it covers every
-    slot. A launch runs this once, before tracing (:func:`canary_jax.plans.check_context` passes
-    ``num_slots``); backends read :func:`source_descriptors`.
+    slot (the whole-buffer rule, :func:`canary_jax.coverage.check_whole_buffer`). A launch runs this once, before
+    tracing, without ``num_slots``: it checks coverage against the slots it hashes where they are known on the
+    host (:mod:`canary_jax.coverage`); backends read :func:`source_descriptors`.
 
     Returns:
       ``source_descriptors(sources, mode)``: empty when ``mode`` is NONE or there are no sources.
@@ -366,10 +367,19 @@ def check_real_kv_sources(
                 validation.check_source_row_width(
                     row_bytes, page_size=s.page_size, num_bytes_per_token=s.num_bytes_per_token
                 )
-            if num_slots is not None:
-                d = _descriptor(s, constants.RealKvHashMode.ALL)
-                validation.check_source_coverage(i, num_rows=d.slot_rows, page_size=s.page_size, num_slots=num_slots)
+    if hashing_on and num_slots is not None:
+        coverage.check_whole_buffer(coverages(sources), num_slots)
     return source_descriptors(sources, mode)
+
+
+def coverages(sources: Sequence[RealKvSource]) -> tuple[coverage.Coverage, ...]:
+    """The slots each checked source holds (``slot_rows * page_size``; :mod:`canary_jax.coverage`). Works on
+    tracers (shapes only)."""
+    out = []
+    for i, s in enumerate(sources):
+        d = _descriptor(s, constants.RealKvHashMode.ALL)
+        out.append(coverage.coverage(i, rows=d.slot_rows, page_size=s.page_size))
+    return tuple(out)
 
 
 def source_descriptors(

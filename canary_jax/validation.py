@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from canary_jax import constants
+from canary_jax import constants, coverage
 
 
 # --- facts ---------------------------------------------------------------------------------------------------
@@ -341,8 +341,9 @@ def check_source_row_width(row_bytes: int, *, page_size: int, num_bytes_per_toke
 def check_source_coverage(index: int, *, num_rows: int, page_size: int, num_slots: int) -> None:
     """Source ``index`` covers every slot of the canary buffer: ``num_rows * page_size >= num_slots``.
 
-    Checked only when the launch hashes (like the row width): a shorter source would hash the slots past its
-    end as zero bytes, leaving them unprotected without a word.
+    The whole-buffer rule (:func:`canary_jax.coverage.check_whole_buffer`): what a launch needs where its slots are
+    not known on the host. Launches whose slots are known check only the slots they hash
+    (:func:`canary_jax.coverage.check_slots`).
 
     Args:
       index: the source's position in ``real_kv_sources``.
@@ -354,12 +355,7 @@ def check_source_coverage(index: int, *, num_rows: int, page_size: int, num_slot
       ValueError: ``kv-canary: real_kv_sources[{index}] covers {covered} slots ({num_rows} rows x page_size
         {page_size}) but canary_buf has {num_slots} slots``.
     """
-    covered = int(num_rows) * int(page_size)
-    if covered < num_slots:
-        raise ValueError(
-            f"kv-canary: real_kv_sources[{index}] covers {covered} slots ({num_rows} rows x page_size {page_size}) "
-            f"but canary_buf has {num_slots} slots"
-        )
+    coverage.check_whole_buffer([coverage.coverage(index, rows=num_rows, page_size=page_size)], num_slots)
 
 
 def check_source_chunks(

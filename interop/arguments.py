@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
-from canary_jax import constants, validation
+from canary_jax import constants, coverage, validation
 from interop import dlpack
 from interop.buffers import TensorArg
 from interop.dlpack import facts
@@ -118,21 +119,50 @@ def check_sources(sources: Sequence[Any], *, checked_type: type) -> list[LaunchS
     return out
 
 
-def source_args(sources: Sequence[LaunchSource], mode: int, *, num_slots: int) -> tuple[list[TensorArg], tuple]:
+def source_args(sources: Sequence[LaunchSource], mode: int) -> tuple[list[TensorArg], tuple]:
     """The launch arguments and static ``(page_size, num_bytes_per_token, read_bytes)`` per source.
 
     With mode NONE (or no sources) nothing is passed: SGLang never dereferences the sources then. Otherwise
-    each row must hold its slots (:func:`canary_jax.validation.check_source_row_width`) and each source must
-    cover the ``num_slots`` slots of the canary buffer (:func:`canary_jax.validation.check_source_coverage`).
+    each row must hold its slots (:func:`canary_jax.validation.check_source_row_width`); which slots each source
+    must cover is the launcher's check (:func:`check_coverage`).
 
     Raises:
-      ValueError: a row too narrow for its slot layout, or a source shorter than the canary buffer (PARTIAL /
-        ALL).
+      ValueError: a row too narrow for its slot layout (PARTIAL / ALL).
     """
     if mode == int(constants.RealKvHashMode.NONE) or not sources:
         return [], ()
-    for i, s in enumerate(sources):
+    for s in sources:
         validation.check_source_row_width(int(s.u8.shape[1]), page_size=s.meta[0], num_bytes_per_token=s.meta[1])
-        validation.check_source_coverage(i, num_rows=int(s.u8.shape[0]), page_size=s.meta[0], num_slots=num_slots)
     args = [TensorArg(f"real_kv_sources[{i}].tensor", s.u8, False, s.owner) for i, s in enumerate(sources)]
     return args, tuple(s.meta for s in sources)
+
+
+def check_coverage(
+    sources: Sequence[LaunchSource], mode: int, num_slots: int, *, op: str, name: str, hashed: Any
+) -> None:
+    """Every slot the launch hashes lies inside every source (:mod:`canary_jax.coverage`).
+
+    Nothing to check with mode NONE, no sources, or sources that cover the ``num_slots`` slots of the canary buffer.
+    Otherwise, outside a CUDA-graph capture ``hashed()`` gives the ``(entries, slots)`` the launch hashes (read on
+    the host: a copy of the launch's slot tensors), and a slot past a source is refused; inside a capture, where the
+    slots cannot be read, every source must cover the canary buffer.
+
+    Raises:
+      ValueError: naming the slot, its entry, the source and its coverage; or, in a capture, the source and the
+        canary buffer's slots.
+    """
+    if mode == int(constants.RealKvHashMode.NONE) or not sources:
+        return
+    covs = tuple(coverage.coverage(i, rows=int(s.u8.shape[0]), page_size=s.meta[0]) for i, s in enumerate(sources))
+    if not coverage.short(covs, num_slots):
+        return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        coverage.check_whole_buffer(covs, num_slots, why=coverage.TRACED)
+        return
+    entries, slots = hashed()
+    coverage.check_slots(covs, entries, slots, op=op, name=name)
+
+
+def host_int64(t: torch.Tensor) -> np.ndarray:
+    """A checked int64 / int32 launch tensor on the host, as numpy int64 (a device copy: coverage checks only)."""
+    return t.detach().to("cpu").numpy().astype(np.int64)

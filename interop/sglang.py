@@ -55,7 +55,7 @@ from typing import Any
 import jax
 import torch
 
-from canary_jax import backends, buckets, validation
+from canary_jax import backends, buckets, coverage, validation
 from interop import arguments, kernels, padding, runner
 from interop.arguments import TORCH_DTYPES, check, tensor
 from interop.native import launch as native
@@ -160,7 +160,15 @@ def _replay_key(op: str, path: str | None, backend: str | None, first: Any, part
 
 def _context_key(context: Any, fields: tuple[str, ...]) -> tuple:
     # _sources' TypeError (not a sequence) means no key: the eager checks then raise it
-    src = tuple(replay.fields_sig(x, ("tensor",), _SOURCE_VALUES) for x in _sources(context))
+    srcs = _sources(context)
+    if srcs and _int(getattr(context, "real_kv_hash_mode", 0), "real_kv_hash_mode") != 0:
+        # a source shorter than the canary buffer is checked against the launch's slots, read every launch: eager
+        n = getattr(getattr(context, "canary_buf", None), "shape", (0,))[0]
+        for x in srcs:
+            t = getattr(x, "tensor", None)
+            if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] * _int(x.page_size, "page_size") < n:
+                raise replay.NotKeyable("real_kv_sources")
+    src = tuple(replay.fields_sig(x, ("tensor",), _SOURCE_VALUES) for x in srcs)
     return (replay.fields_sig(context, fields, ("kernel_kind", "real_kv_hash_mode")), src)
 
 
@@ -222,8 +230,22 @@ def launch_canary_verify_kernel(
     _check_canary_buf(ctx["canary_buf"])
     validation.check_verify_plan(arguments.fields_facts(pl, "plan."), TORCH_DTYPES)
     arguments.check_log(ctx, with_flag=False)
-    src_args, meta = arguments.source_args(launch_sources, mode, num_slots=int(ctx["canary_buf"].shape[0]))
+    src_args, meta = arguments.source_args(launch_sources, mode)
     arguments.check_devices({**named, **{a.name: a.tensor for a in src_args}}, "canary_buf")
+    n = int(ctx["canary_buf"].shape[0])
+    arguments.check_coverage(
+        launch_sources,
+        mode,
+        n,
+        op="verify",
+        name="plan.verify_slot_indices",
+        hashed=lambda: coverage.verify_hashed(
+            arguments.host_int64(pl["plan.verify_slot_indices"]),
+            int(pl["plan.verify_num_valid"][0]),
+            int(pl["plan.enable"][0]),
+            n,
+        ),
+    )
     platform = ctx["canary_buf"].device.type
     check = bool(check_verify_expected_token)
     statics = (backends.resolve_backend(backend, platform=platform), platform, tag, mode, meta, check)
@@ -304,8 +326,22 @@ def launch_canary_write_kernel(
         check(t, n, torch.int64, (None,))
         validation.check_same_length(n, t.shape[0], ref_name="input_ids", ref_length=toks["input_ids"].shape[0])
     arguments.check_log(ctx, with_flag=True)
-    src_args, meta = arguments.source_args(launch_sources, mode, num_slots=int(ctx["canary_buf"].shape[0]))
+    src_args, meta = arguments.source_args(launch_sources, mode)
     arguments.check_devices({**ctx, **pl, **toks, **{a.name: a.tensor for a in src_args}}, "canary_buf")
+    n = int(ctx["canary_buf"].shape[0])
+    arguments.check_coverage(
+        launch_sources,
+        mode,
+        n,
+        op="write",
+        name="out_cache_loc",
+        hashed=lambda: coverage.write_hashed(
+            arguments.host_int64(pl["plan.write_offsets"]),
+            int(pl["plan.write_num_valid_reqs"][0]),
+            arguments.host_int64(toks["out_cache_loc"]),
+            n,
+        ),
+    )
     platform = ctx["canary_buf"].device.type
     statics = (backends.resolve_backend(backend, platform=platform), platform, tag, mode, meta, flag)
 

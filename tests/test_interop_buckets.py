@@ -67,13 +67,14 @@ def test_padded_write_keeps_out_of_contract_offsets_inside_t():
 
 
 @pytest.mark.parametrize("launch", ["verify", "write"])
-def test_source_shorter_than_the_pool_is_refused(launch):
+def test_source_shorter_than_the_pool_refuses_a_slot_past_it(launch):
     rng = random.Random(3)
     w = World.make(rng, num_slots=128, sources=((torch.uint8, 4, 16, 16, 0),), mode=2)
     w.kv[0] = w.kv[0][:24].clone()  # 24 rows x page_size 4 = 96 slots < 128
     before = _snapshot(w)
-    msg = re.escape(
-        "kv-canary: real_kv_sources[0] covers 96 slots (24 rows x page_size 4) but canary_buf has 128 slots"
+    # a hashed slot past the source is refused by name (issue #28: slots inside it are accepted, as SGLang does)
+    msg = rf"kv-canary: {launch} hashes slot (9[6-9]|1[0-2][0-9]) \(.*\) but " + re.escape(
+        "real_kv_sources[0] covers 96 slots (24 rows x page_size 4)"
     )
     with pytest.raises(ValueError, match=msg):
         if launch == "verify":
@@ -81,6 +82,7 @@ def test_source_shorter_than_the_pool_is_refused(launch):
             sglang.launch_canary_verify_kernel(context=w.context(2), plan=plan, check_verify_expected_token=False)
         else:
             plan, kw = random_write_args(rng, w, cw=2, t=4)
+            kw["out_cache_loc"].fill_(120)  # every live entry writes slot 120, past the source's 96
             sglang.launch_canary_write_kernel(context=w.context(2), plan=plan, **kw)
     assert_same_bytes(_snapshot(w), before, launch)
     w.mode = 0  # NONE: the sources are never read, nothing to refuse (like the row-width check)

@@ -186,22 +186,29 @@ class RealKvSourceTest(absltest.TestCase):
 
     def test_source_shorter_than_the_pool(self):
         # Issue #12: 24 rows x page_size 4 = 96 slots < 128; the slots past 96 would be hashed as zero bytes.
+        # Issue #28: a launch that hashes only slots below 96 is SGLang's well-defined call and is accepted.
         short = src(np.zeros((24, 64), np.uint8), page_size=4, nbpt=16)
-        msg = re.escape(
+        whole = re.escape(
             "kv-canary: real_kv_sources[1] covers 96 slots (24 rows x page_size 4) but canary_buf has 128 slots"
         )
+        covers = re.escape("but real_kv_sources[1] covers 96 slots (24 rows x page_size 4)")
         full = src(np.zeros((128, 16), np.uint8))
+        past = canary_jax.VerifyPlan.from_entries(slots=[1, 100], positions=[0, 0], prev_slots=[-1, -1])
         for mode in (constants.RealKvHashMode.PARTIAL, ALL):
             ctx = ctx_with(sources=(full, short), mode=mode, buf=canary_jax.allocate_canary_buffer(128))
             before = snapshot(ctx)
-            with self.assertRaisesRegex(ValueError, msg):
-                canary_jax.verify(ctx, vplan(), backend="reference")
-            with self.assertRaisesRegex(ValueError, msg):
-                canary_jax.write(ctx, wplan(), tok((7,)), tok((0,)), tok((3,)), backend="reference")
+            with self.assertRaisesRegex(
+                ValueError, r"verify hashes slot 100 \(plan.verify_slot_indices\[1\]\) " + covers
+            ):
+                canary_jax.verify(ctx, past, backend="reference")
+            with self.assertRaisesRegex(ValueError, r"write hashes slot 96 \(out_cache_loc\[0\]\) " + covers):
+                canary_jax.write(ctx, wplan(), tok((7,)), tok((0,)), tok((96,)), backend="reference")
             for a, b in zip(before, snapshot(ctx)):
                 np.testing.assert_array_equal(a, b)
-            with self.assertRaisesRegex(ValueError, msg):
+            with self.assertRaisesRegex(ValueError, whole):
                 check_real_kv_sources([full, short], mode, num_slots=128)
+            ctx = canary_jax.write(ctx, wplan(), tok((7,)), tok((0,)), tok((95,)), backend="reference")
+            self.assertEqual(canary_jax.verify(ctx, vplan(), backend="reference").log.num_violations(), 1)
         # NONE never reads the sources (like the row-width check); 96 slots cover a 96-slot buffer.
         check_real_kv_sources([full, short], constants.RealKvHashMode.NONE, num_slots=128)
         check_real_kv_sources([short], ALL, num_slots=96)

@@ -257,8 +257,9 @@ def sources_for_stacked(
 
     Returns:
       ``(source,)``. With ``layer_axis=0`` a row of the source is one whole layer (``page_size`` is the layer's
-      slot count) and the source covers exactly that layer's slots (``SlotChunks.slot_rows=1``): slots past
-      them read as zero bytes, and a canary buffer with more slots is refused at launch.
+      slot count) and the source covers exactly that layer's slots (``SlotChunks.slot_rows=1``): a launch
+      that hashes a slot past them is refused (and, inside ``jit``, a canary buffer with more slots;
+      :mod:`canary_jax.coverage`).
 
     Raises:
       ValueError / TypeError naming the argument.

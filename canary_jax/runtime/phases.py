@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants, sources, validation
+from canary_jax import constants, coverage, sources, validation
 from canary_jax.plan_builder import build_plans
 from canary_jax.runtime import shapes
 from canary_jax.runtime.endpoints import launch_group, split_sources
@@ -189,9 +189,10 @@ def head_jit(bufs, shell, batch, plans, num_tokens, *, config):
     return head_impl(join(bufs, shell), batch, plans, num_tokens, config)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnums=(0,))
-def tail_jit(bufs, shell, plans, batch, real_kv_sources, num_tokens, *, config):
-    return tail_impl(join(bufs, shell), plans, batch, real_kv_sources, num_tokens, config)
+@functools.partial(jax.jit, static_argnames=("config", "slots_checked"), donate_argnums=(0,))
+def tail_jit(bufs, shell, plans, batch, real_kv_sources, num_tokens, *, config, slots_checked=False):
+    with coverage.checked_on_host(slots_checked):  # slot_coverage.check_tail ran: a short source may pass
+        return tail_impl(join(bufs, shell), plans, batch, real_kv_sources, num_tokens, config)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_write_fn", "config"), donate_argnums=(0, 3))
@@ -199,6 +200,7 @@ def step_jit(bufs, shell, batch, kv_state, num_tokens, *, kv_write_fn, config):
     return step_impl(join(bufs, shell), batch, kv_write_fn, kv_state, num_tokens, config)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def sweep_jit(state, sweep_plans, real_kv_sources, *, config):
-    return sweep_impl(state, sweep_plans, real_kv_sources, config)
+@functools.partial(jax.jit, static_argnames=("config", "slots_checked"))
+def sweep_jit(state, sweep_plans, real_kv_sources, *, config, slots_checked=False):
+    with coverage.checked_on_host(slots_checked):  # slot_coverage.check_sweep ran
+        return sweep_impl(state, sweep_plans, real_kv_sources, config)

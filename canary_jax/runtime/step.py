@@ -43,7 +43,7 @@ import numpy as np
 
 from canary_jax import buckets, ints, validation
 from canary_jax.plans import VerifyPlan
-from canary_jax.runtime import phases, shapes
+from canary_jax.runtime import phases, shapes, slot_coverage
 from canary_jax.runtime.groups import PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryPlans, CanaryState, CanaryStepConfig, StepSummary
 
@@ -347,9 +347,10 @@ def canary_tail(
         return phases.tail_impl(state, plans, batch, srcs, None, config)
     check_batch_values(state, batch)
     validation.warn_unhashed_sources(srcs, config.real_kv_hash_mode, who="canary_tail")
+    checked = slot_coverage.check_tail(state, plans, batch, srcs, config)
     batch, n = phases.eager_batch(batch, config)
     bufs, shell = phases.split(state)
-    return phases.tail_jit(bufs, shell, plans, batch, srcs, n, config=config)
+    return phases.tail_jit(bufs, shell, plans, batch, srcs, n, config=config, slots_checked=checked)
 
 
 def canary_step(
@@ -452,4 +453,5 @@ def canary_sweep(
         None if vp is None else shapes.pad_verify_plan(vp, buckets.bucket_size(vp.verify_capacity, policy))
         for vp in sweep_plans
     )
-    return state.replace(log=phases.sweep_jit(state, padded, srcs, config=config))
+    checked = slot_coverage.check_sweep(state, sweep_plans, srcs, config)
+    return state.replace(log=phases.sweep_jit(state, padded, srcs, config=config, slots_checked=checked))
