@@ -14,12 +14,14 @@ platform and ``reference`` elsewhere. The platform is where the launch's data li
 :func:`array_platform`, or a torch tensor's ``device.type``), not JAX's default backend: CPU arrays on a GPU host
 run on the CPU, so the Pallas kernels run interpreted there. Only a traced buffer (inside a caller's ``jit``),
 whose device is not known, falls back to JAX's default backend. ``pallas_kernels`` builds on ``canary_jax``, so
-its implementations are imported lazily, on first use.
+the registry knows the implementations by name (:data:`IMPLEMENTATIONS`, ``"module:function"`` strings) and
+imports their module with :mod:`importlib` on first use: ``canary_jax`` never imports ``pallas_kernels``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +36,15 @@ BACKEND_ENV = "CANARY_JAX_BACKEND"
 
 OPS = ("verify", "write")
 """Ops with one implementation per backend (the reference signature: see :mod:`canary_jax.reference`)."""
+
+IMPLEMENTATIONS: dict[tuple[str, str], str] = {
+    ("reference", "verify"): "canary_jax.reference:verify_reference",
+    ("reference", "write"): "canary_jax.reference:write_reference",
+    ("pallas", "verify"): "pallas_kernels.verify:verify_pallas",
+    ("pallas", "write"): "pallas_kernels.write:write_pallas",
+}
+"""Each ``(backend, op)``'s implementation by name, ``"module:function"``, imported on first use by
+:func:`implementation` (so this module imports neither the references nor the kernels)."""
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 """Platform names (JAX's ``default_backend()`` or a torch ``device.type``) that count as a GPU."""
@@ -115,17 +126,18 @@ def implementation(op: str, backend: str, *, platform: str | None = None) -> Cal
         raise ValueError(f"kv-canary: op must be one of {OPS}, got {op!r}")
     backend = check_backend_name(backend)
     if backend == "reference":
-        from canary_jax import reference
-
-        return reference.verify_reference if op == "verify" else reference.write_reference
+        return _resolve(IMPLEMENTATIONS[backend, op])
     return _pallas(op, None if platform is None else default_interpret(platform))
 
 
 @functools.cache
+def _resolve(name: str) -> Callable:
+    # "module:function" -> the function, its module imported on first use (the kernels build on canary_jax).
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@functools.cache
 def _pallas(op: str, interpret: bool | None) -> Callable:
-    # Lazy: pallas_kernels builds on canary_jax, never the reverse at import time.
-    if op == "verify":
-        from pallas_kernels.verify import verify_pallas as fn
-    else:
-        from pallas_kernels.write import write_pallas as fn
+    fn = _resolve(IMPLEMENTATIONS["pallas", op])
     return fn if interpret is None else functools.partial(fn, interpret=interpret)

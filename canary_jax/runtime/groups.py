@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
 from canary_jax import constants, ints, layout
-
-if TYPE_CHECKING:
-    from canary_jax.runtime.endpoints import CanaryEndpoint
+from canary_jax.runtime.launch_endpoint import CanaryEndpoint
 
 __all__ = [
     "CanaryBufferGroup",

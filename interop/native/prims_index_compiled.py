@@ -1,5 +1,6 @@
 """Compiled forms of gather and the scatter family (see :func:`interop.native.prims.compile_rule`; the semantics
-are :mod:`interop.native.prims_index`'s rules).
+are :mod:`interop.native.prims_index`'s rules; the shared index arithmetic is
+:mod:`interop.native.prims_index_core`).
 
 * **Constant indices.** The flat targets are computed once, on the host, by the rules themselves (a gather of an
   iota operand; the scatter's target computation), with the in-bounds mask, the dropped updates filtered out and,
@@ -25,7 +26,7 @@ import math
 import numpy as np
 import torch
 
-from interop.native import prims_index as X
+from interop.native import prims_index_core as X
 from interop.native.prims_convert import _convert_fn
 from interop.native.prims_dtypes import _bits, _fill_scalar, _kind, _smin, _uis, storage_dtype
 

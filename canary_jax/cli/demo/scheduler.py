@@ -5,7 +5,7 @@
   decode under a per-step token budget, ``req_to_token`` table maintenance, finishing requests (their pages go
   into the prefix cache or back to the free list, their ``req_to_token`` row is reused).
 * :class:`Batch` / :class:`BatchRow`: one forward's padded numpy arrays, at the fixed capacities of the
-  :class:`~canary_jax.cli.demo.engine.EngineConfig`, and the requests behind its rows.
+  :class:`~canary_jax.cli.demo.config.EngineConfig`, and the requests behind its rows.
 
 The scheduler never touches the model or the canary, so the campaign's dry run
 (:func:`canary_jax.cli.demo.campaign.dry_run`) runs it alone.
@@ -16,15 +16,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from canary_jax.cli.demo import model
+from canary_jax.cli.demo.config import EngineConfig
 from canary_jax.cli.demo.radix import PageAllocator, RadixCache, TreeNode
-
-if TYPE_CHECKING:
-    from canary_jax.cli.demo.engine import EngineConfig
 
 __all__ = ["Batch", "BatchRow", "Request", "Scheduler"]
 
