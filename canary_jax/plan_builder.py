@@ -46,7 +46,8 @@ the planned entries, and one that agrees with SGLang's ``req_to_token`` on the p
 byte-identical plans. The tables and :func:`~canary_jax.slot_tables.swa_translate` live in
 :mod:`canary_jax.slot_tables` and are re-exported here.
 
-``scatter_req_token_ids`` fills the expected-token pool (SPEC 7.4; SGLang ``scatter_req_token_ids.py``).
+``scatter_req_token_ids`` fills the expected-token pool (SPEC 7.4; SGLang ``scatter_req_token_ids.py``); it lives
+in :mod:`canary_jax.expected_tokens` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -59,18 +60,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from canary_jax import ints, pairs, validation
+from canary_jax.expected_tokens import scatter_req_token_ids  # re-exported: its historical home
 from canary_jax.plans import VerifyPlan, WritePlan
+from canary_jax.slot_reads import _INT32_MAX, _check_2d_int32, _gather_2d, _swa_translate, _unchecked
 from canary_jax.slot_tables import (  # re-exported: plan_builder is the tables' historical home
-    _INT32_MAX,
     BlockTable,
     ExpectedTokenTable,
     GroupSlotTables,
     RaggedSlotTable,
     ReqToTokenTable,
     SlotTable,
-    _check_2d_int32,
-    _gather_2d,
-    _swa_translate,
     swa_translate,
 )
 
@@ -240,12 +239,26 @@ def _resolve_table(req_to_token: Any, swa_window_size: int) -> tuple[SlotTable, 
     return _unchecked(ReqToTokenTable, req_to_token=r2t), False
 
 
-def _unchecked(cls, **fields):
-    """An instance of a registered table class from already-checked fields (no ``__post_init__``)."""
-    obj = object.__new__(cls)
-    for name, value in fields.items():
-        object.__setattr__(obj, name, value)
-    return obj
+def _capacity(plan_out: Any, cls: type, name: str, capacity: int | None) -> int:
+    """The capacity ``plan_out``'s shape fixes (after checking it is a ``cls``), else ``capacity`` checked
+    positive; ``name`` is the argument (``verify_capacity`` / ``write_req_capacity``) in the messages.
+
+    Raises:
+      TypeError: ``plan_out`` not a ``cls``; ValueError: neither given, or a non-positive capacity.
+    """
+    field = "verify_slot_indices" if cls is VerifyPlan else "write_seed_slot_indices"
+    out_name = "verify_plan_out" if cls is VerifyPlan else "write_plan_out"
+    if plan_out is not None:
+        if not isinstance(plan_out, cls):
+            raise TypeError(f"kv-canary: {out_name} must be a {cls.__name__}, got {type(plan_out).__name__}")
+        plan_out.check()
+        return int(getattr(plan_out, field).shape[0])
+    if capacity is None:
+        raise ValueError(f"kv-canary: build_plans needs {name} or {out_name}")
+    n = ints.check_int(int(capacity), name=f"{cls.__name__} {name}")
+    if n <= 0:
+        raise ValueError(f"kv-canary: {cls.__name__} {name} must be positive, got {capacity}")
+    return n
 
 
 def build_plans(
@@ -315,34 +328,13 @@ def build_plans(
 
     # Capacities. Without ``*_plan_out`` the plans are fresh (``allocate()``'s zeros), which the builder writes as
     # constants: nothing is allocated here and no old plan is read.
-    if verify_plan_out is not None:
-        if not isinstance(verify_plan_out, VerifyPlan):
-            raise TypeError(f"kv-canary: verify_plan_out must be a VerifyPlan, got {type(verify_plan_out).__name__}")
-        verify_plan_out.check()
-        cap = int(verify_plan_out.verify_slot_indices.shape[0])
-    else:
-        if verify_capacity is None:
-            raise ValueError("kv-canary: build_plans needs verify_capacity or verify_plan_out")
-        cap = ints.check_int(int(verify_capacity), name="VerifyPlan verify_capacity")
-        if cap <= 0:
-            raise ValueError(f"kv-canary: VerifyPlan verify_capacity must be positive, got {verify_capacity}")
-    if write_plan_out is not None:
-        if not isinstance(write_plan_out, WritePlan):
-            raise TypeError(f"kv-canary: write_plan_out must be a WritePlan, got {type(write_plan_out).__name__}")
-        write_plan_out.check()
-        out_cw = int(write_plan_out.write_seed_slot_indices.shape[0])
-        if write_req_capacity is not None and int(write_req_capacity) != out_cw:
-            raise ValueError(
-                f"kv-canary: write_req_capacity={write_req_capacity} does not match "
-                f"write_plan_out.write_seed_slot_indices.shape[0]={out_cw}"
-            )
-        cw = out_cw
-    else:
-        if write_req_capacity is None:
-            raise ValueError("kv-canary: build_plans needs write_req_capacity or write_plan_out")
-        cw = ints.check_int(int(write_req_capacity), name="WritePlan write_req_capacity")
-        if cw <= 0:
-            raise ValueError(f"kv-canary: WritePlan write_req_capacity must be positive, got {write_req_capacity}")
+    cap = _capacity(verify_plan_out, VerifyPlan, "verify_capacity", verify_capacity)
+    cw = _capacity(write_plan_out, WritePlan, "write_req_capacity", write_req_capacity)
+    if write_plan_out is not None and write_req_capacity is not None and int(write_req_capacity) != cw:
+        raise ValueError(
+            f"kv-canary: write_req_capacity={write_req_capacity} does not match "
+            f"write_plan_out.write_seed_slot_indices.shape[0]={cw}"
+        )
     if cap >= _INT32_MAX:
         raise ValueError(f"kv-canary: verify_capacity must be < 2**31 - 1, got {cap}")
 
@@ -402,83 +394,3 @@ def build_plans(
         cap=cap,
         cw=cw,
     )
-
-
-# --- scatter_req_token_ids -------------------------------------------------------------------------------
-@jax.jit
-def _scatter_impl(flat: jax.Array, offsets: jax.Array, rpi: jax.Array, pool: jax.Array) -> jax.Array:
-    n_tok = flat.shape[0]
-    bs = rpi.shape[0]
-    rows, width = pool.shape
-    cols = min(width, n_tok)
-    if bs == 0 or n_tok == 0 or cols == 0 or rows == 0:
-        return pool
-    start, end = offsets[:-1], offsets[1:]
-    seg = pairs.sub(pairs.unpack(end), pairs.unpack(start))  # int64 segment length
-    write_len = pairs.clamp(seg, cols)  # min(seg, width) where seg > 0; columns past n_tok never load
-    col = jnp.arange(cols, dtype=jnp.int32)
-    flat_idx = pairs.add(pairs.unpack(start[:, None, :]), pairs.from_int32(col[None, :]))  # [bs, cols]
-    row_ok = pairs.in_range(pairs.unpack(rpi), rows)
-    mask = (col[None, :] < write_len[:, None]) & pairs.in_range(flat_idx, n_tok) & row_ok[:, None]
-    vals = flat[jnp.where(mask, flat_idx.lo, 0).astype(jnp.int32), 0]
-    vals = jax.lax.bitcast_convert_type(vals, jnp.int32)  # int64 -> int32 keeps the low word (torch .to)
-    row = jnp.where(row_ok, rpi[:, 0], 0).astype(jnp.int32)
-    # Deterministic "later request wins" for duplicate rows: the highest request index per cell.
-    req = jnp.broadcast_to(jnp.arange(bs, dtype=jnp.int32)[:, None], (bs, cols))
-    r_b = jnp.broadcast_to(row[:, None], (bs, cols))
-    c_b = jnp.broadcast_to(col[None, :], (bs, cols))
-    winner = jnp.full((rows, cols), -1, jnp.int32)
-    winner = winner.at[jnp.where(mask, r_b, rows), c_b].max(req, mode="drop")
-    win = mask & (winner[r_b, c_b] == req)
-    return pool.at[jnp.where(win, r_b, rows), c_b].set(vals, mode="drop")
-
-
-def _check_1d_int(x: Any, name: str) -> jax.Array:
-    shape = tuple(np.shape(x))
-    dt = np.dtype(getattr(x, "dtype", np.asarray(x).dtype))
-    is_pairs = len(shape) == 2 and shape[-1] == 2 and dt in (np.dtype(np.uint32), np.dtype(np.int32))
-    if len(shape) != 1 and not is_pairs:
-        raise ValueError(f"kv-canary: scatter_req_token_ids {name} must be 1-D, got shape {shape}")
-    if dt.kind not in "iu":
-        raise TypeError(f"kv-canary: scatter_req_token_ids {name} must be int64/int32, got {dt}")
-    return ints.as_int64_pairs(x, name=name, shape=(None,))
-
-
-def scatter_req_token_ids(*, flat_in: Any, offsets: Any, req_pool_indices: Any, pool_out: Any) -> jax.Array:
-    """Scatters each request's token ids into its expected-token pool row (SPEC 7.4).
-
-    ``for r in range(bs): n = min(off[r+1] - off[r], L); pool[rpi[r], :n] = int32(flat_in[off[r] : off[r] + n])``
-    with loads masked to valid ``flat_in`` indices (SGLang's Triton kernel); other cells are unchanged.
-
-    Args:
-      flat_in: int64-valued ``[num_tokens]`` (int32, int64, or ``uint32[num_tokens, 2]`` pairs): every
-        request's ``origin_input_ids + output_ids``, concatenated in request order. Values are stored as
-        int32 (low 32 bits, like ``torch .to(int32)``).
-      offsets: int64-valued ``[bs + 1]`` exclusive prefix sums into ``flat_in``.
-      req_pool_indices: int64-valued ``[bs]`` pool rows.
-      pool_out: ``int32[rows, max_context_len]`` expected-token pool.
-
-    Returns:
-      The new ``int32[rows, max_context_len]`` pool (functional; jit-able).
-
-    Decisions: a row outside ``[0, rows)`` writes nothing (CUDA: out of bounds; torch reference: negative
-    rows wrap); two requests naming the same row: the later request wins per cell (Triton: a race).
-
-    Raises:
-      ValueError: wrong ranks, or ``len(offsets) != bs + 1`` (SGLang's messages).
-      TypeError: non-integer inputs, or ``pool_out`` not int32.
-    """
-    flat = _check_1d_int(flat_in, "flat_in")
-    off = _check_1d_int(offsets, "offsets")
-    rpi = _check_1d_int(req_pool_indices, "req_pool_indices")
-    pshape = tuple(np.shape(pool_out))
-    if len(pshape) != 2:
-        raise ValueError(f"kv-canary: scatter_req_token_ids pool_out must be 2-D, got shape {pshape}")
-    pdt = np.dtype(pool_out.dtype) if hasattr(pool_out, "dtype") else np.asarray(pool_out).dtype
-    if pdt != np.dtype(np.int32):
-        raise TypeError(f"kv-canary: scatter_req_token_ids pool_out must be int32, got {pdt}")
-    bs = int(rpi.shape[0])
-    if int(off.shape[0]) != bs + 1:
-        raise ValueError(f"kv-canary: scatter_req_token_ids offsets length {off.shape[0]} != bs+1 ({bs + 1})")
-    pool = pool_out if isinstance(pool_out, jax.Array) else jnp.asarray(np.asarray(pool_out, np.int32))
-    return _scatter_impl(flat, off, rpi, pool)

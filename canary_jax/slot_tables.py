@@ -36,6 +36,9 @@ builder's decisions is in :mod:`canary_jax.plan_builder`):
 
 Errors: constructors and ``check()`` (tracer-safe, static shapes and dtypes only) raise ``TypeError`` /
 ``ValueError`` with ``kv-canary:`` messages.
+
+:class:`ExpectedTokenTable` lives in :mod:`canary_jax.expected_tokens` and :func:`swa_translate` with the
+bounds-safe gathers in :mod:`canary_jax.slot_reads`; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -48,8 +51,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from canary_jax import constants, ints, pairs
-
-_INT32_MAX = 2**31 - 1
+from canary_jax.expected_tokens import ExpectedTokenTable  # re-exported: slot_tables is its historical home
+from canary_jax.slot_reads import (  # the private names stay importable from here, their old home
+    _INT32_MAX,
+    _check_2d_int32,
+    _check_pairs,
+    _check_table_array,
+    _gather_2d,
+    _register_table,
+    _row_gather,
+    swa_translate,
+)
+from canary_jax.slot_reads import _swa_translate as _swa_translate
 
 __all__ = [
     "BlockTable",
@@ -62,108 +75,7 @@ __all__ = [
 ]
 
 
-def _gather_2d(table: jax.Array, row: pairs.U64, col: pairs.U64, fill: int) -> tuple[jax.Array, jax.Array]:
-    """``table[row, col]`` for int64 ``row`` / ``col``; ``fill`` where either is out of range."""
-    n_rows, n_cols = table.shape
-    ok = pairs.in_range(row, n_rows) & pairs.in_range(col, n_cols)
-    r = jnp.where(ok, row.lo, jnp.uint32(0)).astype(jnp.int32)
-    c = jnp.where(ok, col.lo, jnp.uint32(0)).astype(jnp.int32)
-    if n_rows == 0 or n_cols == 0:
-        return jnp.full(r.shape, fill, table.dtype), ok
-    if n_rows * n_cols < 2**31:  # a 1-D gather at a flat index: no index array joins row and column
-        v = table.reshape(-1)[r * n_cols + c]
-    else:
-        v = table[r, c]
-    return jnp.where(ok, v, jnp.asarray(fill, table.dtype)), ok
-
-
-def _swa_translate(s: pairs.U64, lut: jax.Array | None) -> pairs.U64:
-    """:func:`swa_translate` on :class:`~canary_jax.pairs.U64` slots."""
-    if lut is None:
-        return s
-    n = lut.shape[0]
-    neg = pairs.is_negative(s)
-    idx = jnp.where(neg | ~pairs.in_range(s, n), n - 1, s.lo.astype(jnp.int32))
-    idx = jnp.where(neg, 0, idx)
-    return pairs.where(neg, s, pairs.U64(lut[:, 0][idx], lut[:, 1][idx]))
-
-
-def swa_translate(slots: jax.Array, lut: jax.Array | None) -> jax.Array:
-    """SWA translation of int64-pair slots: ``x < 0 -> x``, else ``lut[min(x, len(lut) - 1)]``.
-
-    Args:
-      slots: ``uint32[..., 2]`` int64 full-pool slots.
-      lut: ``uint32[L, 2]`` int64 ``full_to_swa_index_mapping`` (``L >= 1``), or None for the identity.
-
-    Returns:
-      ``uint32[..., 2]``: translated slots (0 = evicted from the SWA pool). Never reads outside the LUT: a
-      slot ``>= L`` clamps to the last entry, like SGLang's kernels (its Python reference raises instead).
-    """
-    if lut is None:
-        return slots
-    return pairs.pack(_swa_translate(pairs.unpack(slots), lut))
-
-
 # --- slot tables: where (request row, position) lives ------------------------------------------------------
-def _register_table(cls, data_fields: tuple[str, ...], meta_fields: tuple[str, ...] = ()):
-    """Registers ``cls`` as a pytree whose unflatten skips ``__post_init__`` (safe on tracers)."""
-
-    def flatten(t):
-        return tuple(getattr(t, n) for n in data_fields), tuple(getattr(t, n) for n in meta_fields)
-
-    def unflatten(meta, children):
-        obj = object.__new__(cls)
-        for n, v in zip(data_fields, children):
-            object.__setattr__(obj, n, v)
-        for n, v in zip(meta_fields, meta):
-            object.__setattr__(obj, n, v)
-        return obj
-
-    jax.tree_util.register_pytree_node(cls, flatten, unflatten)
-    return cls
-
-
-def _dtype_of(x: Any) -> np.dtype:
-    dt = getattr(x, "dtype", None)  # tracers have one; never convert them
-    return np.dtype(np.asarray(x).dtype if dt is None else dt)
-
-
-def _check_table_array(x: Any, name: str, ndim: int, what: str) -> None:
-    """Static check (works on tracers): ``x`` is an int32 array of rank ``ndim``."""
-    shape = tuple(np.shape(x))
-    if len(shape) != ndim:
-        raise ValueError(f"kv-canary: {name} must be {what}, got shape {shape}")
-    dt = _dtype_of(x)
-    if dt != np.dtype(np.int32):
-        raise TypeError(f"kv-canary: {name} must be {what} of dtype int32, got dtype {dt}")
-
-
-def _check_pairs(x: Any, name: str, what: str) -> None:
-    """Static check (works on tracers): ``x`` is an int64-valued ``uint32[n, 2]`` pairs array."""
-    shape = tuple(np.shape(x))
-    dt = _dtype_of(x)
-    if len(shape) != 2 or shape[1] != 2 or dt != np.dtype(np.uint32):
-        raise TypeError(f"kv-canary: {name} must be {what} as uint32[n, 2] pairs, got shape {shape} dtype {dt}")
-
-
-def _check_2d_int32(x: Any, name: str) -> jax.Array:
-    """``x`` as a 2-D int32 ``jax.Array`` (numpy data outside int32 refused); raises ``TypeError`` / ``ValueError``."""
-    if x is None:
-        raise TypeError(f"kv-canary: {name} must be an int32 array, got None")
-    if len(np.shape(x)) != 2:
-        raise ValueError(f"kv-canary: {name} must be 2-D, got shape {tuple(np.shape(x))}")
-    return ints.as_int32(x, name=name, shape=(None, None))
-
-
-def _row_gather(values: jax.Array, batch_row: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(values[batch_row], batch_row < len(values))`` for int32 ``batch_row >= 0`` (never out of bounds)."""
-    n = values.shape[0]
-    ok = batch_row < n
-    if n == 0:
-        return jnp.zeros(batch_row.shape + values.shape[1:], values.dtype), ok
-    return values[jnp.where(ok, batch_row, 0)], ok
-
-
 class SlotTable:
     """Where each (request row, position) of a batch lives in the KV pool: the plan builder's gather source.
 
@@ -411,59 +323,7 @@ class GroupSlotTables:
         return self.full, False
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class ExpectedTokenTable:
-    """An expected-token pool addressed by batch row or by an explicit row per request (verify-token assert).
-
-    ``token(r, p) = tokens[row(r), p]`` with ``row(r) = row_index[r]`` if given, else the batch row ``r``
-    (vLLM's ``InputBatch.token_ids_cpu`` is per batch row and moves with it). A raw ``int32`` pool passed to
-    ``build_plans`` is SGLang's, addressed by ``req_pool_indices[r]``. Reads outside the pool give -1 (no token
-    check), like SGLang's pool.
-
-    Fields:
-      tokens: ``int32[rows, max_context_len]`` token ids (prompt + output) per row.
-      row_index: int64-valued ``[bs]`` pool row of each batch row (e.g. sglang-jax's 0-based
-        ``req_pool_indices``), or None for the batch row itself.
-
-    Raises:
-      TypeError / ValueError: ``tokens`` not 2-D int32 (numpy data outside int32 refused), ``row_index`` not a
-        1-D integer array.
-    """
-
-    tokens: Any
-    row_index: Any = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", _check_2d_int32(self.tokens, "expected tokens"))
-        if self.row_index is not None:
-            object.__setattr__(
-                self, "row_index", ints.as_int64_pairs(self.row_index, name="expected token row_index", shape=(None,))
-            )
-        self.check()
-
-    def check(self) -> None:
-        _check_table_array(self.tokens, "expected tokens", 2, "a 2-D int32 array [rows, max_context_len]")
-        if self.row_index is not None:
-            _check_pairs(self.row_index, "expected token row_index", "int64-valued [bs]")
-        if max(self.tokens.shape) >= _INT32_MAX:
-            raise ValueError(f"kv-canary: expected tokens shape {tuple(self.tokens.shape)} is too large")
-
-    def lookup(self, batch_row: jax.Array, rpi: jax.Array, col: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(int32 token, in_pool)`` for int64-pair ``col``; -1 where the read falls outside the pool."""
-        return self._lookup64(batch_row, pairs.unpack(rpi), pairs.unpack(col))
-
-    def _lookup64(self, batch_row: jax.Array, rpi: pairs.U64, col: pairs.U64) -> tuple[jax.Array, jax.Array]:
-        del rpi
-        if self.row_index is None:
-            row = pairs.from_int32(batch_row)
-        else:
-            row, ok = _row_gather(self.row_index, batch_row)
-            row = pairs.where(ok, pairs.unpack(row), pairs.const(-1, batch_row.shape))
-        return _gather_2d(self.tokens, row, col, -1)
-
-
 _register_table(ReqToTokenTable, ("req_to_token",))
 _register_table(BlockTable, ("block_table",), ("block_size", "null_block"))
 _register_table(RaggedSlotTable, ("cache_loc", "row_starts", "row_lens"))
 _register_table(GroupSlotTables, ("full", "swa"))
-_register_table(ExpectedTokenTable, ("tokens", "row_index"))
