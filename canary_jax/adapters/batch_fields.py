@@ -18,12 +18,12 @@ import numpy as np
 from canary_jax import ints, pairs
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.state import CanaryBatch
-from canary_jax.slot_reads import _dtype_of as _dtype
+from canary_jax.slot_reads import _dtype_of
 from canary_jax.slot_tables import ExpectedTokenTable
 
 
 def _describe(x: Any) -> str:
-    return f"shape {tuple(np.shape(x))} dtype {_dtype(x)}"
+    return f"shape {tuple(np.shape(x))} dtype {_dtype_of(x)}"
 
 
 def _ints(x: Any, who: str, name: str, length: int | None, dims: str) -> Any:
@@ -36,7 +36,7 @@ def _ints(x: Any, who: str, name: str, length: int | None, dims: str) -> Any:
     if x is None:
         raise ValueError(f"kv-canary: {who}: {name} is required (an integer array {dims})")
     shape = tuple(np.shape(x))
-    dt = _dtype(x)
+    dt = _dtype_of(x)
     if dt.kind not in "iu":
         raise TypeError(f"kv-canary: {who}: {name} must be an integer array {dims}, got {_describe(x)}")
     if len(shape) != 1:
@@ -58,7 +58,7 @@ def _table(x: Any, who: str, name: str, ndim: int, dims: str, min_rows: int | No
     shape = tuple(np.shape(x))
     if len(shape) != ndim:
         raise ValueError(f"kv-canary: {who}: {name} must be a {ndim}-D int32 array {dims}, got {_describe(x)}")
-    dt = _dtype(x)
+    dt = _dtype_of(x)
     if dt.kind not in "iu" or (isinstance(x, jax.Array) and dt != np.dtype(np.int32)):
         raise TypeError(f"kv-canary: {who}: {name} must be a {ndim}-D int32 array {dims}, got {_describe(x)}")
     if min_rows is not None and shape[0] < min_rows:
@@ -111,7 +111,7 @@ def _num_reqs(num_reqs: Any, rows: int, who: str) -> jax.Array:
     if num_reqs is None:
         return jnp.int32(rows)
     if isinstance(num_reqs, (jax.Array, np.ndarray)):
-        if num_reqs.shape not in ((), (1,)) or _dtype(num_reqs).kind not in "iu":
+        if num_reqs.shape not in ((), (1,)) or _dtype_of(num_reqs).kind not in "iu":
             raise ValueError(
                 f"kv-canary: {who}: num_reqs must be an int or an integer array of shape () or (1,), got "
                 f"{_describe(num_reqs)}"

@@ -21,19 +21,28 @@ tests or at shutdown).
   sweep_passes=%d violations=%d launch_tags_active=%d/%d`` with protected tokens = sum of slot_run_counters.
 * :class:`HealthChecker` (SGLang ``KernelRunCounterHealthChecker``): every 100 steps from step 100, every
   expected tag's kernel_run_counter must have grown since the previous check, else RuntimeError.
+
+The stats live in :mod:`canary_jax.runtime.stats`, :class:`HealthChecker` and :class:`EnableWarner` in
+:mod:`canary_jax.runtime.health` and the snapshots in :mod:`canary_jax.runtime.snapshots`; all are re-exported
+here, which keeps the violation reporters.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
-from canary_jax import constants, decode, ints, layout
+from canary_jax import decode, layout
+from canary_jax.runtime.health import HEALTH_CHECK_EVERY_N_STEPS as HEALTH_CHECK_EVERY_N_STEPS
+from canary_jax.runtime.health import HEALTH_CHECK_WARMUP_STEPS as HEALTH_CHECK_WARMUP_STEPS
+from canary_jax.runtime.health import EnableWarner, HealthChecker, expected_health_tags
+from canary_jax.runtime.snapshots import _first, _snapshot
+from canary_jax.runtime.stats import DEFAULT_STATS_EVERY_N_STEPS as DEFAULT_STATS_EVERY_N_STEPS
+from canary_jax.runtime.stats import CanaryStats, StatsLogger, canary_stats, format_stats
 
 logger = logging.getLogger("canary_jax")
 
@@ -52,9 +61,6 @@ __all__ = [
 ]
 
 MODES = ("none", "log", "raise")
-HEALTH_CHECK_EVERY_N_STEPS = 100
-HEALTH_CHECK_WARMUP_STEPS = 100
-DEFAULT_STATS_EVERY_N_STEPS = 100
 
 
 def validate_mode(mode: str) -> str:
@@ -67,21 +73,6 @@ def validate_mode(mode: str) -> str:
     if m not in MODES:
         raise ValueError(f"kv-canary: kv_canary must be one of none/log/raise, got '{mode}'")
     return m
-
-
-def _snapshot(x: Any) -> Any:
-    """Starts a device-to-host copy (non-blocking) and returns the array to read later."""
-    if isinstance(x, jax.Array):
-        try:
-            x.copy_to_host_async()
-        except Exception:  # pragma: no cover - backends without async copies
-            pass
-    return x
-
-
-def _first(x: Any) -> int:
-    """``x.reshape(-1)[0]`` as a Python int (a device-to-host read when ``x`` is a device array)."""
-    return int(np.asarray(x).reshape(-1)[0])
 
 
 class CanaryViolationError(RuntimeError):
@@ -293,252 +284,3 @@ class ViolationMonitor:
         self._pending = None
         self.last_records = []
         return self._report(log, log.num_violations(), step=step, recorded=int(step))
-
-
-class EnableWarner:
-    """SGLang's ``CanaryEnableWarner``: when a per-forward verify plan overflowed (``enable == 0``: the verify was
-    skipped, nothing was checked that step), warn once per such step, one step late.
-
-    The warning is SGLang's text: ``kv-canary: per-forward verify skipped this step due to overflow (total=%d,
-    capacity=%d); check ServerArgs / pool sizing``, where ``total`` counts the overflowed steps so far.
-
-    Args:
-      verify_capacity: the per-forward verify capacity (printed).
-      delayed: read the previous step's snapshot (True) or the current flags (False).
-      log: the logger (default ``canary_jax``).
-
-    Attributes:
-      overflow_count_total: steps seen with a skipped verify.
-    """
-
-    def __init__(self, *, verify_capacity: int, delayed: bool = True, log: logging.Logger | None = None) -> None:
-        self.verify_capacity = int(verify_capacity)
-        self.delayed = bool(delayed)
-        self._logger = log or logger
-        self._pending = None
-        self.overflow_count_total = 0
-
-    def tick(self, verify_enable: Any) -> bool:
-        """Call once per step with the step's ``StepSummary.verify_enable`` (``int32[G]``, one flag per group).
-
-        Returns:
-          True if the step read now (the previous one when delayed) skipped its verify.
-        """
-        if self.delayed:
-            verify_enable, self._pending = self._pending, _snapshot(verify_enable)
-            if verify_enable is None:
-                return False
-        if int(np.asarray(verify_enable).min()) != 0:
-            return False
-        self.overflow_count_total += 1
-        self._logger.warning(
-            "kv-canary: per-forward verify skipped this step due to overflow "
-            "(total=%d, capacity=%d); check ServerArgs / pool sizing",
-            self.overflow_count_total,
-            self.verify_capacity,
-        )
-        return True
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CanaryStats:
-    """Summary statistics of a canary run (SGLang's periodic stats line, plus a few extras).
-
-    Fields:
-      step: the outer step.
-      protected_tokens: sum over tags of slot_run_counters (entries verified + slots written).
-      sweep_passes: completed sweep passes (host count, e.g.
-        :attr:`canary_jax.runtime.sweep.SweepSchedule.sweep_passes`).
-      violations: the ring's write index (all violations ever recorded).
-      ring_overflow: violations beyond the ring capacity were dropped.
-      launch_tags_active: tags the manager launches; ``num_tags`` = 12.
-      kernel_runs: per-tag kernel_run_counters (int64 numpy ``[12]``).
-      slot_runs: per-tag slot_run_counters (int64 numpy ``[12]``).
-    """
-
-    step: int
-    protected_tokens: int
-    sweep_passes: int
-    violations: int
-    ring_overflow: bool
-    launch_tags_active: int
-    num_tags: int
-    kernel_runs: np.ndarray
-    slot_runs: np.ndarray
-
-    def line(self) -> str:
-        return format_stats(self)
-
-
-def canary_stats(
-    log: layout.ViolationLog, *, step: int = 0, sweep_passes: int = 0, active_tags: Sequence[int] = ()
-) -> CanaryStats:
-    """Reads the log's counters back and summarises them (one device-to-host copy)."""
-    slot_runs, kernel_runs = log.counters()
-    wi = log.num_violations()
-    return CanaryStats(
-        step=int(step),
-        protected_tokens=int(slot_runs.sum()),
-        sweep_passes=int(sweep_passes),
-        violations=wi,
-        ring_overflow=wi > log.ring_capacity,
-        launch_tags_active=len(tuple(active_tags)),
-        num_tags=constants.NUM_LAUNCH_TAGS,
-        kernel_runs=kernel_runs,
-        slot_runs=slot_runs,
-    )
-
-
-def format_stats(stats: CanaryStats) -> str:
-    """``[canary] step=%d protected_tokens=%d sweep_passes=%d violations=%d launch_tags_active=%d/%d``."""
-    return (
-        f"[canary] step={stats.step} protected_tokens={stats.protected_tokens} "
-        f"sweep_passes={stats.sweep_passes} violations={stats.violations} "
-        f"launch_tags_active={stats.launch_tags_active}/{stats.num_tags}"
-    )
-
-
-class StatsLogger:
-    """Logs :func:`format_stats` at INFO every ``every_n_steps`` outer steps, skipping step 0 (SGLang
-    ``PeriodicCanaryStatsLogger``; ``every_n_steps <= 0`` disables it). Reads a snapshot taken one call
-    earlier when ``delayed``.
-    """
-
-    def __init__(
-        self,
-        *,
-        active_tags: Sequence[int] = (),
-        every_n_steps: int = DEFAULT_STATS_EVERY_N_STEPS,
-        delayed: bool = False,
-        log: logging.Logger | None = None,
-    ) -> None:
-        self.active_tags = tuple(active_tags)
-        self.every_n_steps = int(every_n_steps)
-        self.delayed = bool(delayed)
-        self._logger = log or logger
-        self._pending = None
-
-    def step(self, log: layout.ViolationLog, *, step: int, sweep_passes: int = 0) -> str | None:
-        """Returns the logged line, if any."""
-        due = self.every_n_steps > 0 and step != 0 and step % self.every_n_steps == 0
-        snap = (
-            (
-                int(step),
-                _snapshot(log.slot_run_counters),
-                _snapshot(log.write_index),
-                _snapshot(log.kernel_run_counters),
-                log.ring_capacity,
-            )
-            if due
-            else None
-        )
-        if self.delayed:
-            snap, self._pending = self._pending, snap
-        if snap is None:
-            return None
-        s, slot_p, wi, krc, cap = snap
-        slot_runs = ints.pairs_to_int64_np(np.asarray(slot_p))
-        nviol = int(np.asarray(wi).reshape(-1)[0])
-        stats = CanaryStats(
-            step=s,
-            protected_tokens=int(slot_runs.sum()),
-            sweep_passes=int(sweep_passes),
-            violations=nviol,
-            ring_overflow=nviol > cap,
-            launch_tags_active=len(self.active_tags),
-            num_tags=constants.NUM_LAUNCH_TAGS,
-            kernel_runs=ints.pairs_to_int64_np(np.asarray(krc)),
-            slot_runs=slot_runs,
-        )
-        line = format_stats(stats)
-        self._logger.info(line)
-        return line
-
-
-def expected_health_tags(
-    active_tags: Iterable[int], *, sweep_interval: int = 0, enable_v_half: bool = False
-) -> tuple[constants.CanaryLaunchTag, ...]:
-    """Active tags minus SWEEP tags when ``sweep_interval <= 0`` and minus V-half tags unless
-    ``enable_v_half`` (SGLang's ``_expected_active_tags_for_health_check``)."""
-    out = []
-    for t in active_tags:
-        tag = constants.CanaryLaunchTag(int(t))
-        if tag.is_sweep and sweep_interval <= 0:
-            continue
-        if tag.is_v_half and not enable_v_half:
-            continue
-        out.append(tag)
-    return tuple(out)
-
-
-class HealthChecker:
-    """Checks that every expected tag's kernel_run_counter keeps growing (SGLang
-    ``KernelRunCounterHealthChecker``): a silently skipped canary path must not look like a clean run.
-
-    Args:
-      active_tags: tags the manager launches (e.g. :func:`canary_jax.runtime.state.active_tags`).
-      sweep_interval: 0 = no sweeps (SWEEP tags are not expected).
-      enable_v_half: V-half tags are expected only when on.
-      every_n_steps, warmup_steps: check at steps ``s >= warmup_steps`` with ``s % every_n_steps == 0``.
-      delayed: compare a snapshot taken at the previous call (SGLang's delayed D2H) instead of now.
-    """
-
-    def __init__(
-        self,
-        active_tags: Iterable[int],
-        *,
-        sweep_interval: int = 0,
-        enable_v_half: bool = False,
-        every_n_steps: int = HEALTH_CHECK_EVERY_N_STEPS,
-        warmup_steps: int = HEALTH_CHECK_WARMUP_STEPS,
-        delayed: bool = False,
-    ) -> None:
-        self.active_tags = tuple(constants.CanaryLaunchTag(int(t)) for t in active_tags)
-        self.expected_tags = expected_health_tags(
-            self.active_tags, sweep_interval=sweep_interval, enable_v_half=enable_v_half
-        )
-        self.every_n_steps = int(every_n_steps)
-        self.warmup_steps = int(warmup_steps)
-        self.delayed = bool(delayed)
-        self._prev = np.zeros((constants.NUM_LAUNCH_TAGS,), np.int64)
-        self._pending = None
-
-    def due(self, step: int) -> bool:
-        return (
-            bool(self.active_tags)
-            and self.every_n_steps > 0
-            and step >= self.warmup_steps
-            and step % self.every_n_steps == 0
-        )
-
-    def step(self, log: layout.ViolationLog, *, step: int) -> None:
-        """Call once per outer step.
-
-        Raises:
-          RuntimeError: ``kv-canary: kernel_run_counter did not increase since previous check for
-            tags=[...] at step=S; canary path is not executing``.
-        """
-        snap = _snapshot(log.kernel_run_counters) if self.due(step) else None
-        if self.delayed:
-            snap, self._pending = self._pending, snap
-        if snap is not None:
-            self.check(ints.pairs_to_int64_np(np.asarray(snap)), step=step)
-
-    def check(self, kernel_run_counters: Any, *, step: int) -> None:
-        """Compares host counters (int64 ``[12]``, or a ViolationLog) with the previous check.
-
-        Raises:
-          RuntimeError: as :meth:`step`.
-        """
-        if isinstance(kernel_run_counters, layout.ViolationLog):
-            kernel_run_counters = kernel_run_counters.counters()[1]
-        cur = np.asarray(kernel_run_counters, np.int64).reshape(-1)
-        delta = cur - self._prev[: cur.shape[0]] if cur.shape[0] <= self._prev.shape[0] else cur
-        self._prev = cur.copy()
-        stalled = [t for t in self.expected_tags if int(t) >= cur.shape[0] or int(delta[int(t)]) == 0]
-        if stalled:
-            names = ", ".join(t.name for t in stalled)
-            raise RuntimeError(
-                f"kv-canary: kernel_run_counter did not increase since previous check for tags=[{names}] "
-                f"at step={step}; canary path is not executing"
-            )
