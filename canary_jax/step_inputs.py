@@ -6,6 +6,7 @@ Kept so ``canary_jax.step_inputs.CanaryCapacities`` and the rest keep importing;
 
 from __future__ import annotations
 
+from canary_jax.runtime import step_inputs as _moved
 from canary_jax.runtime.prepare import _INT32_MAX, _INT32_MIN  # noqa: F401  (old names)
 from canary_jax.runtime.prepare import check_host_int32 as _check_host_int32  # noqa: F401  (old name)
 from canary_jax.runtime.step_inputs import (  # noqa: F401  (re-exported)
@@ -20,10 +21,4 @@ from canary_jax.runtime.step_inputs import (  # noqa: F401  (re-exported)
     parse_real_kv_hash_mode,
 )
 
-__all__ = [
-    "VERIFY_CAPACITY_POOL_FACTOR",
-    "CanaryCapacities",
-    "StepInputs",
-    "normalize_sources",
-    "parse_real_kv_hash_mode",
-]
+__all__ = list(_moved.__all__)

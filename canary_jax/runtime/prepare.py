@@ -31,6 +31,7 @@ from canary_jax.runtime import shapes
 from canary_jax.runtime.groups import PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
 from canary_jax.runtime.step_inputs import _STEP_INPUT_INT32_FIELDS, _describe_signature, _table_signature
+from canary_jax.slot_tables import _INT32_MAX
 
 __all__ = [
     "GuardLimits",
@@ -43,7 +44,7 @@ __all__ = [
     "prepare_batch",
 ]
 
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_INT32_MIN = -(2**31)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from canary_jax import constants, ints
-from canary_jax.runtime.state import CanaryBatch
+from canary_jax.runtime.state import _INDEX_FIELDS, CanaryBatch
 from canary_jax.sources import RealKvSource
 
 __all__ = [
@@ -44,15 +44,9 @@ __all__ = [
     "parse_real_kv_hash_mode",
 ]
 
-_STEP_INPUT_INT32_FIELDS = (
-    "req_pool_indices",
-    "prefix_lens",
-    "extend_seq_lens",
-    "input_ids",
-    "positions",
-    "out_cache_loc",
-)  # the int64-valued batch fields step_fn receives as int32 (StepInputs; the guard's host int32 check,
+# the int64-valued batch fields step_fn receives as int32 (StepInputs; the guard's host int32 check,
 # :func:`canary_jax.runtime.prepare.check_host_int32`, reads the same tuple)
+_STEP_INPUT_INT32_FIELDS = _INDEX_FIELDS
 VERIFY_CAPACITY_POOL_FACTOR = 3  # SGLang: per_forward_verify_capacity = pool_slot_count * 3
 
 
