@@ -19,7 +19,7 @@ import numpy as np
 
 from canary_jax import constants, coverage, sources, validation
 from canary_jax.plan_builder import build_plans
-from canary_jax.runtime import shapes
+from canary_jax.runtime import prepare, shapes
 from canary_jax.runtime.endpoints import launch_group, split_sources
 from canary_jax.runtime.groups import PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryPlans, CanaryState, CanaryStepConfig, StepSummary
@@ -79,9 +79,9 @@ def join(bufs: tuple, shell: CanaryState) -> CanaryState:
 
 
 def eager_batch(batch: CanaryBatch, config: CanaryStepConfig) -> tuple[CanaryBatch, np.ndarray]:
-    t, rows = shapes.padded_batch_shape(batch, config)
-    n = np.int32(batch.num_tokens)
-    return shapes.pad_batch(batch, num_tokens=t, num_rows=rows), n
+    """``(padded batch, np.int32 num_tokens)``: :func:`canary_jax.runtime.prepare.pad_eager` (kept for callers
+    of this name; the step API prepares its batches through :func:`~canary_jax.runtime.prepare.prepare_batch`)."""
+    return prepare.pad_eager(batch, config)
 
 
 def plan_impl(state: CanaryState, batch: CanaryBatch, config: CanaryStepConfig) -> CanaryPlans:

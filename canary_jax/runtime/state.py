@@ -78,13 +78,16 @@ class CanaryStepConfig:
         object.__setattr__(self, "real_kv_hash_mode", constants.RealKvHashMode(int(self.real_kv_hash_mode)))
 
 
-_BATCH_FIELDS = (
+_INDEX_FIELDS = (
     "req_pool_indices",
     "prefix_lens",
     "extend_seq_lens",
     "input_ids",
     "positions",
     "out_cache_loc",
+)  # the int64-valued [bs] / [T] fields every step reads (StepInputs hands them to step_fn as int32)
+_BATCH_FIELDS = (
+    *_INDEX_FIELDS,
     "req_to_token",
     "expected_inputs",
     "req_to_verify_expected_tokens",

@@ -19,13 +19,15 @@ for a launched half is refused.
 Each public function is a thin wrapper: it validates everything static (raising ``TypeError`` / ``ValueError``
 before anything is traced or changed), then
 
-* called eagerly (concrete arrays): pads the batch to bucket shapes (:mod:`canary_jax.runtime.shapes`) and runs
+* called eagerly (concrete arrays): pads the batch to bucket shapes and runs
   one jitted program per (config, bucket) that donates the state's canary buffers (updated in place; use the
   returned state, not the one you passed). The violation log is not donated, so snapshots of it stay valid;
 * called inside a caller's ``jit``: runs inline, unpadded (the caller's shapes are fixed; XLA updates in place).
 
-Eagerly, the *values* of the batch's host (numpy) fields are checked too (:func:`check_batch_values`: request
-rows, lengths, extends against the tokens, written slots against the canary buffer). Nothing syncs with the
+Every call hands its batch to :func:`canary_jax.runtime.prepare.prepare_batch`, the one place that checks it
+(statically; eagerly also the *values* of its host (numpy) fields, :func:`check_batch_values`: request rows,
+lengths, extends against the tokens, written slots against the canary buffer) and pads it to bucket shapes
+(:mod:`canary_jax.runtime.shapes`). Nothing syncs with the
 host to read device data and nothing raises on device data: inside a ``jit`` (or for fields held as JAX
 arrays) those values are the caller's contract, violations land in the ring, plan overflow clears
 ``summary.verify_enable``. The types live in :mod:`canary_jax.runtime.state`; host-side reporting (ring decode,
@@ -39,12 +41,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
-from canary_jax import buckets, ints, validation
+from canary_jax import buckets, validation
 from canary_jax.plans import VerifyPlan
-from canary_jax.runtime import phases, shapes, slot_coverage
-from canary_jax.runtime.groups import PoolKind
+from canary_jax.runtime import phases, prepare, shapes, slot_coverage
+from canary_jax.runtime.prepare import check_batch as _check_batch  # noqa: F401  (old name)
+from canary_jax.runtime.prepare import check_batch_values
 from canary_jax.runtime.state import CanaryBatch, CanaryPlans, CanaryState, CanaryStepConfig, StepSummary
 
 __all__ = [
@@ -86,22 +88,11 @@ def _has_deleted(tree: Any) -> bool:
     )
 
 
-def _check_batch(batch: Any, config: CanaryStepConfig) -> None:
-    if not isinstance(batch, CanaryBatch):
-        raise TypeError(f"kv-canary: batch must be a CanaryBatch, got {type(batch).__name__}")
-    if config.enable_write_input_assert:
-        has = batch.expected_inputs is not None
-        validation.check_expected_inputs(True, has_tokens=has, has_positions=has)
-    if config.enable_verify_token_assert and (
-        batch.req_to_verify_expected_tokens is None or batch.req_to_verify_expected_tokens_valid_lens is None
-    ):
+def _check_kv_state(kv_state: Any) -> None:
+    if _has_deleted(kv_state):
         raise ValueError(
-            "kv-canary: enable_verify_token_assert=True requires batch.req_to_verify_expected_tokens "
-            "(and req_to_verify_expected_tokens_valid_lens)"
-        )
-    if batch.batch_size > config.write_req_capacity:
-        raise ValueError(
-            f"kv-canary: the batch has {batch.batch_size} rows but write_req_capacity is {config.write_req_capacity}"
+            "kv-canary: kv_state holds an array donated by an earlier call (canary_step donates kv_state when "
+            "called eagerly); use the kv_state that call returned"
         )
 
 
@@ -110,107 +101,6 @@ def _check_plans(plans: Any, state: CanaryState) -> None:
         raise TypeError(f"kv-canary: plans must be CanaryPlans, got {type(plans).__name__}")
     if len(plans.per_group) != len(state.groups):
         raise ValueError(f"kv-canary: plans cover {len(plans.per_group)} groups but the state has {len(state.groups)}")
-
-
-def _host_int64(x: Any) -> np.ndarray | None:
-    """A batch field's exact int64 values when it is host data (numpy pairs), else None (JAX arrays and
-    tracers: their values are never read on the host)."""
-    return ints.pairs_to_int64_np(x) if isinstance(x, np.ndarray) else None
-
-
-def _slot_limit(state: CanaryState) -> tuple[int, str]:
-    """The exclusive bound of ``out_cache_loc`` over the state's groups, and which group sets it: a FULL group's
-    canary slots, an SWA group's LUT length (``out_cache_loc`` holds full-pool slots, translated through it)."""
-    limits = []
-    for i, g in enumerate(state.groups):
-        if g.kind is PoolKind.SWA:
-            limits.append((int(g.swa_index_lut.shape[0]), f"the length of group {i}'s (SWA) swa_index_lut"))
-        else:
-            limits.append((int(g.k_head.shape[0]), f"num_slots of group {i}'s ({g.kind.name}) canary buffers"))
-    return min(limits, key=lambda e: e[0])
-
-
-def check_batch_values(state: CanaryState, batch: CanaryBatch) -> None:
-    """Checks the *values* of a batch's host (numpy) fields against SGLang's contract and the state.
-
-    Runs on host data only, before anything is traced or changed (eager calls of the step API and
-    :class:`~canary_jax.integration.CanaryGuard`); a field held as a JAX array or tracer is not read (no host
-    sync), so inside a ``jit`` (or with device fields) these are the caller's contract, and the kernels then
-    behave as SGLang's production kernels (:mod:`canary_jax.reference`, :mod:`canary_jax.plan_builder`): a
-    write slot ``>= num_slots`` is skipped (not written, not counted: that token is not protected), a
-    negative extend writes nothing and a negative prefix verifies nothing (the row's chain restarts at the
-    anchor), extends past the token arrays read tokens owned by no request, and a ``req_to_token`` row outside
-    the table reads as slot 0 (verify skips it).
-
-    Accepted, as SGLang accepts them: padding rows (``req_pool_indices`` 0) with any lengths; tokens past the
-    non-padding rows' extends (owned by no request, never written); negative ``out_cache_loc`` entries (the
-    write kernel skips them: SGLang's ``slot < 0`` rule, sglang-jax's padding -1); ``out_cache_loc`` 0 (the
-    padding slot).
-
-    Raises:
-      ValueError: naming the field, the index, the value and the limit: ``req_pool_indices`` negative or
-        ``>=`` the rows of a dense ``req_to_token``; ``prefix_lens`` / ``extend_seq_lens`` negative on a
-        non-padding row; the non-padding rows' ``extend_seq_lens`` summing to more than the batch's tokens;
-        ``out_cache_loc`` of a token a request writes ``>=`` the canary buffer's slots (a FULL group's
-        ``num_slots``, an SWA group's LUT length).
-    """
-    rpi = _host_int64(batch.req_pool_indices)
-    if rpi is None:
-        return
-    neg = np.flatnonzero(rpi < 0)
-    if neg.size:
-        i = int(neg[0])
-        raise ValueError(
-            f"kv-canary: req_pool_indices[{i}] = {int(rpi[i])} is negative; 0 is the padding row "
-            "(SGLang's REQ_POOL_IDX_PADDING) and request rows start at 1"
-        )
-    table = batch.req_to_token
-    if getattr(table, "ndim", None) == 2:
-        rows = int(table.shape[0])
-        big = np.flatnonzero(rpi >= rows)
-        if big.size:
-            i = int(big[0])
-            raise ValueError(
-                f"kv-canary: req_pool_indices[{i}] = {int(rpi[i])} is outside req_to_token's {rows} rows "
-                f"(request rows 1..{rows - 1}; 0 is the padding row)"
-            )
-    live = rpi != 0
-    lens = {}
-    for name in ("prefix_lens", "extend_seq_lens"):
-        v = _host_int64(getattr(batch, name))
-        lens[name] = v
-        if v is None:
-            continue
-        bad = np.flatnonzero(live & (v < 0))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(
-                f"kv-canary: {name}[{i}] = {int(v[i])} is negative on a non-padding row "
-                f"(req_pool_indices[{i}] = {int(rpi[i])})"
-            )
-    extend = lens["extend_seq_lens"]
-    if extend is None:
-        return
-    owned_per_row = [int(e) if ok else 0 for e, ok in zip(extend.tolist(), live.tolist())]
-    total, t = sum(owned_per_row), batch.num_tokens
-    if total > t:
-        raise ValueError(
-            f"kv-canary: the non-padding rows' extend_seq_lens sum to {total} but the batch has {t} tokens "
-            "(input_ids, positions, out_cache_loc)"
-        )
-    loc = _host_int64(batch.out_cache_loc)
-    if loc is None or total == 0:
-        return
-    limit, what = _slot_limit(state)
-    bad = np.flatnonzero(loc[:total] >= limit)
-    if bad.size:
-        i = int(bad[0])
-        r = int(np.searchsorted(np.cumsum(owned_per_row), i, side="right"))
-        raise ValueError(
-            f"kv-canary: out_cache_loc[{i}] = {int(loc[i])} is outside [0, {limit}) ({what}); token {i} is "
-            f"written by row {r} (req_pool_indices[{r}] = {int(rpi[r])}). Negative entries skip the write "
-            "(SGLang's padding); slots past the canary buffer are refused"
-        )
 
 
 _KV_WRITE_FNS: dict = {}  # config -> hashes of the kv_write_fns it has seen eagerly (None once warned)
@@ -256,12 +146,11 @@ def canary_plan(state: CanaryState, batch: CanaryBatch, *, config: CanaryStepCon
     """
     config = _check_config(config)
     _check_state(state)
-    _check_batch(batch, config)
-    if shapes.is_traced(state, batch):
-        return phases.plan_impl(state, batch, config)
-    check_batch_values(state, batch)
-    batch, _ = phases.eager_batch(batch, config)
-    return phases.plan_jit(phases.split(state)[1], batch, config=config)
+    traced = shapes.is_traced(state, batch)
+    prep = prepare.prepare_batch(state, batch, config, traced=traced)
+    if traced:
+        return phases.plan_impl(state, prep.launch, config)
+    return phases.plan_jit(phases.split(state)[1], prep.launch, config=config)
 
 
 def canary_head(
@@ -291,15 +180,14 @@ def canary_head(
     """
     config = _check_config(config)
     _check_state(state)
-    _check_batch(batch, config)
+    traced = shapes.is_traced(state, batch, plans)
+    prep = prepare.prepare_batch(state, batch, config, traced=traced)
     if plans is not None:
         _check_plans(plans, state)
-    if shapes.is_traced(state, batch, plans):
-        return phases.head_impl(state, batch, plans, None, config)
-    check_batch_values(state, batch)
-    batch, n = phases.eager_batch(batch, config)
+    if traced:
+        return phases.head_impl(state, prep.launch, plans, None, config)
     bufs, shell = phases.split(state)
-    return phases.head_jit(bufs, shell, batch, plans, n, config=config)
+    return phases.head_jit(bufs, shell, prep.launch, plans, prep.num_tokens, config=config)
 
 
 def canary_tail(
@@ -339,18 +227,16 @@ def canary_tail(
     """
     config = _check_config(config)
     _check_state(state)
-    _check_batch(batch, config)
     _check_plans(plans, state)
     srcs = phases.check_sources(real_kv_sources, state, config, "canary_tail")
-    if shapes.is_traced(state, plans, batch, srcs):
-        validation.warn_unhashed_sources(srcs, config.real_kv_hash_mode, who="canary_tail")
-        return phases.tail_impl(state, plans, batch, srcs, None, config)
-    check_batch_values(state, batch)
+    traced = shapes.is_traced(state, plans, batch, srcs)
+    prep = prepare.prepare_batch(state, batch, config, traced=traced)
     validation.warn_unhashed_sources(srcs, config.real_kv_hash_mode, who="canary_tail")
+    if traced:
+        return phases.tail_impl(state, plans, prep.launch, srcs, None, config)
     checked = slot_coverage.check_tail(state, plans, batch, srcs, config)
-    batch, n = phases.eager_batch(batch, config)
     bufs, shell = phases.split(state)
-    return phases.tail_jit(bufs, shell, plans, batch, srcs, n, config=config, slots_checked=checked)
+    return phases.tail_jit(bufs, shell, plans, prep.launch, srcs, prep.num_tokens, config=config, slots_checked=checked)
 
 
 def canary_step(
@@ -393,21 +279,17 @@ def canary_step(
     """
     config = _check_config(config)
     _check_state(state)
-    _check_batch(batch, config)
+    traced = shapes.is_traced(state, batch, kv_state)
+    if not traced:
+        _check_kv_state(kv_state)
+    prep = prepare.prepare_batch(state, batch, config, traced=traced)
     if not callable(kv_write_fn):
         raise TypeError(f"kv-canary: kv_write_fn must be callable, got {type(kv_write_fn).__name__}")
-    if shapes.is_traced(state, batch, kv_state):
-        return phases.step_impl(state, batch, kv_write_fn, kv_state, None, config)
-    if _has_deleted(kv_state):
-        raise ValueError(
-            "kv-canary: kv_state holds an array donated by an earlier call (canary_step donates kv_state when "
-            "called eagerly); use the kv_state that call returned"
-        )
-    check_batch_values(state, batch)
+    if traced:
+        return phases.step_impl(state, prep.launch, kv_write_fn, kv_state, None, config)
     _count_kv_write_fn(kv_write_fn, config)
-    batch, n = phases.eager_batch(batch, config)
     bufs, shell = phases.split(state)
-    return phases.step_jit(bufs, shell, batch, kv_state, n, kv_write_fn=kv_write_fn, config=config)
+    return phases.step_jit(bufs, shell, prep.launch, kv_state, prep.num_tokens, kv_write_fn=kv_write_fn, config=config)
 
 
 def canary_sweep(

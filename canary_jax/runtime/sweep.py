@@ -31,6 +31,8 @@ import numpy as np
 from canary_jax import ints
 from canary_jax.plan_builder import build_plans
 from canary_jax.plans import VerifyPlan
+from canary_jax.runtime import shapes
+from canary_jax.runtime.groups import PoolKind
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ __all__ = [
     "build_sweep_plan_from_radix",
     "build_sweep_plan_from_requests",
     "sweep_entries_to_plan",
+    "sweep_source_plans",
     "walk_radix_tree",
 ]
 
@@ -266,3 +269,59 @@ class SweepSchedule:
         self.sweep_passes += 1
         if self.sweep_passes % _SWEEP_PASS_LOG_EVERY == 0:
             logger.info("[canary] sweep succeeded %d times (last_step=%d)", self.sweep_passes, int(step))
+
+
+def sweep_source_plans(src: Any, groups: Sequence, luts: Sequence, *, capacity: int) -> tuple:
+    """One sweep VerifyPlan (or None) per buffer group from what a guard's ``sweep_source`` returned.
+
+    Args:
+      src: a radix-tree root (anything :func:`walk_radix_tree` walks; SWA groups translate it through their LUT
+        and skip SWA tombstones), :class:`SweepEntries`, a :class:`~canary_jax.plans.VerifyPlan` (single group,
+        padded to ``capacity``), a sequence with one of these (or None) per group, or None.
+      groups: the state's :class:`~canary_jax.runtime.groups.CanaryBufferGroup` s.
+      luts: each group's full-to-SWA LUT as host int64 (None for FULL groups).
+      capacity: the sweep plans' entries (the guard's ``sweep_capacity``).
+
+    Raises:
+      ValueError: not one entry per group; a VerifyPlan for several groups or over ``capacity``.
+      RuntimeError: radix or SweepEntries sources with more entries than ``capacity`` (SGLang's message).
+      TypeError: anything else.
+    """
+    g = len(groups)
+    cap = capacity
+    if src is None:
+        return (None,) * g
+    per_group = tuple(src) if isinstance(src, (list, tuple)) and not isinstance(src, SweepEntries) else None
+    if per_group is not None and len(per_group) != g:
+        raise ValueError(f"kv-canary: sweep_source returned {len(per_group)} entries for {g} groups")
+    out = []
+    for i, grp in enumerate(groups):
+        item = per_group[i] if per_group is not None else src
+        lut = luts[i]
+        if item is None:
+            out.append(None)
+        elif isinstance(item, VerifyPlan):
+            if per_group is None and g > 1:
+                raise ValueError("kv-canary: a VerifyPlan sweep source fits one group; return one per group")
+            if item.verify_capacity > cap:
+                raise ValueError(
+                    f"kv-canary: the sweep plan has capacity {item.verify_capacity} but sweep_capacity is {cap}"
+                )
+            out.append(shapes.pad_verify_plan(item, cap))
+        elif isinstance(item, SweepEntries):
+            out.append(sweep_entries_to_plan(item, verify_capacity=cap, full_to_swa_index_mapping=lut))
+        elif hasattr(item, "children"):
+            out.append(
+                build_sweep_plan_from_radix(
+                    item,
+                    verify_capacity=cap,
+                    full_to_swa_index_mapping=lut,
+                    swa_resident_only=grp.kind is PoolKind.SWA,
+                )
+            )
+        else:
+            raise TypeError(
+                "kv-canary: sweep_source must return a radix root, SweepEntries, a VerifyPlan, one of these "
+                f"per group, or None; got {type(item).__name__}"
+            )
+    return tuple(out)
