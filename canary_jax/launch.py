@@ -147,6 +147,28 @@ def check_coverage(
     coverage.check_slots(covs, entries, slots, op=op, name=name)
 
 
+def verify_plan_hashed(plan: VerifyPlan, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(entries, slots)`` a verify of ``plan`` hashes (:func:`canary_jax.coverage.verify_hashed`), read from the
+    plan's concrete arrays on the host (a device copy)."""
+    return coverage.verify_hashed(
+        ints.pairs_to_int64_np(plan.verify_slot_indices),
+        int(np.asarray(plan.verify_num_valid)[0]),
+        int(np.asarray(plan.enable)[0]),
+        num_slots,
+    )
+
+
+def write_plan_hashed(plan: WritePlan, out_cache_loc: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(entries, slots)`` a write of ``plan`` over host ``int64`` ``out_cache_loc`` hashes
+    (:func:`canary_jax.coverage.write_hashed`), the plan read on the host."""
+    return coverage.write_hashed(
+        ints.pairs_to_int64_np(plan.write_offsets),
+        int(np.asarray(plan.write_num_valid_reqs)[0]),
+        out_cache_loc,
+        num_slots,
+    )
+
+
 # --- verify ----------------------------------------------------------------------------------------------
 def verify(
     context: VerifyOrWriteContext,
@@ -191,12 +213,7 @@ def verify(
         tracing=tracing,
         op="verify",
         name="plan.verify_slot_indices",
-        hashed=lambda n: coverage.verify_hashed(
-            ints.pairs_to_int64_np(plan.verify_slot_indices),
-            int(np.asarray(plan.verify_num_valid)[0]),
-            int(np.asarray(plan.enable)[0]),
-            n,
-        ),
+        hashed=lambda n: verify_plan_hashed(plan, n),
     )
     fn = _implementation("verify", backend, context)
     if tracing:
@@ -316,12 +333,7 @@ def write(
         tracing=tracing,
         op="write",
         name="out_cache_loc",
-        hashed=lambda n: coverage.write_hashed(
-            ints.pairs_to_int64_np(plan.write_offsets),
-            int(np.asarray(plan.write_num_valid_reqs)[0]),
-            ints.pairs_to_int64_np(loc),
-            n,
-        ),
+        hashed=lambda n: write_plan_hashed(plan, ints.pairs_to_int64_np(loc), n),
     )
     fn = _implementation("write", backend, context)
     flag = bool(enable_write_input_assert)

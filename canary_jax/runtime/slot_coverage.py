@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
-from canary_jax import constants, coverage, ints, sources
+from canary_jax import constants, coverage, ints, launch, sources
 from canary_jax.runtime.groups import PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryPlans, CanaryState, CanaryStepConfig
 from canary_jax.slot_tables import swa_translate
@@ -34,12 +32,7 @@ def _halves(state: CanaryState, srcs: Sequence, config: CanaryStepConfig):
 
 
 def _verify(covs, vp, n: int, what: str) -> None:
-    entries, slots = coverage.verify_hashed(
-        ints.pairs_to_int64_np(vp.verify_slot_indices),
-        int(np.asarray(vp.verify_num_valid)[0]),
-        int(np.asarray(vp.enable)[0]),
-        n,
-    )
+    entries, slots = launch.verify_plan_hashed(vp, n)
     coverage.check_slots(covs, entries, slots, op=f"{what} verify", name="plan.verify_slot_indices")
 
 
@@ -59,9 +52,7 @@ def check_tail(state: CanaryState, plans: CanaryPlans, batch: CanaryBatch, srcs:
         loc = ints.pairs_to_int64_np(batch.out_cache_loc)[: batch.num_tokens]
         if g.kind is PoolKind.SWA:
             loc = ints.pairs_to_int64_np(swa_translate(ints.as_int64_pairs(loc, name="out_cache_loc"), g.swa_index_lut))
-        entries, slots = coverage.write_hashed(
-            ints.pairs_to_int64_np(wp.write_offsets), int(np.asarray(wp.write_num_valid_reqs)[0]), loc, n
-        )
+        entries, slots = launch.write_plan_hashed(wp, loc, n)
         coverage.check_slots(covs, entries, slots, op=f"group {i} {half} TAIL write", name="out_cache_loc")
     return checked
 
