@@ -57,7 +57,7 @@ def lower_ttir(op: str, sources: int, config: dict, write_reqs: int = 64, write_
     from jax.experimental import pallas as pl
 
     import canary_jax
-    from canary_jax import ints
+    from canary_jax.contract import ints
     from pallas_kernels import verify, write
     from pallas_kernels.config import PallasConfig
 

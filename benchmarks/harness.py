@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import canary_jax
-from canary_jax import constants, ints
+from canary_jax.contract import constants, ints
 from pallas_kernels.write import write_pallas
 
 HBM_BYTES_PER_S = 4.8e12  # the H200's HBM peak

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import torch
 
 import canary_jax
-from canary_jax import layout, plans
+from canary_jax.contract import layout
+from canary_jax.planning import plans
 from interop import dlpack, runner, sglang
 
 DEV = os.environ.get("INTEROP_BENCH_DEVICE", "cuda")

@@ -23,7 +23,7 @@ import numpy as np
 import canary_jax
 from benchmarks import harness
 from benchmarks.harness import ALL, NONE, PARTIAL, ROW_BYTES, TAG, Case, Data
-from canary_jax import reference
+from canary_jax.ops import reference
 from pallas_kernels.config import PallasConfig
 from pallas_kernels.verify import verify_pallas
 from pallas_kernels.write import write_pallas

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from canary_jax import hashing, pairs
+from canary_jax.contract import hashing, pairs
 
 
 def _attempt(name, fn, args, results, run=False):

@@ -16,7 +16,7 @@ import numpy as np
 
 import canary_jax
 from benchmarks import harness
-from canary_jax import reference
+from canary_jax.ops import reference
 from pallas_kernels.verify import verify_pallas
 
 LOG_FIELDS = ("ring", "write_index", "slot_run_counters", "kernel_run_counters")

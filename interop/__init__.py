@@ -6,7 +6,7 @@
   (:mod:`interop.buffers`: how each tensor is imported and written back; :mod:`interop.streams`: ordering
   against torch's current CUDA stream).
 * :mod:`interop.kernels`: the verify / write / plan bodies the launchers run.
-* :mod:`interop.arguments`: torch tensors as the facts :mod:`canary_jax.validation` checks.
+* :mod:`interop.arguments`: torch tensors as the facts :mod:`canary_jax.contract.validation` checks.
 * :mod:`interop.sglang`: SGLang's ``launch_canary_{plan,verify,write}_kernel(s)``; their launch objects are
   :mod:`interop.sglang_types` (re-exported by :mod:`interop.sglang`).
 

@@ -1,7 +1,7 @@
-"""Torch arguments of the SGLang launchers, turned into what :mod:`canary_jax.validation` checks.
+"""Torch arguments of the SGLang launchers, turned into what :mod:`canary_jax.contract.validation` checks.
 
-The checks themselves are :mod:`canary_jax.validation`'s, shared with the JAX entry points; this module
-only turns torch tensors into :class:`~canary_jax.validation.ArrayFacts` (:func:`interop.dlpack.facts`, dtype
+The checks themselves are :mod:`canary_jax.contract.validation`'s, shared with the JAX entry points; this module
+only turns torch tensors into :class:`~canary_jax.contract.validation.ArrayFacts` (:func:`interop.dlpack.facts`, dtype
 names as torch prints them: ``torch.int64``), gathers the launch's tensors by SGLang's argument names, and adds
 the checks only a torch launch has (DLPack capsules, one device per launch).
 """
@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from canary_jax import constants, coverage, validation
+from canary_jax.contract import constants, coverage, validation
 from interop import dlpack
 from interop.buffers import TensorArg
 from interop.dlpack import facts
@@ -44,7 +44,7 @@ def tensors(obj: Any, fields: Sequence[str], prefix: str = "") -> dict[str, torc
 
 
 def check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: Sequence[int | None]) -> None:
-    """:func:`canary_jax.validation.check_array` on a torch tensor (messages name torch dtypes)."""
+    """:func:`canary_jax.contract.validation.check_array` on a torch tensor (messages name torch dtypes)."""
     validation.check_array(facts(t), name, str(dtype), shape)
 
 
@@ -55,7 +55,7 @@ def check_contiguous(named: dict[str, torch.Tensor], order: Sequence[str] | None
 
 
 def fields_facts(named: dict[str, torch.Tensor], prefix: str) -> dict[str, validation.ArrayFacts]:
-    """Facts keyed by field name (``prefix`` stripped), for the plan checks of :mod:`canary_jax.validation`."""
+    """Facts keyed by field name (``prefix`` stripped), for the plan checks of :mod:`canary_jax.contract.validation`."""
     return {n[len(prefix) :]: facts(t) for n, t in named.items() if n.startswith(prefix)}
 
 
@@ -101,8 +101,8 @@ def check_sources(sources: Sequence[Any], *, checked_type: type) -> list[LaunchS
 
     Sources of ``checked_type`` (:class:`interop.sglang_types.RealKvSource`, frozen) had their fields
     checked when they were built; any other object with SGLang's attribute names (SGLang's own dataclasses,
-    duck types) gets :func:`canary_jax.validation.check_source_fields` here. Call
-    :func:`canary_jax.validation.check_source_count` first.
+    duck types) gets :func:`canary_jax.contract.validation.check_source_fields` here. Call
+    :func:`canary_jax.contract.validation.check_source_count` first.
 
     Raises:
       ValueError / TypeError: SGLang's field checks, non-contiguous, not 2-D viewed as uint8, not a tensor.
@@ -123,8 +123,8 @@ def source_args(sources: Sequence[LaunchSource], mode: int) -> tuple[list[Tensor
     """The launch arguments and static ``(page_size, num_bytes_per_token, read_bytes)`` per source.
 
     With mode NONE (or no sources) nothing is passed: SGLang never dereferences the sources then. Otherwise
-    each row must hold its slots (:func:`canary_jax.validation.check_source_row_width`); which slots each source
-    must cover is the launcher's check (:func:`check_coverage`).
+    each row must hold its slots (:func:`canary_jax.contract.validation.check_source_row_width`); which slots each
+    source must cover is the launcher's check (:func:`check_coverage`).
 
     Raises:
       ValueError: a row too narrow for its slot layout (PARTIAL / ALL).
@@ -140,7 +140,7 @@ def source_args(sources: Sequence[LaunchSource], mode: int) -> tuple[list[Tensor
 def check_coverage(
     sources: Sequence[LaunchSource], mode: int, num_slots: int, *, op: str, name: str, hashed: Any
 ) -> None:
-    """Every slot the launch hashes lies inside every source (:mod:`canary_jax.coverage`).
+    """Every slot the launch hashes lies inside every source (:mod:`canary_jax.contract.coverage`).
 
     Nothing to check with mode NONE, no sources, or sources that cover the ``num_slots`` slots of the canary buffer.
     Otherwise, outside a CUDA-graph capture ``hashed()`` gives the ``(entries, slots)`` the launch hashes (read on

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from canary_jax import validation
+from canary_jax.contract import validation
 
 try:
     import torch
@@ -96,7 +96,7 @@ def as_torch_tensor(x: Any, *, name: str) -> torch.Tensor:
 
 # --- layout checks ----------------------------------------------------------------------------------------
 def facts(t: torch.Tensor) -> validation.ArrayFacts:
-    """What :mod:`canary_jax.validation` checks of ``t``: shape, dtype name (``str(t.dtype)``, so messages name
+    """What :mod:`canary_jax.contract.validation` checks of ``t``: shape, dtype name (``str(t.dtype)``, so messages name
     torch dtypes), itemsize, strides in bytes and contiguity."""
     size = t.element_size()
     return validation.ArrayFacts(

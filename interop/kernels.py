@@ -3,7 +3,7 @@
 Each ``*_body_factory(statics)`` returns ``body(vals) -> dict``: ``vals`` maps SGLang's argument names
 (``canary_buf``, ``plan.verify_slot_indices``, ``violation_ring``, ``slot_run_counter``, ...) to JAX arrays in
 canary-jax's form (int64 tensors as ``uint32[..., 2]`` pairs, the rest in their torch dtype); the body
-rebuilds canary-jax's launch objects, runs the chosen backend (``canary_jax.reference`` or the Pallas
+rebuilds canary-jax's launch objects, runs the chosen backend (``canary_jax.ops.reference`` or the Pallas
 kernels) and returns the new values of the mutable names. SGLang passes per-tag counters as one-element
 views; the body places them at row ``tag`` of canary-jax's per-tag counter arrays and reads them back.
 """
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from canary_jax import backends, constants, plan_builder, sources, validation
-from canary_jax.layout import ViolationLog
-from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
+from canary_jax.contract import constants, sources, validation
+from canary_jax.contract.layout import ViolationLog
+from canary_jax.ops import backends
+from canary_jax.planning import plan_builder
+from canary_jax.planning.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
 
 
 def _counters(c: jnp.ndarray, tag: int, num_tags: int) -> jnp.ndarray:

@@ -1,10 +1,10 @@
-"""The torch launchers' launch shapes padded to buckets (:mod:`canary_jax.buckets`), like the JAX entry points.
+"""The torch launchers' launch shapes padded to buckets (:mod:`canary_jax.ops.buckets`), like the JAX entry points.
 
 A serving engine's token counts and plan capacities change every step; each distinct shape would compile a new
 program. The verify and write launchers therefore pass bucket-sized *copies* of their small read-only inputs
 (the plan tensors, the token tensors) when a size is not a bucket already; the in-place outputs (canary buffer,
 ring, write index, counters) keep their shapes and are never copied. The padding rules are those of
-:mod:`canary_jax.padding` (padded entries are never written or counted; the result is byte-identical):
+:mod:`canary_jax.ops.padding` (padded entries are never written or counted; the result is byte-identical):
 
 * verify: ``C -> Cp``; new entries ``(slot 0, token -1, position 0, prev 0)``; ``verify_num_valid`` becomes
   ``min(num_valid, C)``.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from canary_jax.buckets import Buckets, bucket_size
+from canary_jax.ops.buckets import Buckets, bucket_size
 from interop import dlpack
 from interop.native import replay
 

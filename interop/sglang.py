@@ -38,7 +38,7 @@ Backend: the keyword ``backend=`` (``"reference"`` or ``"pallas"``), else ``$CAN
 for CUDA tensors and the jnp reference for CPU tensors (Pallas on CPU runs interpreted).
 
 Launch objects live in :mod:`interop.sglang_types` (re-exported here); every check is
-:mod:`canary_jax.validation`'s, on the tensors' facts (:mod:`interop.arguments`), run once per launch.
+:mod:`canary_jax.contract.validation`'s, on the tensors' facts (:mod:`interop.arguments`), run once per launch.
 
 Where SGLang's CUDA and CPU paths differ, these launchers follow SGLang per device: the plan's ``bs <= 4096``
 limit and its kernel-path messages apply to CUDA tensors, the reference's messages to CPU tensors. Verify /
@@ -55,7 +55,8 @@ from typing import Any
 import jax
 import torch
 
-from canary_jax import backends, buckets, coverage, validation
+from canary_jax.contract import coverage, validation
+from canary_jax.ops import backends, buckets
 from interop import arguments, kernels, padding, runner
 from interop.arguments import TORCH_DTYPES, check, tensor
 from interop.native import launch as native

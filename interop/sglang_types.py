@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from canary_jax import constants, validation
+from canary_jax.contract import constants, validation
 from interop import arguments
 
 CanaryLaunchTag = constants.CanaryLaunchTag

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from canary_jax import backends, validation
+from canary_jax.contract import validation
+from canary_jax.ops import backends
 
 GATHER_MODES = ("quad", "pair", "word")
 SOURCE_GATHER_MODES = ("quad", "pair", "word", "tile", "tile_contiguous")
@@ -162,12 +163,12 @@ def launch_options(context, interpret: bool | None, config: PallasConfig | None)
     entry points checked the whole launch already), then resolves:
 
     * ``interpret``: as given, else from where the canary buffer lives: compiled on a GPU platform, interpreted
-      elsewhere (:func:`canary_jax.backends.array_platform`; JAX's default backend only for a traced buffer,
+      elsewhere (:func:`canary_jax.ops.backends.array_platform`; JAX's default backend only for a traced buffer,
       whose device is unknown);
     * ``config``: ``config`` or :data:`DEFAULT_CONFIG`, adjusted for that mode (:meth:`PallasConfig.for_interpret`).
 
     Args:
-      context: the launch's :class:`~canary_jax.plans.VerifyOrWriteContext`.
+      context: the launch's :class:`~canary_jax.planning.plans.VerifyOrWriteContext`.
       interpret: the caller's choice, or None.
       config: the caller's config, or None.
 

@@ -1,9 +1,9 @@
 """The kernels' choice of 64-bit multiplier for splitmix64 (:class:`PairHash`).
 
-The hashes themselves are :mod:`canary_jax.hashing` on :mod:`canary_jax.pairs` words, so one kernel body serves
-``jax_enable_x64`` off and on. Only the ``a * const`` multiply differs, with two interchangeable choices:
+The hashes themselves are :mod:`canary_jax.contract.hashing` on :mod:`canary_jax.contract.pairs` words, so one kernel
+body serves ``jax_enable_x64`` off and on. Only the ``a * const`` multiply differs, with two interchangeable choices:
 
-* ``portable``: :func:`canary_jax.pairs.mul_const`, the high word from 16-bit limbs; runs everywhere, including
+* ``portable``: :func:`canary_jax.contract.pairs.mul_const`, the high word from 16-bit limbs; runs everywhere, including
   ``interpret=True`` on CPU (what CI runs).
 * ``asm``: the high word of the 32x32 product as one PTX ``mul.hi.u32`` through
   ``pltriton.elementwise_inline_asm``; ptxas then folds ``lo * c_lo``, ``mulhi`` and the two cross products
@@ -20,8 +20,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from canary_jax import hashing, pairs
-from canary_jax.pairs import U64
+from canary_jax.contract import hashing, pairs
+from canary_jax.contract.pairs import U64
 
 MULTIPLIERS = ("portable", "asm")
 
@@ -42,7 +42,7 @@ def _mulhi_asm(a: jax.Array, const: int) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class PairHash:
-    """splitmix64 family on :class:`~canary_jax.pairs.U64` words with a chosen ``multiplier``.
+    """splitmix64 family on :class:`~canary_jax.contract.pairs.U64` words with a chosen ``multiplier``.
 
     Raises:
       ValueError: ``multiplier`` not in ``portable`` | ``asm``.
@@ -59,13 +59,13 @@ class PairHash:
         return pairs.mul_const(a, value, mulhi=None if self.multiplier == "portable" else _mulhi_asm)
 
     def splitmix64(self, x: U64) -> U64:
-        """:func:`canary_jax.hashing.splitmix64` with this multiplier."""
+        """:func:`canary_jax.contract.hashing.splitmix64` with this multiplier."""
         return hashing.splitmix64(x, mul=self.mul_const)
 
     def splitmix64_mix3(self, a: U64, b: U64, c: U64) -> U64:
-        """:func:`canary_jax.hashing.splitmix64_mix3` with this multiplier (the chain hash, SPEC 2.3)."""
+        """:func:`canary_jax.contract.hashing.splitmix64_mix3` with this multiplier (the chain hash, SPEC 2.3)."""
         return hashing.splitmix64_mix3(a, b, c, mul=self.mul_const)
 
     def fold_step(self, acc: U64, word: U64) -> U64:
-        """:func:`canary_jax.hashing.fold_step` with this multiplier: ``splitmix64(acc ^ word)`` (SPEC 2.5)."""
+        """:func:`canary_jax.contract.hashing.fold_step` with this multiplier: ``splitmix64(acc ^ word)`` (SPEC 2.5)."""
         return hashing.fold_step(acc, word, mul=self.mul_const)

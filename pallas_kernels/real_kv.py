@@ -1,13 +1,13 @@
 """In-kernel real-KV fingerprint (SPEC 2.5): the bytes of each entry's slot in every source, folded and combined.
 
-:func:`real_kv_hash` is the kernel counterpart of :func:`canary_jax.sources.real_kv_hash_reference` (same bits);
-the verify kernel and the write kernel's entry programs call it. One loop covers every source at once and keeps
+:func:`real_kv_hash` is the kernel counterpart of :func:`canary_jax.contract.sources.real_kv_hash_reference` (same
+bits); the verify kernel and the write kernel's entry programs call it. One loop covers every source at once and keeps
 the next iteration's loads in flight; ``source_gather`` (see :class:`~pallas_kernels.config.PallasConfig`)
 picks how the bytes are loaded: 2-D row tiles (``tile``, ``tile_contiguous``) or per-lane pieces of 4, 8 or 16
 bytes (``word``, ``pair``, ``quad``). ``pallas_kernels/README.md`` explains the choice;
 ``benchmarks/results/2026-11-30_h200_pallas.md`` has the figures.
 
-Chunked sources (``canary_jax.sources.SlotChunks``, canary-jax's extension): word ``k`` of a slot's sequence
+Chunked sources (``canary_jax.contract.sources.SlotChunks``, canary-jax's extension): word ``k`` of a slot's sequence
 lives in chunk ``c = k // chunk_words`` at ``(row + offset_rows + c * stride_rows, first word + (offset_cols +
 c * stride_cols) / 4 + k % chunk_words)``; words past ``num_chunks`` chunks are zero padding. A dense (SGLang)
 descriptor takes exactly the code it always took; a chunked one computes each word's address with int32
@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
-from canary_jax import pairs
-from canary_jax.pairs import U64
+from canary_jax.contract import pairs
+from canary_jax.contract.pairs import U64
 from pallas_kernels import refs
 from pallas_kernels.hashing import PairHash
 
@@ -42,8 +42,8 @@ def real_kv_hash(
 
     Args:
       src_refs: one ``uint32[rows_s, row_words_s]`` ref per source.
-      descs: static ``canary_jax.sources.SourceDescriptor`` per source (page size, bytes per token, bytes read).
-      slot, mask: int32 ``[B]`` slots and which lanes to hash (masked lanes read no memory and fold zeros).
+      descs: static ``canary_jax.contract.sources.SourceDescriptor`` per source (page size, bytes per token, bytes
+      read). slot, mask: int32 ``[B]`` slots and which lanes to hash (masked lanes read no memory and fold zeros).
       hasher: the splitmix64 multiplier.
       mode: ``tile`` / ``tile_contiguous`` (2-D row tiles, see :func:`_hash_tiles`) or ``word`` / ``pair`` /
         ``quad`` (16-byte chunks per lane, gathered as 4, 2 or 1 loads).
@@ -94,7 +94,7 @@ def real_kv_hash(
 def word_address(d, k):
     """``(row_delta, col_word_delta, in_sequence)`` of word ``k`` of a chunked source's slot sequence
     (``k``: static int, int32 scalar or int32 vector); see the module docstring. Static ``k`` gives Python
-    ints (``canary_jax.sources.SourceDescriptor.word_address``)."""
+    ints (``canary_jax.contract.sources.SourceDescriptor.word_address``)."""
     if isinstance(k, int):
         return d.word_address(k)
     k = jnp.asarray(k).astype(I32)  # a loop index is int64 with x64 on

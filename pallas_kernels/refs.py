@@ -6,7 +6,7 @@ explicit ``other`` and an index clamped into the buffer (interpret mode clamps o
 skips lanes); every masked store sends its masked-out lanes one past the end (see :func:`store_word`).
 PITFALLS and ``pallas_kernels/README.md`` say why.
 
-Shapes: ``B`` is a block of lanes (entries or requests); 64-bit values are :class:`~canary_jax.pairs.U64`.
+Shapes: ``B`` is a block of lanes (entries or requests); 64-bit values are :class:`~canary_jax.contract.pairs.U64`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from canary_jax import constants, layout, pairs
-from canary_jax.pairs import U64
+from canary_jax.contract import constants, layout, pairs
+from canary_jax.contract.pairs import U64
 
 I32 = jnp.int32
 U32 = jnp.uint32

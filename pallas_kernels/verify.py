@@ -1,6 +1,6 @@
 """Pallas verify: SGLang's ``canary_verify`` with the reference's deterministic ring order.
 
-Semantics: exactly :func:`canary_jax.reference.verify_reference` (SPEC 5), bit for bit, with
+Semantics: exactly :func:`canary_jax.ops.reference.verify_reference` (SPEC 5), bit for bit, with
 ``jax_enable_x64`` off and on (every int64 is a uint32 pair).
 
 Two ``pallas_call`` s, no atomics:
@@ -9,7 +9,7 @@ Two ``pallas_call`` s, no atomics:
    (``verify_source_block`` with real-KV sources) up to ``min(num_valid, C)`` (so the cost follows the live
    entries, never the capacity or the pool). Per entry it gathers the slot's record and the predecessor's
    record, recomputes the chain hash and the real-KV fingerprint, and writes one fail-bit byte
-   (:class:`~canary_jax.constants.FailReason` bits); per block it writes the number of failing entries.
+   (:class:`~canary_jax.contract.constants.FailReason` bits); per block it writes the number of failing entries.
 2. ``canary_verify_rows`` (:func:`_verify_rows_kernel`): blocks with failures compute their ring base from the
    block counts (exclusive prefix), rank their failing entries with an in-block ``cumsum`` and scatter the
    8-field rows at ``write_index + rank`` (fill-once: ranks past the capacity are dropped). Program 0 adds
@@ -17,7 +17,7 @@ Two ``pallas_call`` s, no atomics:
 
 :func:`_verify_pallas` makes both calls; the ring, write index and counters alias their outputs
 (``input_output_aliases``), so callers that donate them (``canary_jax.verify`` does) update them in place.
-Real-KV sources arrive as a static descriptor tuple (``canary_jax.sources.SourceDescriptor``) plus up to 4
+Real-KV sources arrive as a static descriptor tuple (``canary_jax.contract.sources.SourceDescriptor``) plus up to 4
 buffers viewed as ``uint32[rows, row_words]``; the more-than-4 check runs before tracing.
 """
 
@@ -30,10 +30,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from canary_jax import hashing, layout, pairs, sources
-from canary_jax.constants import FailReason
-from canary_jax.pairs import U64
-from canary_jax.plans import VerifyOrWriteContext, VerifyPlan
+from canary_jax.contract import hashing, layout, pairs, sources
+from canary_jax.contract.constants import FailReason
+from canary_jax.contract.pairs import U64
+from canary_jax.planning.plans import VerifyOrWriteContext, VerifyPlan
 from pallas_kernels import real_kv, refs
 from pallas_kernels.config import PallasConfig, launch_options
 from pallas_kernels.hashing import PairHash
@@ -329,7 +329,7 @@ def verify_pallas(
     config: PallasConfig | None = None,
 ) -> VerifyOrWriteContext:
     """Pallas backend of :func:`canary_jax.verify`; same signature and results as
-    :func:`canary_jax.reference.verify_reference`.
+    :func:`canary_jax.ops.reference.verify_reference`.
 
     Calling contract: as the reference (``kernel_run_counters[tag] += 1`` always; with ``enable[0] == 0``
     nothing else changes; ``slot_run_counters[tag] += min(num_valid, C)``; failing entries append rows in

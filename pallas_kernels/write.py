@@ -1,6 +1,6 @@
 """Pallas write: SGLang's ``canary_write`` with a deterministic ring order and last-writer-wins stores.
 
-Semantics: exactly :func:`canary_jax.reference.write_reference` (SPEC 6), bit for bit, with
+Semantics: exactly :func:`canary_jax.ops.reference.write_reference` (SPEC 6), bit for bit, with
 ``jax_enable_x64`` off and on. :func:`write_pallas` is the public entry point, :func:`_write_pallas` makes the
 launches below; each kernel body lives in a module of its own. Three ``pallas_call`` s (four when the launch
 shape admits long requests, see 1b), one XLA scatter-max and one XLA memset (the flag words); only the chain is
@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from canary_jax import layout, sources, validation
-from canary_jax.plans import VerifyOrWriteContext, WritePlan
+from canary_jax.contract import layout, sources, validation
+from canary_jax.planning.plans import VerifyOrWriteContext, WritePlan
 from pallas_kernels import refs
 from pallas_kernels.config import PallasConfig, launch_options
 from pallas_kernels.hashing import PairHash
@@ -294,7 +294,7 @@ def write_pallas(
     config: PallasConfig | None = None,
 ) -> VerifyOrWriteContext:
     """Pallas backend of :func:`canary_jax.write`; same signature and results as
-    :func:`canary_jax.reference.write_reference`.
+    :func:`canary_jax.ops.reference.write_reference`.
 
     Calling contract: as the reference (``kernel_run_counters[tag] += 1`` always; ``slot_run_counters[tag]
     += `` entries stored; rows request-major, entry order, input-assert row before chain-position row; the

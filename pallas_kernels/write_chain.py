@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from canary_jax import hashing, pairs
-from canary_jax.pairs import U64
+from canary_jax.contract import hashing, pairs
+from canary_jax.contract.pairs import U64
 from pallas_kernels import real_kv, refs
 from pallas_kernels.write_flags import CLAIM_WORD, WriteFlag
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from canary_jax import pairs
-from canary_jax.constants import FailReason
+from canary_jax.contract import pairs
+from canary_jax.contract.constants import FailReason
 from pallas_kernels import refs
 from pallas_kernels.write_flags import INPUT_MISMATCH, WriteFlag, load_flagged
 

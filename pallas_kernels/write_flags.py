@@ -12,8 +12,8 @@ import enum
 import jax
 import jax.numpy as jnp
 
-from canary_jax import constants, pairs
-from canary_jax.constants import FailReason
+from canary_jax.contract import constants, pairs
+from canary_jax.contract.constants import FailReason
 from pallas_kernels import refs
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from canary_jax import pairs
-from canary_jax.pairs import U64
+from canary_jax.contract import pairs
+from canary_jax.contract.pairs import U64
 from pallas_kernels import refs
 from pallas_kernels.write_flags import CLAIM_WORD, INPUT_MISMATCH, LONG_SHIFT, WriteFlag, load_flagged
 

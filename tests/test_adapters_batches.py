@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from canary_jax import constants, ints
 from canary_jax.adapters import batches as ab
-from canary_jax.plan_builder import BlockTable, GroupSlotTables, RaggedSlotTable, build_plans
-from canary_jax.plans import VerifyPlan
+from canary_jax.contract import constants, ints
+from canary_jax.planning.plan_builder import BlockTable, GroupSlotTables, RaggedSlotTable, build_plans
+from canary_jax.planning.plans import VerifyPlan
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig

@@ -20,9 +20,10 @@ from absl.testing import absltest
 from jax.experimental import pallas as pl
 
 import canary_jax as cj
-from canary_jax import backends, reference, sources
 from canary_jax.adapters import layouts as L
-from canary_jax.sources import RealKvSource, SlotChunks
+from canary_jax.contract import sources
+from canary_jax.contract.sources import RealKvSource, SlotChunks
+from canary_jax.ops import backends, reference
 from helpers import oracle
 from pallas_kernels import real_kv
 from pallas_kernels.hashing import PairHash

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 import canary_jax
-from canary_jax import backends, buckets, constants, launch
+from canary_jax.contract import constants
+from canary_jax.ops import backends, buckets, launch
 from helpers import oracle
 
 TAG = constants.CanaryLaunchTag.TAIL_K_FULL
@@ -221,7 +222,7 @@ def test_padding_compiles_nothing_for_device_resident_inputs(monkeypatch):
     ``jnp.minimum``, while CPU-resident arrays were padded with numpy. Simulated here on a CPU: the arrays report a
     GPU device while the padding runs. It must compile nothing, place the copies on the launch's device, and
     produce the bytes of the unpadded arrays plus dead rows."""
-    from canary_jax import padding
+    from canary_jax.ops import padding
 
     buf = jax.device_put(np.zeros((N, 32), np.uint8), jax.devices()[0])  # the launch's (committed) device
     cases = []

@@ -9,10 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from canary_jax import constants, hashing
 from canary_jax.cli import args as cli_args
 from canary_jax.cli import main as cli
 from canary_jax.cli import outputs, progress
+from canary_jax.contract import constants, hashing
 
 
 def _run(capsys, argv):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from absl.testing import absltest
 
 import canary_jax
-from canary_jax import constants
+from canary_jax.contract import constants
 
 
 class ConstantsTest(absltest.TestCase):

@@ -6,7 +6,7 @@ import numpy as np
 from absl.testing import absltest
 
 import canary_jax
-from canary_jax import constants, decode, ints
+from canary_jax.contract import constants, decode, ints
 
 H = 0xDE7FAE23A9A1B716
 H_S = H - (1 << 64)

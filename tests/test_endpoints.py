@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from canary_jax import constants, decode
-from canary_jax.layout import ViolationLog, read_slot
-from canary_jax.plans import VerifyPlan, WritePlan
+from canary_jax.contract import constants, decode
+from canary_jax.contract.layout import ViolationLog, read_slot
+from canary_jax.contract.sources import RealKvSource
+from canary_jax.planning.plans import VerifyPlan, WritePlan
 from canary_jax.runtime.endpoints import (
     ExpectedInputs,
     build_endpoints_from_group,
@@ -19,7 +20,6 @@ from canary_jax.runtime.endpoints import (
     select_endpoints,
 )
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
-from canary_jax.sources import RealKvSource
 
 T = constants.CanaryLaunchTag
 N = 16

@@ -1,4 +1,4 @@
-"""Fault injection as public API (``canary_jax.faults``): the pure array faults (numpy and JAX, jit-able), the
+"""Fault injection as public API (``canary_jax.tools.faults``): the pure array faults (numpy and JAX, jit-able), the
 slot pickers, the campaign tracker, and every fault kind caught by the guarded toy stack of
 ``test_integration`` (an orphan flip only by the sweep)."""
 
@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from test_integration import KV_BYTES, PAGE, ToyServer, make_guard, new_pool
 
-from canary_jax import constants, faults, sources
-from canary_jax.decode import ViolationRecord
+from canary_jax.contract import constants, sources
+from canary_jax.contract.decode import ViolationRecord
 from canary_jax.runtime.endpoints import ExpectedInputs
+from canary_jax.tools import faults
 from helpers import oracle
 
 T = constants.CanaryLaunchTag

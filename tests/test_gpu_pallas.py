@@ -18,7 +18,8 @@ import numpy as np
 from absl.testing import absltest
 
 import canary_jax
-from canary_jax import backends, constants, ints, reference
+from canary_jax.contract import constants, ints
+from canary_jax.ops import backends, reference
 
 ON_GPU = backends.is_gpu_platform()
 # Developers can dry-run this module on CPU (interpret mode, tiny sizes): CANARY_GPU_TESTS_ON_CPU=1.

@@ -1,4 +1,4 @@
-"""Golden hash values of SPEC 2.6, checked on canary_jax.hashing (jnp on uint32 pairs) and on the oracle.
+"""Golden hash values of SPEC 2.6, checked on canary_jax.contract.hashing (jnp on uint32 pairs) and on the oracle.
 
 Every expected value is a Python-int literal from SPEC 2.6 (recomputed there independently with Python
 ints); none is copied from canary_jax output.
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from canary_jax import constants, hashing, pairs
-from canary_jax.sources import SourceDescriptor, real_kv_hash_reference
+from canary_jax.contract import constants, hashing, pairs
+from canary_jax.contract.sources import SourceDescriptor, real_kv_hash_reference
 from helpers import oracle
 
 M64 = (1 << 64) - 1
@@ -69,7 +69,7 @@ def words_of(data: bytes) -> jax.Array:
 
 
 def stored_rkv(sources: list[tuple[bytes, int]], mode) -> int:
-    """Combined fingerprint via canary_jax.sources.real_kv_hash_reference: (bytes of slot 0, read_bytes)."""
+    """Combined fingerprint via canary_jax.contract.sources.real_kv_hash_reference: (bytes of slot 0, read_bytes)."""
     tensors, descs = [], []
     for data, read_bytes in sources:
         tensors.append(jnp.asarray(np.frombuffer(data, np.uint8)[None, :]))

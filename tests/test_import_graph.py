@@ -105,8 +105,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_graph_sees_the_packages():
     graph = _graph()
-    assert "canary_jax.backends" in graph and "pallas_kernels.verify" in graph and "interop.native.prims" in graph
-    assert "canary_jax.backends" in graph["pallas_kernels.config"]
+    assert "canary_jax.ops.backends" in graph and "pallas_kernels.verify" in graph and "interop.native.prims" in graph
+    assert "canary_jax.ops.backends" in graph["pallas_kernels.config"]
 
 
 def test_no_import_circles_at_module_level():
@@ -129,6 +129,33 @@ def test_canary_jax_never_imports_the_kernels_or_interop_at_module_level():
 
 def test_backend_registry_names_the_kernels_without_importing_them():
     graph = _graph(in_functions=True)
-    assert not any(m.startswith("pallas_kernels") for m in graph["canary_jax.backends"])
-    source = (ROOT / "canary_jax" / "backends.py").read_text()
+    assert not any(m.startswith("pallas_kernels") for m in graph["canary_jax.ops.backends"])
+    source = (ROOT / "canary_jax" / "ops" / "backends.py").read_text()
     assert '"pallas_kernels.verify:verify_pallas"' in source and '"pallas_kernels.write:write_pallas"' in source
+
+
+# The rooms of canary_jax, lowest first: a module imports (at module level) only its own room and rooms below it.
+ROOM_ORDER = ("contract", "planning", "ops", "runtime", "tools", "adapters", "cli")
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "canary_jax" and len(parts) > 1 and parts[1] in ROOM_ORDER else None
+
+
+def test_rooms_import_one_way():
+    upward = []
+    for name, deps in _graph().items():
+        here = _room(name)
+        for dep in deps:
+            there = _room(dep)
+            if here and there and ROOM_ORDER.index(there) > ROOM_ORDER.index(here):
+                upward.append((name, dep))
+    assert upward == []
+
+
+def test_the_package_top_holds_only_rooms():
+    top = sorted(p.name for p in (ROOT / "canary_jax").iterdir() if p.suffix == ".py")
+    assert top == ["__init__.py", "__main__.py", "_aliases.py"]
+    rooms = {p.name for p in (ROOT / "canary_jax").iterdir() if (p / "__init__.py").exists()}
+    assert rooms == set(ROOM_ORDER) | {"_compat"}

@@ -23,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from canary_jax import constants, decode
+from canary_jax.contract import constants, decode
+from canary_jax.contract.sources import RealKvSource
 from canary_jax.integration import CanaryCapacities, CanaryGuard, normalize_sources, parse_real_kv_hash_mode
 from canary_jax.runtime.report import CanaryViolationError
 from canary_jax.runtime.sweep import SweepEntries
-from canary_jax.sources import RealKvSource
 from helpers import oracle
 
 T = constants.CanaryLaunchTag
@@ -442,7 +442,7 @@ def test_guard_names_step_fn_when_its_sources_do_not_fit_the_mode():
 
 
 def test_guard_warns_once_that_sources_are_not_hashed_in_none_mode():
-    from canary_jax import validation
+    from canary_jax.contract import validation
 
     def none_mode_step_fn(pool, b):  # its own function: its programs are traced here
         return step_fn(pool, b)
@@ -576,7 +576,7 @@ def test_stats_line_and_overflow_warning(caplog):
 
 
 # --- the README's one-call example ---------------------------------------------------------------------------
-SECTIONS = ("## One call: guard your step function", "## Fault injection (`canary_jax.faults`)")
+SECTIONS = ("## One call: guard your step function", "## Fault injection (`canary_jax.tools.faults`)")
 
 
 def readme_blocks() -> tuple[str, list[str]]:
@@ -644,8 +644,8 @@ def test_pallas_backend_guard_matches_the_oracle():
 
 # --- a block-table stack (the batch's slot table instead of req_to_token) ---------------------------------
 def test_block_table_batches_give_the_same_canary_state_and_dump(tmp_path):
-    from canary_jax import dump
-    from canary_jax.plan_builder import BlockTable
+    from canary_jax.planning.plan_builder import BlockTable
+    from canary_jax.tools import dump
 
     runs = {}
     for kind in ("dense", "blocks"):

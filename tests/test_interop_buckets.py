@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from canary_jax import buckets
+from canary_jax.ops import buckets
 from helpers.interop_world import World, assert_same_bytes, random_verify_plan, random_write_args
 from helpers.torch_reference import ref_verify, ref_write
 from interop import dlpack, runner, sglang

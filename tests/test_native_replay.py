@@ -84,7 +84,7 @@ def test_cuda_key_separates_what_the_checks_and_program_depend_on(monkeypatch):
     monkeypatch.delenv("CANARY_JAX_BACKEND")
     with torch.inference_mode():
         assert k != key(True)
-    from canary_jax import buckets
+    from canary_jax.ops import buckets
 
     old = buckets.default_buckets()
     try:

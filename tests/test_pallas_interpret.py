@@ -6,7 +6,7 @@ On a machine without a GPU (CI) the kernels run with ``interpret=True``; on a GP
 
 from absl.testing import absltest
 
-from canary_jax import backends
+from canary_jax.ops import backends
 from helpers import pipeline_suite, public_suite, verify_suite, write_suite
 from pallas_kernels.config import DEFAULT_CONFIG
 

@@ -19,7 +19,7 @@ import random
 import jax
 from absl.testing import absltest
 
-from canary_jax import backends
+from canary_jax.ops import backends
 from helpers import oracle, pipeline_suite, suite_base, write_suite
 from pallas_kernels.config import PallasConfig
 

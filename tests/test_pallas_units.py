@@ -10,7 +10,8 @@ import numpy as np
 from absl.testing import absltest
 
 import canary_jax
-from canary_jax import hashing, ints, pairs, reference
+from canary_jax.contract import hashing, ints, pairs
+from canary_jax.ops import reference
 from pallas_kernels.config import PallasConfig, default_interpret
 from pallas_kernels.hashing import PairHash
 from pallas_kernels.verify import verify_pallas

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from canary_jax import ints
-from canary_jax.plan_builder import build_plans, scatter_req_token_ids, swa_translate
-from canary_jax.plans import VerifyPlan, WritePlan
+from canary_jax.contract import ints
+from canary_jax.planning.plan_builder import build_plans, scatter_req_token_ids, swa_translate
+from canary_jax.planning.plans import VerifyPlan, WritePlan
 from helpers import plan_oracle
 
 I64 = ints.pairs_to_int64_np

@@ -13,7 +13,7 @@ import re
 
 from absl.testing import absltest
 
-from canary_jax import constants, decode
+from canary_jax.contract import constants, decode
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 

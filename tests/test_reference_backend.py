@@ -2,7 +2,7 @@
 
 from absl.testing import absltest
 
-from canary_jax import backends
+from canary_jax.ops import backends
 from helpers import pipeline_suite, public_suite, verify_suite, write_suite
 
 

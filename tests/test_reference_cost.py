@@ -18,7 +18,7 @@ import pytest
 from absl.testing import absltest
 
 import canary_jax
-from canary_jax import reference
+from canary_jax.ops import reference
 from helpers import suite_base
 from helpers.suite_base import ALL, SrcSpec
 

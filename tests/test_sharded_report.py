@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from canary_jax import constants, ints
-from canary_jax.layout import ViolationLog
+from canary_jax.contract import constants, ints
+from canary_jax.contract.layout import ViolationLog
 from canary_jax.runtime.report import CanaryViolationError, ViolationReporter
 from canary_jax.runtime.sharded import ShardedViolationReporter
 

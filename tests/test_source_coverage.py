@@ -1,7 +1,7 @@
 """A real-KV source shorter than the canary buffer (issue #28): SGLang's launchers accept it and hash the source's
 bytes at the slots a launch touches; canary-jax accepts it too wherever the launch's slots are known on the host,
 and refuses only a slot the launch hashes past the source, naming it. Inside ``jit`` (and a CUDA-graph capture)
-the whole-buffer rule stays (``canary_jax.coverage``).
+the whole-buffer rule stays (``canary_jax.contract.coverage``).
 
 Golden bytes are computed here with Python ints (``helpers/oracle.py``), never copied from our output.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import canary_jax as cj
-from canary_jax import coverage
+from canary_jax.contract import coverage
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
 from canary_jax.runtime.step import canary_head, canary_plan, canary_sweep, canary_tail

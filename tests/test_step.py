@@ -18,15 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from canary_jax import constants, decode
-from canary_jax.plan_builder import scatter_req_token_ids
+from canary_jax.contract import constants, decode
+from canary_jax.contract.sources import RealKvSource
+from canary_jax.planning.plan_builder import scatter_req_token_ids
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.report import HealthChecker, ViolationMonitor, ViolationReporter, canary_stats
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig, active_tags
 from canary_jax.runtime.step import canary_head, canary_step, canary_sweep, canary_tail
 from canary_jax.runtime.sweep import RadixNode, build_sweep_plan_from_radix
-from canary_jax.sources import RealKvSource
 
 T = constants.CanaryLaunchTag
 NUM_SLOTS = 256  # full pool slots; slot 0 is the padding slot

@@ -31,15 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from canary_jax import constants, decode, ints, layout, validation
-from canary_jax.buckets import Buckets
-from canary_jax.plans import VerifyPlan
+from canary_jax.contract import constants, decode, ints, layout, validation
+from canary_jax.contract.sources import RealKvSource
+from canary_jax.ops.buckets import Buckets
+from canary_jax.planning.plans import VerifyPlan
 from canary_jax.runtime import phases
 from canary_jax.runtime import step as step_lib
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
 from canary_jax.runtime.step import canary_head, canary_plan, canary_step, canary_sweep, canary_tail
-from canary_jax.sources import RealKvSource
 from helpers import oracle
 
 T = constants.CanaryLaunchTag

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from canary_jax import ints
-from canary_jax.plan_builder import build_plans
+from canary_jax.contract import ints
+from canary_jax.planning.plan_builder import build_plans
 from canary_jax.runtime.sweep import (
     RadixNode,
     SweepSchedule,

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-from canary_jax import ints
 from canary_jax.adapters.batches import from_block_tables
-from canary_jax.plan_builder import build_plans
+from canary_jax.contract import ints
+from canary_jax.planning.plan_builder import build_plans
 from helpers.engine_worlds import assert_parity, make_worlds, run_phase
 from helpers.torch_reference import ref_plan
 from interop import sglang, vllm

@@ -15,8 +15,8 @@ import numpy as np
 from absl.testing import absltest
 
 import canary_jax
-from canary_jax import constants, ints
-from canary_jax.sources import SourceDescriptor, check_real_kv_sources
+from canary_jax.contract import constants, ints
+from canary_jax.contract.sources import SourceDescriptor, check_real_kv_sources
 from helpers import oracle
 
 N = 16
@@ -577,7 +577,7 @@ class PlanLaunchCheckTest(absltest.TestCase):
 
     def _order(self, path, max_bs):
         """The messages, in the order ``path`` reports them, fixing each fault after it is reported."""
-        from canary_jax import validation
+        from canary_jax.contract import validation
 
         kw = {**self.GOOD, **self.FAULTS}
         fixes = dict(swa_window_size=0, bs=2, verify_capacity=8, has_pool=False)
@@ -613,7 +613,7 @@ class PlanLaunchCheckTest(absltest.TestCase):
         self._assert_order(self._order("reference", 4096), ["swa", "capacity_reference", "lens_reference", "bs"])
 
     def test_lut_length_and_passing_launches(self):
-        from canary_jax import validation
+        from canary_jax.contract import validation
 
         with self.assertRaisesRegex(
             ValueError, r"^kv-canary: lut_len must be positive when has_swa_lut is True, got 0$"
@@ -626,7 +626,7 @@ class PlanLaunchCheckTest(absltest.TestCase):
             validation.check_plan_launch(**self.GOOD, path="cuda")
 
     def test_build_plans_uses_the_kernel_path(self):
-        from canary_jax.plan_builder import build_plans
+        from canary_jax.planning.plan_builder import build_plans
 
         kw = dict(
             req_pool_indices=np.array([1, 2]),
@@ -881,7 +881,7 @@ class BackendPlatformTest(absltest.TestCase):
     JAX's default backend report a GPU."""
 
     def test_platform_of_arrays(self):
-        from canary_jax import backends
+        from canary_jax.ops import backends
 
         self.assertEqual(backends.array_platform(jnp.zeros(2)), "cpu")
         self.assertIsNone(backends.array_platform(np.zeros(2)))
@@ -942,7 +942,7 @@ class LaunchMechanicsTest(absltest.TestCase):
         self.assertEqual(eager.log.num_violations(), 1)
 
     def test_no_retrace_for_same_shapes(self):
-        from canary_jax import launch
+        from canary_jax.ops import launch
 
         ctx = ctx_with(mode=constants.RealKvHashMode.NONE)
         ctx = canary_jax.verify(ctx, vplan(), backend="reference")

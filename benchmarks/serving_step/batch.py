@@ -11,8 +11,8 @@ import numpy as np
 
 import canary_jax as cj
 from benchmarks.serving_step.shapes import HASH, ModelShape, Scenario, bucket
-from canary_jax import buckets as buckets_lib
-from canary_jax.constants import RealKvHashMode
+from canary_jax.contract.constants import RealKvHashMode
+from canary_jax.ops import buckets as buckets_lib
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
 from canary_jax.runtime.step import canary_head, canary_plan, canary_tail

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 import canary_jax as cj
 from benchmarks.serving_step.timing import wall
-from canary_jax.constants import FailReason
+from canary_jax.contract.constants import FailReason
 
 
 class Carry:

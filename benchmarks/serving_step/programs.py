@@ -13,7 +13,7 @@ import canary_jax as cj
 from benchmarks.serving_step.batch import canary_batch, canary_config, sources_of, step_ids
 from benchmarks.serving_step.model import forward
 from benchmarks.serving_step.shapes import HASH, bucket
-from canary_jax.constants import CanaryLaunchTag
+from canary_jax.contract.constants import CanaryLaunchTag
 from canary_jax.runtime.step import canary_head, canary_plan, canary_sweep, canary_tail
 from canary_jax.runtime.sweep import build_sweep_plan_from_requests
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from benchmarks import harness
-from canary_jax.constants import RealKvHashMode
+from canary_jax.contract.constants import RealKvHashMode
 
 PEAK_BF16_FLOPS = 790e12  # measured on this workplace's H200 (KINDS.md), dense bf16 on random data
 HBM = harness.HBM_BYTES_PER_S  # 4.8 TB/s

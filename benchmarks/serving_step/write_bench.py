@@ -12,7 +12,7 @@ from benchmarks.serving_step.profiles import profile_launches
 from benchmarks.serving_step.programs import loop_of
 from benchmarks.serving_step.shapes import WRITE_TARGET_US
 from benchmarks.serving_step.timing import log
-from canary_jax.constants import RealKvHashMode
+from canary_jax.contract.constants import RealKvHashMode
 
 
 def write_bench(args, t0) -> dict:

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import ints, pairs
+from canary_jax.contract import ints, pairs
+from canary_jax.planning.slot_reads import _dtype_of
+from canary_jax.planning.slot_tables import ExpectedTokenTable
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.state import CanaryBatch
-from canary_jax.slot_reads import _dtype_of
-from canary_jax.slot_tables import ExpectedTokenTable
 
 
 def _describe(x: Any) -> str:

@@ -5,7 +5,7 @@ vocabulary: per request row ``req_pool_indices`` (0 = padding row), ``prefix_len
 ``extend_seq_lens`` (tokens written this step); per token ``input_ids``, ``positions``, ``out_cache_loc`` (the
 slot written; < 0 = no write); and where each (request, position) lives. Other stacks say the same things
 differently. The functions here translate, with jnp only (jit-able, no host sync, fixed shapes), and give the
-plan builder a :class:`~canary_jax.slot_tables.SlotTable` over the stack's own layout instead of a dense
+plan builder a :class:`~canary_jax.planning.slot_tables.SlotTable` over the stack's own layout instead of a dense
 ``req_to_token``, so the plans are byte-identical to those SGLang's builder makes for the same logical batch
 and the work stays proportional to the planned entries.
 
@@ -50,12 +50,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import ints, pairs
 from canary_jax.adapters.batch_fields import _ints
 from canary_jax.adapters.block_tables import from_block_tables
 from canary_jax.adapters.sglang_jax import from_sglang_jax, from_sglang_jax_batch
-from canary_jax.plan_builder import build_plans
-from canary_jax.plans import VerifyPlan
+from canary_jax.contract import ints, pairs
+from canary_jax.planning.plan_builder import build_plans
+from canary_jax.planning.plans import VerifyPlan
 from canary_jax.runtime.state import CanaryBatch
 
 __all__ = [
@@ -91,7 +91,7 @@ def sweep_plan_after_step(
     Args:
       batch: a CanaryBatch (from SGLang fields or the adapters here).
       verify_capacity: C (static).
-      swa_window_size, full_to_swa_index_mapping: as for :func:`~canary_jax.plan_builder.build_plans` (the
+      swa_window_size, full_to_swa_index_mapping: as for :func:`~canary_jax.planning.plan_builder.build_plans` (the
         window of an SWA group; the LUT is not applied to a GroupSlotTables' ``swa`` table).
 
     Returns:

@@ -2,7 +2,7 @@
 
 The convention of vLLM, tpu-inference and EasyDeL eSurge (see :func:`from_block_tables`): per-row new-token
 offsets, KV lengths after the step, and a block table the plans read through a
-:class:`~canary_jax.slot_tables.BlockTable` (no ``req_to_token`` is built); the written slots come from
+:class:`~canary_jax.planning.slot_tables.BlockTable` (no ``req_to_token`` is built); the written slots come from
 ``slot_mapping`` or from the block table. Re-exported by :mod:`canary_jax.adapters.batches`, whose docstring
 gives the conventions side by side.
 """
@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import ints, pairs
 from canary_jax.adapters.batch_fields import (
     _describe,
     _expected_inputs,
@@ -29,9 +28,10 @@ from canary_jax.adapters.batch_fields import (
     _table,
     _where_pairs,
 )
+from canary_jax.contract import ints, pairs
+from canary_jax.planning.slot_tables import BlockTable, GroupSlotTables, SlotTable
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.state import CanaryBatch
-from canary_jax.slot_tables import BlockTable, GroupSlotTables, SlotTable
 
 __all__ = ["from_block_tables"]
 
@@ -147,7 +147,7 @@ def from_block_tables(
     (``RaggedPagesMetadata``: ``pages_tables``, ``context_lens``, ``query_start_loc``, ``num_seqs``,
     ``page_size``). Per row ``r < num_reqs``: extend ``E = query_start_loc[r + 1] - query_start_loc[r]``,
     prefix ``seq_lens[r] - E``, canary row ``r + 1``; rows from ``num_reqs`` on are padding (canary row 0).
-    Slots come from the block table in the gather (:class:`~canary_jax.slot_tables.BlockTable`); no
+    Slots come from the block table in the gather (:class:`~canary_jax.planning.slot_tables.BlockTable`); no
     ``req_to_token`` is built. Rows are this step's batch rows: a request may sit in another row next step.
 
     Jit-able (fixed shapes, jnp only; ``num_reqs`` may be a device scalar); called eagerly it runs small jitted
@@ -167,7 +167,7 @@ def from_block_tables(
         tpu-inference's ragged paged attention writes).
       swa_block_table: ``int32[>= num_rows, max_blocks]`` block table of the sliding-window KV-cache group (its
         blocks index the SWA pool), read for SWA canary groups instead of the LUT (see
-        :class:`~canary_jax.slot_tables.GroupSlotTables` and :func:`update_swa_lut`); None: SWA groups, if
+        :class:`~canary_jax.planning.slot_tables.GroupSlotTables` and :func:`update_swa_lut`); None: SWA groups, if
         any, translate the full table through their LUT.
       null_block: the "no block" id, read as slot 0 (skipped by verify, like an evicted slot); None: none.
       expected_inputs: ExpectedInputs (int64-valued ``[T]``) for the write input assert.

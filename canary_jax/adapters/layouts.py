@@ -1,9 +1,9 @@
 """Real-KV sources for the KV pool layouts of JAX serving stacks: views of one layer's bytes, never copies.
 
 Each helper takes a pool array as its stack allocates it and returns a tuple of
-:class:`~canary_jax.sources.RealKvSource` for ``real_kv_sources=`` (at most 4 per launch, so concatenate at most
-that many). No helper reshapes, slices or bitcasts the pool: every source holds the pool array itself plus a
-static slot layout (:class:`~canary_jax.sources.SlotChunks`), and the launch views it as
+:class:`~canary_jax.contract.sources.RealKvSource` for ``real_kv_sources=`` (at most 4 per launch, so concatenate at
+most that many). No helper reshapes, slices or bitcasts the pool: every source holds the pool array itself plus a
+static slot layout (:class:`~canary_jax.contract.sources.SlotChunks`), and the launch views it as
 ``uint32[shape[0], row_words]`` inside its own traced program (a bitcast XLA keeps free). So the helpers copy
 nothing eagerly either, and work the same on tracers inside your ``jit``. They check shapes and dtypes when
 called (statically) and raise ``ValueError`` / ``TypeError`` naming the argument, its shape and dtype.
@@ -31,7 +31,7 @@ bytes; bytes are little-endian element bytes, packed sub-byte dtypes as XLA pack
   refused (see the function).
 
 Only the dense token-major source is SGLang's contract; the chunked sources (K or V half of a fused pool, heads-
-major pools, padded small rows, layer offsets) are canary-jax's extension (``canary_jax.sources``).
+major pools, padded small rows, layer offsets) are canary-jax's extension (``canary_jax.contract.sources``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from canary_jax.sources import RealKvSource, SlotChunks, element_bits
+from canary_jax.contract.sources import RealKvSource, SlotChunks, element_bits
 
 Half = Literal["k", "v", "kv"]
 KvLayout = Literal["interleaved", "k_then_v"]
@@ -259,7 +259,7 @@ def sources_for_stacked(
       ``(source,)``. With ``layer_axis=0`` a row of the source is one whole layer (``page_size`` is the layer's
       slot count) and the source covers exactly that layer's slots (``SlotChunks.slot_rows=1``): a launch
       that hashes a slot past them is refused (and, inside ``jit``, a canary buffer with more slots;
-      :mod:`canary_jax.coverage`).
+      :mod:`canary_jax.contract.coverage`).
 
     Raises:
       ValueError / TypeError naming the argument.

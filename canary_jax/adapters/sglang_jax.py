@@ -3,7 +3,7 @@
 sglang-jax's ``ForwardBatch`` speaks SGLang's vocabulary with rows from 0 (padding -1), a ragged ``cache_loc``
 instead of ``req_to_token`` (which stays on the host) and no prefix / extend lengths in decode batches; this
 module maps those away (see :func:`from_sglang_jax`) and reads ``cache_loc`` through a
-:class:`~canary_jax.slot_tables.RaggedSlotTable`. Re-exported by :mod:`canary_jax.adapters.batches`, whose
+:class:`~canary_jax.planning.slot_tables.RaggedSlotTable`. Re-exported by :mod:`canary_jax.adapters.batches`, whose
 docstring gives the conventions side by side.
 """
 
@@ -15,7 +15,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from canary_jax import ints, pairs
 from canary_jax.adapters.batch_fields import (
     _expected_inputs,
     _expected_tokens,
@@ -25,10 +24,11 @@ from canary_jax.adapters.batch_fields import (
     _table,
     _where_pairs,
 )
+from canary_jax.contract import ints, pairs
+from canary_jax.planning.slot_reads import _INT32_MAX, _unchecked
+from canary_jax.planning.slot_tables import RaggedSlotTable
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.state import CanaryBatch
-from canary_jax.slot_reads import _INT32_MAX, _unchecked
-from canary_jax.slot_tables import RaggedSlotTable
 
 __all__ = ["from_sglang_jax", "from_sglang_jax_batch"]
 
@@ -122,7 +122,7 @@ def from_sglang_jax(
       canary's padding row is 0: the canary row is ``req_pool_indices + 1`` (0 for rows < 0);
     * ``req_to_token`` stays on the host and the batch carries ``cache_loc``, each row's
       ``req_to_token[req_pool_indices[r], :seq_lens[r]]`` concatenated in row order, each span padded to a
-      multiple of ``cache_loc_page_size``: read through a :class:`~canary_jax.slot_tables.RaggedSlotTable`;
+      multiple of ``cache_loc_page_size``: read through a :class:`~canary_jax.planning.slot_tables.RaggedSlotTable`;
     * decode batches carry no prefix / extend lengths: prefix ``seq_lens - 1``, extend 1 (SGLang's decode
       prefix is the position, the same number).
 

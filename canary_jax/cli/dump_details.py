@@ -2,7 +2,7 @@
 
 What the 8-column ring row cannot carry, recovered from the buffers, KV and requests as dumped: the position
 the failing verify entry expected, the stored and the recomputed real-KV hash of the slot, and where
-``req_to_token`` maps the slot (:class:`~canary_jax.decode.ViolationDetail`). :func:`_verify_buffer` runs a
+``req_to_token`` maps the slot (:class:`~canary_jax.contract.decode.ViolationDetail`). :func:`_verify_buffer` runs a
 per-forward verify of the dump's live requests over one buffer (SPEC 7.1 plans, the reference backend) and
 details its rows; :func:`_ring_details` details the rows of the dump's own ring.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from canary_jax import constants, decode, ints
 from canary_jax.cli.dump_contents import _Buffer
 from canary_jax.cli.dump_hashes import _chain_of, _live_map, _recompute_real_kv, _records
-from canary_jax.decode import decode_violations
+from canary_jax.contract import constants, decode, ints
+from canary_jax.contract.decode import decode_violations
 from canary_jax.runtime.groups import PoolKind
 
 _RKV = int(constants.FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
@@ -92,10 +92,10 @@ def _match_entries(recs: list, rec: np.ndarray, slots, positions, prevs) -> dict
 
 # --- re-verifying a buffer -------------------------------------------------------------------------------
 def _verify_buffer(b: _Buffer, meta: dict, mode: constants.RealKvHashMode):
-    from canary_jax import launch
-    from canary_jax.layout import ViolationLog
-    from canary_jax.plan_builder import build_plans
-    from canary_jax.plans import VerifyOrWriteContext
+    from canary_jax.contract.layout import ViolationLog
+    from canary_jax.ops import launch
+    from canary_jax.planning.plan_builder import build_plans
+    from canary_jax.planning.plans import VerifyOrWriteContext
 
     rpi, lens = meta["rpi"], meta["lens"]
     keep = rpi != 0

@@ -15,8 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from canary_jax import constants, hashing, ints, pairs
-from canary_jax import sources as sources_lib
+from canary_jax.contract import constants, hashing, ints, pairs
+from canary_jax.contract import sources as sources_lib
 
 __all__ = ["chain_census"]
 

@@ -33,11 +33,11 @@ from canary_jax.cli.outputs import check_out_path, write_json, write_output
 
 # --- demo ------------------------------------------------------------------------------------------------
 def _demo(args) -> int:
-    from canary_jax import constants
     from canary_jax.cli import progress, render
     from canary_jax.cli.demo import campaign, engine, faults, model
     from canary_jax.cli.demo.summary import summarize
     from canary_jax.cli.demo.workload import PromptFileError
+    from canary_jax.contract import constants
 
     try:
         kinds = faults.parse_kinds(args.inject)

@@ -2,8 +2,8 @@
 
 A dump is a ``.npy`` array or an ``.npz`` archive. Recognised contents:
 
-* a canary-jax dump (:mod:`canary_jax.dump`, written by ``canary-jax demo --dump``,
-  :meth:`canary_jax.integration.CanaryGuard.dump` or :func:`canary_jax.dump.save_dump`): the ring and its write
+* a canary-jax dump (:mod:`canary_jax.tools.dump`, written by ``canary-jax demo --dump``,
+  :meth:`canary_jax.integration.CanaryGuard.dump` or :func:`canary_jax.tools.dump.save_dump`): the ring and its write
   index, every group's HEAD / TAIL canary buffers (``g{i}_{k,v}_{head,tail}``), their SWA LUT and window, the
   real KV as bytes (``g{i}_{k,v}_src{j}``) and the live requests.
 * a violation ring: ``int64[R, 8]`` (SGLang's layout, e.g. ``state.violation_log.ring.cpu().numpy()``) or
@@ -22,7 +22,7 @@ gets a chain-link census instead: every record's ``prev_hash`` should be the cha
 previous position (freed slots keep stale records, so breaks are hints, not proof).
 
 Every message starts with SGLang's text, byte for byte. What the 8-column ring row cannot carry follows as
-extra lines (:func:`canary_jax.decode.format_detail`): the position the failing verify entry expected, the
+extra lines (:func:`canary_jax.contract.decode.format_detail`): the position the failing verify entry expected, the
 stored and the recomputed real-KV hash of the slot where they differ (recomputed from the KV as dumped), and
 where ``req_to_token`` maps the slot. Rows identical in all 8 columns (one fault reported again by later steps)
 are printed once, with a ``kv_canary violation repeated: ... count=N`` line.
@@ -36,8 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from canary_jax import constants, decode, ints
-from canary_jax import dump as dump_lib
 from canary_jax.cli.dump_contents import (
     _INDEX_KEYS,
     _RING_KEYS,
@@ -51,8 +49,10 @@ from canary_jax.cli.dump_contents import (
 )
 from canary_jax.cli.dump_details import _ring_details, _verify_buffer
 from canary_jax.cli.dump_hashes import chain_census
-from canary_jax.decode import decode_violations, recorded_rows
-from canary_jax.dump import DumpError
+from canary_jax.contract import constants, decode, ints
+from canary_jax.contract.decode import decode_violations, recorded_rows
+from canary_jax.tools import dump as dump_lib
+from canary_jax.tools.dump import DumpError
 
 __all__ = ["DumpError", "chain_census", "load_and_report"]
 
@@ -146,7 +146,7 @@ def _ring_report(
 ) -> dict[str, Any]:
     """Rows ``[start, recorded)`` as SGLang's messages, one per distinct row, each followed by its detail line
     (when known) and a repeat line (when the same 8 columns recur). Unknown tags and fail bits are labelled
-    ``unknown(...)`` by :mod:`canary_jax.decode`; a negative (wrapped int32) index means a full, overflowed
+    ``unknown(...)`` by :mod:`canary_jax.contract.decode`; a negative (wrapped int32) index means a full, overflowed
     ring."""
     counts = collections.Counter()
     for r in recs:

@@ -24,10 +24,11 @@ Modules:
 
 The runtime builds on the contract modules of :mod:`canary_jax` only: it never imports the command-line
 tools (:mod:`canary_jax.cli`), the Pallas kernels, :mod:`interop` or torch at import time (the Pallas
-backend is loaded by :func:`canary_jax.launch.verify` / :func:`canary_jax.launch.write` when chosen).
+backend is loaded by :func:`canary_jax.ops.launch.verify` / :func:`canary_jax.ops.launch.write` when chosen).
 """
 
-from canary_jax.constants import RealKvHashMode
+from canary_jax.contract.constants import RealKvHashMode
+from canary_jax.contract.sources import RealKvSource
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.guard import CanaryGuard
@@ -72,7 +73,6 @@ from canary_jax.runtime.sweep import (
     sweep_entries_to_plan,
     walk_radix_tree,
 )
-from canary_jax.sources import RealKvSource
 
 __all__ = [
     "VERIFY_CAPACITY_POOL_FACTOR",

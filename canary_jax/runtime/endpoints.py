@@ -11,7 +11,7 @@ TAIL / SWEEP x K / V; no V half for MLA-style pools), built by :func:`build_endp
 * the LUT is the group's ``swa_index_lut`` for SWA groups, None for FULL.
 
 JAX is functional, so an endpoint is a *view* of a group at one moment: a launch returns the updated endpoint
-(new ``canary_buf``) and the new :class:`~canary_jax.layout.ViolationLog`, and
+(new ``canary_buf``) and the new :class:`~canary_jax.contract.layout.ViolationLog`, and
 :meth:`~canary_jax.runtime.groups.CanaryBufferGroup.with_endpoint` writes the buffer back under the endpoint's
 ``buffer_name``. Counters need no views: the log holds the per-tag arrays and each launch bumps ``[tag]``.
 All endpoints of a manager share one log.
@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from canary_jax import constants, layout
-from canary_jax.plans import VerifyPlan, WritePlan
+from canary_jax.contract import constants, layout
+from canary_jax.planning.plans import VerifyPlan, WritePlan
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.launch_endpoint import CanaryEndpoint, ExpectedInputs
 
@@ -63,7 +63,7 @@ def build_endpoints_from_group(
 
     Args:
       group: the :class:`~canary_jax.runtime.groups.CanaryBufferGroup`.
-      real_kv_sources: ``(sources_k, sources_v)``: 0..4 :class:`~canary_jax.sources.RealKvSource` per half
+      real_kv_sources: ``(sources_k, sources_v)``: 0..4 :class:`~canary_jax.contract.sources.RealKvSource` per half
         viewing the KV pool now (None or ``()`` for a half without sources), or None for none at all.
 
     HEAD endpoints get no real-KV sources; TAIL and SWEEP endpoints of a half get that half's sources and SWEEP

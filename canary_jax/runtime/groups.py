@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from canary_jax import constants, ints, layout
+from canary_jax.contract import constants, ints, layout
 from canary_jax.runtime.launch_endpoint import CanaryEndpoint
 
 __all__ = [

@@ -27,7 +27,7 @@ warner, the kernel-counter health check and the periodic stats line.
 
 Fixed capacities, a fixed set of programs: the canary buffers, ring and plans have fixed sizes
 (:class:`~canary_jax.runtime.step_inputs.CanaryCapacities`), and every batch is padded to bucket shapes
-(:mod:`canary_jax.buckets`: token count to a token bucket, rows to ``min(bucket(bs), max_batch_size)``), so a run
+(:mod:`canary_jax.ops.buckets`: token count to a token bucket, rows to ``min(bucket(bs), max_batch_size)``), so a run
 compiles one program per (token bucket, row bucket) whatever its token counts. Padding tokens have id 0, position 0
 and slot 0 (SGLang's padding slot: never give slot 0 to a request); padding rows have ``req_pool_indices`` 0. The
 canary never writes or counts them.
@@ -48,9 +48,10 @@ from typing import Any
 
 import numpy as np
 
-from canary_jax import backends, constants, ints
-from canary_jax.buckets import Buckets
-from canary_jax.plans import VerifyPlan
+from canary_jax.contract import constants, ints
+from canary_jax.ops import backends
+from canary_jax.ops.buckets import Buckets
+from canary_jax.planning.plans import VerifyPlan
 from canary_jax.runtime import prepare
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.guard_reports import GuardReports
@@ -89,7 +90,7 @@ class CanaryGuard(GuardReports):
         ``-> (kv_state, real_kv_sources, outputs)``. ``inputs`` is a :class:`StepInputs` (int32, padded to the
         step's bucket); ``step_fn`` must write the KV of ``inputs.out_cache_loc`` (the padding slot 0 included,
         as SGLang's padded batches do) and return the real-KV sources viewing the pool after its write
-        (:class:`~canary_jax.sources.RealKvSource`: one, a tuple for a single group's K half, or one
+        (:class:`~canary_jax.contract.sources.RealKvSource`: one, a tuple for a single group's K half, or one
         ``(sources_k, sources_v)`` pair per group; None with ``real_kv_hash_mode`` NONE). Build the sources
         from the returned pool inside ``step_fn`` (``tensor=pool[0]`` there is a view, not a copy). It is traced
         once per bucket shape, inside the guard's jitted program (a jitted ``step_fn`` is inlined).
@@ -109,7 +110,7 @@ class CanaryGuard(GuardReports):
       sweep_source: required when ``sweep_interval > 0``: a callable, called on the host at each sweep step,
         that returns what to sweep: a radix-tree root (anything :func:`canary_jax.runtime.sweep.walk_radix_tree`
         walks; SWA groups translate it through their LUT and skip SWA tombstones), a
-        :class:`~canary_jax.runtime.sweep.SweepEntries`, a :class:`~canary_jax.plans.VerifyPlan` (single
+        :class:`~canary_jax.runtime.sweep.SweepEntries`, a :class:`~canary_jax.planning.plans.VerifyPlan` (single
         group), a sequence with one of these (or None) per group, or None (nothing to sweep this time).
       ring_capacity: violation ring rows (SGLang's ``SGLANG_KV_CANARY_RING_CAPACITY``, default 1024).
       stats_every_n_steps: the stats line's period at INFO (SGLang's default 100; 0 turns it off).
@@ -118,8 +119,8 @@ class CanaryGuard(GuardReports):
       collapse: report a violation row identical to one already reported (the same fault seen by a later step)
         once, counting the repeats (:meth:`repeats`); False reports every row like SGLang.
       on_violations: called on the host with ``(records, step=i)``: the
-        :class:`~canary_jax.decode.ViolationRecord` s recorded by step ``i`` (0-based), one step late (e.g.
-        :meth:`canary_jax.faults.FaultCampaign.observe`).
+        :class:`~canary_jax.contract.decode.ViolationRecord` s recorded by step ``i`` (0-based), one step late (e.g.
+        :meth:`canary_jax.tools.faults.FaultCampaign.observe`).
       enable_write_input_assert, enable_verify_token_assert: the token-oracle checks (the batch then carries
         ``expected_inputs`` / the expected-token pool, see :class:`~canary_jax.runtime.state.CanaryBatch`).
       enable_v_half: also launch the V halves (then ``has_v_half`` groups and V sources).
@@ -127,8 +128,8 @@ class CanaryGuard(GuardReports):
       groups: your own :class:`~canary_jax.runtime.groups.CanaryBufferGroup` s (e.g. a FULL and an SWA group)
         instead of the default one FULL group of ``num_slots`` slots.
       capacities: explicit :class:`CanaryCapacities` instead of :meth:`CanaryCapacities.from_pool`.
-      backend: ``"reference"`` / ``"pallas"`` / None (:func:`canary_jax.backends.resolve_backend`).
-      buckets: the :class:`~canary_jax.buckets.Buckets` policy (default: powers of two from 16).
+      backend: ``"reference"`` / ``"pallas"`` / None (:func:`canary_jax.ops.backends.resolve_backend`).
+      buckets: the :class:`~canary_jax.ops.buckets.Buckets` policy (default: powers of two from 16).
       log: the logger for warnings and stats (default ``canary_jax``).
 
     Raises:

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from canary_jax import constants, validation
+from canary_jax.contract import constants, validation
 from canary_jax.runtime import phases
 from canary_jax.runtime.state import CanaryState, CanaryStepConfig
 from canary_jax.runtime.step import canary_sweep

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from canary_jax import constants, ints, layout
+from canary_jax.contract import constants, ints, layout
 from canary_jax.runtime.snapshots import _snapshot
 
 logger = logging.getLogger("canary_jax")

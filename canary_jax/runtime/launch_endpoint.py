@@ -13,9 +13,10 @@ from typing import Any
 
 import jax
 
-from canary_jax import constants, ints, launch, layout, validation
-from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
-from canary_jax.slot_tables import swa_translate
+from canary_jax.contract import constants, ints, layout, validation
+from canary_jax.ops import launch
+from canary_jax.planning.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
+from canary_jax.planning.slot_tables import swa_translate
 
 __all__ = [
     "CanaryEndpoint",

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants, coverage, sources, validation
-from canary_jax.plan_builder import build_plans
+from canary_jax.contract import constants, coverage, sources, validation
+from canary_jax.planning.plan_builder import build_plans
 from canary_jax.runtime import prepare, shapes
 from canary_jax.runtime.endpoints import launch_group, split_sources
 from canary_jax.runtime.groups import PoolKind
@@ -28,7 +28,8 @@ _BUFFERS = ("k_head", "k_tail", "v_head", "v_tail")
 
 
 def check_sources(real_kv_sources: Any, state: CanaryState, config: CanaryStepConfig, who: str) -> tuple:
-    """One ``(sources_k, sources_v)`` tuple pair per group, checked (:func:`canary_jax.sources.check_real_kv_sources`).
+    """One ``(sources_k, sources_v)`` tuple pair per group, checked
+    (:func:`canary_jax.contract.sources.check_real_kv_sources`).
 
     Raises:
       ValueError: a hashing mode without real_kv_sources, or without a source for a half it launches (naming

@@ -6,7 +6,7 @@
 
 1. widen: a mapping or keywords become a :class:`~canary_jax.runtime.state.CanaryBatch` (the guard only), whose
    construction converts every int64-valued field exactly to ``uint32[..., 2]`` pairs and the int32 tables
-   through :func:`canary_jax.ints.as_int32` (host data outside int32 refused);
+   through :func:`canary_jax.contract.ints.as_int32` (host data outside int32 refused);
 2. static checks (:func:`check_batch`): the type, the token-oracle fields the config's asserts need, the rows
    against ``write_req_capacity``; the guard adds ``req_to_token``'s width and fixed signature and the host
    int32 rule of :class:`~canary_jax.runtime.step_inputs.StepInputs` (:func:`check_host_int32`);
@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from canary_jax import ints, validation
+from canary_jax.contract import ints, validation
+from canary_jax.planning.slot_tables import _INT32_MAX
 from canary_jax.runtime import shapes
 from canary_jax.runtime.groups import PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
 from canary_jax.runtime.step_inputs import _STEP_INPUT_INT32_FIELDS, _describe_signature, _table_signature
-from canary_jax.slot_tables import _INT32_MAX
 
 __all__ = [
     "GuardLimits",
@@ -185,7 +185,7 @@ def check_batch_values(state: CanaryState, batch: CanaryBatch) -> None:
     Runs on host data only, before anything is traced or changed (eager calls of the step API and
     :class:`~canary_jax.runtime.guard.CanaryGuard`); a field held as a JAX array or tracer is not read (no host
     sync), so inside a ``jit`` (or with device fields) these are the caller's contract, and the kernels then
-    behave as SGLang's production kernels (:mod:`canary_jax.reference`, :mod:`canary_jax.plan_builder`): a
+    behave as SGLang's production kernels (:mod:`canary_jax.ops.reference`, :mod:`canary_jax.planning.plan_builder`): a
     write slot ``>= num_slots`` is skipped (not written, not counted: that token is not protected), a
     negative extend writes nothing and a negative prefix verifies nothing (the row's chain restarts at the
     anchor), extends past the token arrays read tokens owned by no request, and a ``req_to_token`` row outside

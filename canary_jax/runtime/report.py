@@ -7,7 +7,7 @@ snapshots taken at step ``s`` and read at step ``s + 1`` (pass ``delayed=False``
 tests or at shutdown).
 
 * :class:`ViolationReporter` (SGLang ``violation_reporter.py``): formats ring rows
-  ``[last_logged, min(write_index, R))`` in SGLang's frozen text (:func:`canary_jax.decode.format_violation`);
+  ``[last_logged, min(write_index, R))`` in SGLang's frozen text (:func:`canary_jax.contract.decode.format_violation`);
   ``log`` mode warns once per row, ``raise`` mode raises one :class:`CanaryViolationError` (a RuntimeError
   whose text is SGLang's: all rows joined by newlines) and then never again, ``none`` does nothing. With
   ``collapse=True`` (a canary-jax addition, off by default) a row identical in all 8 columns to one already
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from canary_jax import decode, layout
+from canary_jax.contract import decode, layout
 from canary_jax.runtime.health import HEALTH_CHECK_EVERY_N_STEPS as HEALTH_CHECK_EVERY_N_STEPS
 from canary_jax.runtime.health import HEALTH_CHECK_WARMUP_STEPS as HEALTH_CHECK_WARMUP_STEPS
 from canary_jax.runtime.health import EnableWarner, HealthChecker, expected_health_tags
@@ -80,7 +80,7 @@ class CanaryViolationError(RuntimeError):
 
     Attributes:
       messages: the formatted messages, one per reported row.
-      records: the :class:`~canary_jax.decode.ViolationRecord` of each reported row.
+      records: the :class:`~canary_jax.contract.decode.ViolationRecord` of each reported row.
       step: the outer step the rows were pumped at (SGLang's ``step_when_pumped``).
       recorded_step: the step whose log held the rows (one step before ``step`` when pumped late), or None.
       kv_state, outputs: set by :class:`canary_jax.integration.CanaryGuard` to what the step that raised
@@ -151,7 +151,7 @@ class ViolationReporter:
         return list(self._seen.values())
 
     def repeat_lines(self) -> list[str]:
-        """One line per distinct row seen more than once (:func:`canary_jax.decode.format_repeat`)."""
+        """One line per distinct row seen more than once (:func:`canary_jax.contract.decode.format_repeat`)."""
         return [decode.format_repeat(c, unit="step") for c in self._seen.values() if c.count > 1]
 
     def messages(self, log_or_ring: Any, write_index: Any | None = None, *, step: int = 0) -> list[str]:
@@ -183,8 +183,8 @@ class ViolationReporter:
         """Reports rows ``[last_logged, min(write_index, R))``.
 
         Args:
-          log_or_ring: a :class:`~canary_jax.layout.ViolationLog` (or a ring plus ``write_index``, see
-            :func:`canary_jax.decode.decode_violations`).
+          log_or_ring: a :class:`~canary_jax.contract.layout.ViolationLog` (or a ring plus ``write_index``, see
+            :func:`canary_jax.contract.decode.decode_violations`).
           step: the outer step, printed as ``step_when_pumped``.
 
         Returns:

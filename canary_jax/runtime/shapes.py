@@ -3,7 +3,7 @@
 A serving engine's token count and batch size change every step, and every new shape is a new compiled
 program. :mod:`canary_jax.runtime.step` therefore pads, before its jitted functions see them:
 
-* token arrays ``[T]`` to ``bucket_size(T)`` (:mod:`canary_jax.buckets`): ids 0, positions 0, out_cache_loc 0
+* token arrays ``[T]`` to ``bucket_size(T)`` (:mod:`canary_jax.ops.buckets`): ids 0, positions 0, out_cache_loc 0
   (the padding slot, as SGLang's padded batches). The padded entries are owned by no request, and the canary
   launches also see them as out_cache_loc -1 (:func:`mask_unowned`), so they are never written and never
   counted, even when a malformed batch's extends run past its T real tokens;
@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import buckets as buckets_lib
-from canary_jax.plans import VerifyPlan
+from canary_jax.ops import buckets as buckets_lib
+from canary_jax.planning.plans import VerifyPlan
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.state import CanaryBatch, CanaryStepConfig
 

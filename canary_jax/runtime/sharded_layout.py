@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from canary_jax import ints
+from canary_jax.contract import ints
 from canary_jax.runtime import phases, shapes
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
 from canary_jax.runtime.step import _check_batch, _check_config, _check_state
@@ -236,7 +236,7 @@ class ShardLayout:
         return jax.tree_util.tree_unflatten(treedef, out), n
 
     def shard_per_dp(self, trees: Sequence[Any]) -> Any:
-        """Any pytree given once per dp shard (e.g. sweep :class:`~canary_jax.plans.VerifyPlan` s of equal
+        """Any pytree given once per dp shard (e.g. sweep :class:`~canary_jax.planning.plans.VerifyPlan` s of equal
         capacity; None for dp shards this process does not hold) as one pytree of ``[dp, ...]`` leaves,
         ``PartitionSpec(dp)``.
 

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from canary_jax import constants, decode, ints, layout
+from canary_jax.contract import constants, decode, ints, layout
 from canary_jax.runtime.report import (
     CanaryStats,
     CanaryViolationError,
@@ -57,7 +57,7 @@ def _by_shard(x: jax.Array) -> dict[Shard, Any]:
 
 
 def shard_logs(log: layout.ViolationLog) -> dict[Shard, layout.ViolationLog]:
-    """The sharded log's addressable shards as host :class:`~canary_jax.layout.ViolationLog` s (numpy leaves).
+    """The sharded log's addressable shards as host :class:`~canary_jax.contract.layout.ViolationLog` s (numpy leaves).
 
     One device-to-host copy of each addressable shard's ring, index and counters (``jax.device_get``); shards
     held by other processes are not in the result.
@@ -81,13 +81,13 @@ def shard_logs(log: layout.ViolationLog) -> dict[Shard, layout.ViolationLog]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ShardedViolationRecord:
-    """One ring row of one shard. Reads every :class:`~canary_jax.decode.ViolationRecord` field and property
+    """One ring row of one shard. Reads every :class:`~canary_jax.contract.decode.ViolationRecord` field and property
     (``slot_idx``, ``tag``, ``reasons``, ...) through to ``record``, so it stands in for one (e.g. in
     :attr:`~canary_jax.runtime.report.CanaryViolationError.records`) while naming its shard.
 
     Fields:
       shard: ``(dp, tp)``.
-      record: the decoded :class:`~canary_jax.decode.ViolationRecord` (its ``index`` is the shard's ring row).
+      record: the decoded :class:`~canary_jax.contract.decode.ViolationRecord` (its ``index`` is the shard's ring row).
     """
 
     shard: Shard
@@ -108,7 +108,7 @@ class ShardedViolationRecord:
 def format_sharded_violation(
     rec: ShardedViolationRecord, *, total: int, ring_overflow: bool, step_when_pumped: int
 ) -> str:
-    """SGLang's text (:func:`canary_jax.decode.format_violation`, unchanged, as the prefix) with
+    """SGLang's text (:func:`canary_jax.contract.decode.format_violation`, unchanged, as the prefix) with
     `` shard=(dp,tp)`` appended to its last line; ``total`` and ``ring_overflow`` are the shard's."""
     text = decode.format_violation(
         rec.record, total=total, ring_overflow=ring_overflow, step_when_pumped=step_when_pumped

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from canary_jax import constants, layout
+from canary_jax.contract import constants, layout
 from canary_jax.runtime import phases
 from canary_jax.runtime.state import CanaryBatch, CanaryPlans, CanaryState, CanaryStepConfig, StepSummary
 

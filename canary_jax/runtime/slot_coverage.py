@@ -1,9 +1,9 @@
 """The step API's eager source-coverage check: a source shorter than a group's canary buffer is accepted when
-every slot the call hashes lies inside it (:mod:`canary_jax.coverage`).
+every slot the call hashes lies inside it (:mod:`canary_jax.contract.coverage`).
 
 ``canary_tail`` and ``canary_sweep`` called eagerly know their plans and batch on the host; they run
 :func:`check_tail` / :func:`check_sweep` before their jitted program, and trace it under
-:func:`canary_jax.coverage.checked_on_host` when a source was short (a static argument of the program, so a
+:func:`canary_jax.contract.coverage.checked_on_host` when a source was short (a static argument of the program, so a
 program traced that way never serves a call that was not checked). Traced calls (inside a caller's ``jit``) and
 ``canary_step`` / ``CanaryGuard``, whose sources a traced step function returns, keep the whole-buffer rule.
 """
@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from canary_jax import constants, coverage, ints, launch, sources
+from canary_jax.contract import constants, coverage, ints, sources
+from canary_jax.ops import launch
+from canary_jax.planning.slot_tables import swa_translate
 from canary_jax.runtime.groups import PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryPlans, CanaryState, CanaryStepConfig
-from canary_jax.slot_tables import swa_translate
 
 
 def _halves(state: CanaryState, srcs: Sequence, config: CanaryStepConfig):

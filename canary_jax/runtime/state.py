@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import buckets as buckets_lib
-from canary_jax import constants, ints, layout, slot_tables
+from canary_jax.contract import constants, ints, layout
+from canary_jax.ops import buckets as buckets_lib
+from canary_jax.planning import slot_tables
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.groups import CanaryBufferGroup
 
@@ -50,9 +51,9 @@ class CanaryStepConfig:
       enable_verify_token_assert: verify checks tokens gathered from ``batch.req_to_verify_expected_tokens``.
       enable_v_half: also launch the V-half endpoints (SGLang's ``SGLANG_KV_CANARY_ENABLE_MHA_V``,
         default off there).
-      backend: ``reference`` / ``pallas`` / None (see :func:`canary_jax.backends.resolve_backend`).
-      buckets: the :class:`canary_jax.buckets.Buckets` policy that eager calls pad the batch's token count to
-        (and its rows, capped at ``write_req_capacity``), or None for :func:`canary_jax.buckets.default_buckets`
+      backend: ``reference`` / ``pallas`` / None (see :func:`canary_jax.ops.backends.resolve_backend`).
+      buckets: the :class:`canary_jax.ops.buckets.Buckets` policy that eager calls pad the batch's token count to
+        (and its rows, capped at ``write_req_capacity``), or None for :func:`canary_jax.ops.buckets.default_buckets`
         at call time.
 
     Raises:
@@ -114,20 +115,20 @@ class CanaryBatch:
       input_ids, positions: int64-valued ``[T]``.
       out_cache_loc: int64-valued ``[T]`` full-pool slots written this step (SWA groups translate them).
       req_to_token: ``int32[max_reqs, max_seq_len]``, already holding this step's slots (SGLang), or any
-        :class:`~canary_jax.slot_tables.SlotTable` / :class:`~canary_jax.slot_tables.GroupSlotTables`
+        :class:`~canary_jax.planning.slot_tables.SlotTable` / :class:`~canary_jax.planning.slot_tables.GroupSlotTables`
         (block tables, sglang-jax's ragged ``cache_loc``; see :mod:`canary_jax.adapters.batches`).
       expected_inputs: :class:`~canary_jax.runtime.endpoints.ExpectedInputs` (int64-valued ``[T]`` each) when
         ``enable_write_input_assert``; else None.
       req_to_verify_expected_tokens: ``int32[rows, max_context_len]`` token pool when
-        ``enable_verify_token_assert`` (see :func:`canary_jax.plan_builder.scatter_req_token_ids`), or an
-        :class:`~canary_jax.slot_tables.ExpectedTokenTable`; else None.
+        ``enable_verify_token_assert`` (see :func:`canary_jax.planning.plan_builder.scatter_req_token_ids`), or an
+        :class:`~canary_jax.planning.slot_tables.ExpectedTokenTable`; else None.
       req_to_verify_expected_tokens_valid_lens: int64-valued ``[bs]`` with the pool.
 
     Construction converts every int64-valued field, exactly, to ``uint32[..., 2]`` pairs (little-endian words,
-    the bytes of the int64 array; see :mod:`canary_jax.ints`): numpy int64 / uint64, Python ints, int32 and
+    the bytes of the int64 array; see :mod:`canary_jax.contract.ints`): numpy int64 / uint64, Python ints, int32 and
     narrower (sign-extended), JAX int64 with x64 on, or pairs already. Host data stays numpy, JAX arrays and
     tracers stay JAX. So no value is cut to int32 when the batch crosses ``jit`` with x64 off. The int32 fields
-    go through :func:`canary_jax.ints.as_int32`: numpy data outside int32 is refused, JAX data must be int32.
+    go through :func:`canary_jax.contract.ints.as_int32`: numpy data outside int32 is refused, JAX data must be int32.
     A pytree; unflattening does not convert again (safe inside transformations).
 
     Raises:
@@ -200,8 +201,9 @@ class CanaryBatch:
 
 
 def _slot_table(table: Any) -> Any:
-    """``req_to_token`` as the plan builder reads it: a checked :class:`~canary_jax.slot_tables.SlotTable` or
-    :class:`~canary_jax.slot_tables.GroupSlotTables` as given, else SGLang's ``int32[max_reqs, max_seq_len]``."""
+    """``req_to_token`` as the plan builder reads it: a checked :class:`~canary_jax.planning.slot_tables.SlotTable` or
+    :class:`~canary_jax.planning.slot_tables.GroupSlotTables` as given, else SGLang's ``int32[max_reqs,
+    max_seq_len]``."""
     if isinstance(table, slot_tables.GroupSlotTables):
         for t in (table.full, table.swa):
             if t is not None:
@@ -214,7 +216,7 @@ def _slot_table(table: Any) -> Any:
 
 
 def _token_pool(pool: Any) -> Any:
-    """The expected-token pool: a checked :class:`~canary_jax.slot_tables.ExpectedTokenTable` as given, else
+    """The expected-token pool: a checked :class:`~canary_jax.planning.slot_tables.ExpectedTokenTable` as given, else
     SGLang's ``int32[rows, max_context_len]`` addressed by ``req_pool_indices``."""
     if isinstance(pool, slot_tables.ExpectedTokenTable):
         pool.check()
@@ -240,7 +242,7 @@ class CanaryState:
 
     Fields:
       groups: tuple of :class:`~canary_jax.runtime.groups.CanaryBufferGroup` (FULL first, then SWA if any).
-      log: the shared :class:`~canary_jax.layout.ViolationLog` (ring, write index, per-tag counters, the
+      log: the shared :class:`~canary_jax.contract.layout.ViolationLog` (ring, write index, per-tag counters, the
         chain-position assert flag).
     """
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from canary_jax import constants, ints, layout
+from canary_jax.contract import constants, ints, layout
 from canary_jax.runtime.snapshots import _first, _snapshot
 
 logger = logging.getLogger("canary_jax")

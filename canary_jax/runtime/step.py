@@ -42,8 +42,9 @@ from typing import Any
 
 import jax
 
-from canary_jax import buckets, validation
-from canary_jax.plans import VerifyPlan
+from canary_jax.contract import validation
+from canary_jax.ops import buckets
+from canary_jax.planning.plans import VerifyPlan
 from canary_jax.runtime import phases, prepare, shapes, slot_coverage
 from canary_jax.runtime.prepare import check_batch as _check_batch  # noqa: F401  (old name)
 from canary_jax.runtime.prepare import check_batch_values
@@ -131,7 +132,7 @@ def _count_kv_write_fn(kv_write_fn: Any, config: CanaryStepConfig) -> None:
 
 # --- public API ------------------------------------------------------------------------------------------
 def canary_plan(state: CanaryState, batch: CanaryBatch, *, config: CanaryStepConfig) -> CanaryPlans:
-    """Builds every group's per-forward plans (:func:`canary_jax.plan_builder.build_plans`).
+    """Builds every group's per-forward plans (:func:`canary_jax.planning.plan_builder.build_plans`).
 
     FULL groups plan with W = 0 and no LUT; SWA groups with their ``swa_window_size`` and LUT. The
     expected-token pool is passed only when ``config.enable_verify_token_assert``. Called eagerly, the batch
@@ -209,7 +210,7 @@ def canary_tail(
       batch: the same batch.
       config: static :class:`CanaryStepConfig`.
       real_kv_sources: one ``(sources_k, sources_v)`` pair per group: tuples of
-        :class:`~canary_jax.sources.RealKvSource` viewing the KV pool *after* the model's write (e.g. its
+        :class:`~canary_jax.contract.sources.RealKvSource` viewing the KV pool *after* the model's write (e.g. its
         layer-0 K array); ``None`` or ``()`` for a half without sources. Required (a source for K, and for V
         when ``enable_v_half`` and the group has a V half) unless ``real_kv_hash_mode`` is NONE. Read by this
         call only: the state never keeps them.

@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants, ints
+from canary_jax.contract import constants, ints
+from canary_jax.contract.sources import RealKvSource
 from canary_jax.runtime.state import _INDEX_FIELDS, CanaryBatch
-from canary_jax.sources import RealKvSource
 
 __all__ = [
     "VERIFY_CAPACITY_POOL_FACTOR",
@@ -121,7 +121,7 @@ class StepInputs:
       req_pool_indices, prefix_lens, extend_seq_lens: ``int32[bs]``; padding rows have index 0 and zero
         lengths.
       req_to_token: ``int32[max_reqs, max_seq_len]`` as given (or the batch's slot table, a
-        :class:`~canary_jax.slot_tables.SlotTable` pytree, when the batch carries one).
+        :class:`~canary_jax.planning.slot_tables.SlotTable` pytree, when the batch carries one).
       num_tokens: ``int32[]``, the live tokens of the step.
 
     The canary itself checks the exact int64 values, with x64 off or on; ``step_fn`` gets them as int32
@@ -166,7 +166,7 @@ jax.tree_util.register_dataclass(
 
 
 def parse_real_kv_hash_mode(mode: Any) -> constants.RealKvHashMode:
-    """A :class:`~canary_jax.constants.RealKvHashMode`, its int value, or a name (``none`` / ``partial`` /
+    """A :class:`~canary_jax.contract.constants.RealKvHashMode`, its int value, or a name (``none`` / ``partial`` /
     ``all``, any case: SGLang's ``--kv-canary-real-data`` is upper-cased and looked up by member name).
 
     Raises:
@@ -188,7 +188,7 @@ def normalize_sources(real_kv_sources: Any, num_groups: int) -> Any:
     group (the form :func:`canary_jax.runtime.step.canary_tail` takes).
 
     * ``None``: no sources (only valid with ``real_kv_hash_mode`` NONE);
-    * one :class:`~canary_jax.sources.RealKvSource`, or a tuple / list of them: the K half of a single group;
+    * one :class:`~canary_jax.contract.sources.RealKvSource`, or a tuple / list of them: the K half of a single group;
     * anything else is passed through (one pair per group, checked by the step).
 
     Raises:

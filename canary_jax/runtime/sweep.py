@@ -8,7 +8,7 @@ reuses it. SGLang walks the tree on the host (``radix_cache_walker.py``, ``sweep
   it) gets position ``d + j`` and prev slot = the previous slot of the node, or the parent's last slot for
   ``j == 0`` (-1 at the top level). Node boundaries do not break the chain.
 * SWA groups translate slot and prev through the LUT (negatives kept, evicted -> 0; a slot past the LUT
-  clamps to the last entry, the canary-jax rule of :func:`canary_jax.slot_tables.swa_translate`).
+  clamps to the last entry, the canary-jax rule of :func:`canary_jax.planning.slot_tables.swa_translate`).
 * The plan has ``num_valid = n``, ``enable = 1`` and expected tokens -1 (sweeps never check tokens).
 
 Sweep plans are verified by the SWEEP endpoints (:func:`canary_jax.runtime.step.canary_sweep`), which read the TAIL
@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from canary_jax import ints
-from canary_jax.plan_builder import build_plans
-from canary_jax.plans import VerifyPlan
+from canary_jax.contract import ints
+from canary_jax.planning.plan_builder import build_plans
+from canary_jax.planning.plans import VerifyPlan
 from canary_jax.runtime import shapes
 from canary_jax.runtime.groups import PoolKind
 
@@ -216,13 +216,13 @@ def build_sweep_plan_from_requests(
     For each row r (``req_pool_indices[r] == 0`` = padding, skipped): positions ``[ws, seq_lens[r])`` of
     ``req_to_token[rpi]`` with ``ws = max(0, seq_len - W)`` for SWA, prev = the real predecessor (-1 at
     position 0), LUT-translated when given. Exactly the verify half of
-    :func:`canary_jax.plan_builder.build_plans` with ``prefix_lens = seq_lens``; overflow -> ``enable = 0``.
+    :func:`canary_jax.planning.plan_builder.build_plans` with ``prefix_lens = seq_lens``; overflow -> ``enable = 0``.
 
     Args:
       req_to_token: ``int32[max_reqs, max_seq_len]``.
       req_pool_indices, seq_lens: int64-valued ``[bs]``.
       verify_capacity: C (static).
-      swa_window_size, full_to_swa_index_mapping: as for :func:`~canary_jax.plan_builder.build_plans`.
+      swa_window_size, full_to_swa_index_mapping: as for :func:`~canary_jax.planning.plan_builder.build_plans`.
     """
     rpi = ints.as_int64_pairs(req_pool_indices, name="req_pool_indices", shape=(None,))
     bs = int(rpi.shape[0])
@@ -276,7 +276,7 @@ def sweep_source_plans(src: Any, groups: Sequence, luts: Sequence, *, capacity: 
 
     Args:
       src: a radix-tree root (anything :func:`walk_radix_tree` walks; SWA groups translate it through their LUT
-        and skip SWA tombstones), :class:`SweepEntries`, a :class:`~canary_jax.plans.VerifyPlan` (single group,
+        and skip SWA tombstones), :class:`SweepEntries`, a :class:`~canary_jax.planning.plans.VerifyPlan` (single group,
         padded to ``capacity``), a sequence with one of these (or None) per group, or None.
       groups: the state's :class:`~canary_jax.runtime.groups.CanaryBufferGroup` s.
       luts: each group's full-to-SWA LUT as host int64 (None for FULL groups).

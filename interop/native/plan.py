@@ -1,8 +1,8 @@
 """The plan launch as hand-written torch ops: SGLang's ``launch_canary_plan_kernels`` (SPEC 7) in one pass.
 
 :func:`launch_plan` fills the torch ``VerifyPlan`` / ``WritePlan`` in place with exactly the bytes of canary-jax's
-jnp builder (:func:`canary_jax.plan_builder.build_plans`, run by :func:`interop.kernels.plan_body_factory`), which
-is the contract here, but with native int64 torch ops: 47 torch calls per launch for a FULL group, 51 with the
+jnp builder (:func:`canary_jax.planning.plan_builder.build_plans`, run by :func:`interop.kernels.plan_body_factory`),
+which is the contract here, but with native int64 torch ops: 47 torch calls per launch for a FULL group, 51 with the
 SWA LUT, 53 to 59 with the expected-token pool, instead of the ~350 that replaying the builder's jaxpr costs (the
 jnp code emulates int64 with uint32 word pairs). Fixed shapes and no host sync, so a torch CUDA graph captures it;
 every temporary is request- or entry-sized (``req_to_token`` and the pool are read only at the planned entries).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from canary_jax import validation
+from canary_jax.contract import validation
 
 __all__ = ["launch_plan"]
 
@@ -54,7 +54,7 @@ def launch_plan(statics: tuple, tensors: dict[str, torch.Tensor]) -> None:
 
     ``rtt(row, col)`` is ``req_to_token[row, col]`` (int32 sign-extended), or 0 when ``row`` or ``col`` is outside
     the table; ``T`` maps a slot ``x >= len(lut)`` to ``lut[-1]``; pool reads outside the pool give -1. These are
-    the builder's decisions (``canary_jax/plan_builder.py`` module docstring) where SGLang's reference raises.
+    the builder's decisions (``canary_jax/planning/plan_builder.py`` module docstring) where SGLang's reference raises.
 
     Calling contract: mutates only the ``verify_plan_out.*`` and ``write_plan_out.*`` tensors; reads the rest.
     Vectorised over fixed shapes (``bs``, C, Cw and the table shapes), no host sync, no data-dependent shapes:

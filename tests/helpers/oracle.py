@@ -10,7 +10,7 @@ State mirrors SGLang's tensors exactly:
 * ring: ``int64[R, 8]``; write index: a Python int; counters: ``int64[num_tags]``.
 
 Decisions where SGLang is undefined (the documented canary-jax choices, SPEC 13 and
-``canary_jax/reference.py``'s docstring):
+``canary_jax/ops/reference.py``'s docstring):
 
 * verify: a slot or prev slot outside ``[0, num_slots)`` (other than slot 0 = skip, prev 0 = unreachable and
   prev < 0 = anchor) reads as an all-zero record; a verify slot outside the canary buffer also fingerprints

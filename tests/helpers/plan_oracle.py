@@ -1,6 +1,6 @@
 """Independent Python-int oracle of SGLang's plan reference (SPEC 7), for tests only.
 
-Written from SPEC section 7, not from ``canary_jax.plan_builder``: plain loops over requests and positions
+Written from SPEC section 7, not from ``canary_jax.planning.plan_builder``: plain loops over requests and positions
 on Python ints. It never imports jax or canary_jax.
 
 ``strict=True`` behaves like SGLang's torch reference on bad indices (raises ``ValueError`` for an SWA slot

@@ -6,7 +6,7 @@ write_index and both per-tag counter arrays. Hand scenarios also assert exact ri
 
 To add an implementation: a ``test_*.py`` class mixes the suites (``VerifySuite``, ``WriteSuite``,
 ``PipelineSuite``, ``PublicEntrySuite``) into ``absltest.TestCase`` and sets ``VERIFY_IMPL`` / ``WRITE_IMPL``
-(reference signatures: ``canary_jax.backends.implementation``), ``CONFIG`` (passed as ``config=`` to every
+(reference signatures: ``canary_jax.ops.backends.implementation``), ``CONFIG`` (passed as ``config=`` to every
 launch; None where there is none) and ``BACKEND`` (for the cases that go through ``canary_jax.verify`` / ``write``).
 """
 
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import canary_jax
-from canary_jax import constants
+from canary_jax.contract import constants
 from helpers import oracle
 
 # --- golden values (SPEC 2.6; Python ints, uint64) ---------------------------------------------------------

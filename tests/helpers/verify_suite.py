@@ -12,7 +12,7 @@ import random
 
 import numpy as np
 
-from canary_jax import constants
+from canary_jax.contract import constants
 from helpers import oracle
 from helpers.suite_base import (
     B_CHAIN,

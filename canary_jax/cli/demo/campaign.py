@@ -7,7 +7,7 @@ fail reasons) or until ``detect_window`` steps have passed. A violation before t
 positive. The clean phase serves the whole workload with no fault; every violation there is a false
 positive. Jitted functions are shared by all episodes (fixed shapes), so only the first step compiles.
 The bookkeeping (injection, detection, latency, fail reasons, false positives) is the public
-:class:`canary_jax.faults.FaultCampaign`; :func:`canary_jax.cli.demo.summary.summarize` turns the
+:class:`canary_jax.tools.faults.FaultCampaign`; :func:`canary_jax.cli.demo.summary.summarize` turns the
 :class:`CampaignResult` into the report.
 
 ``inject_at`` is ``inject_after`` plus a per-trial offset in ``[0, 8)``, capped at the last step where the
@@ -25,14 +25,14 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from canary_jax import dump as dump_lib
-from canary_jax import faults as faults_lib
 from canary_jax.cli.demo import canary_ops, workload
 from canary_jax.cli.demo.engine import ConfigError, Engine, EngineConfig
 from canary_jax.cli.demo.faults import FAULT_KINDS, Fault, WorkloadTrace
 from canary_jax.cli.demo.model import PAD_TOKEN, ModelConfig, init_params
 from canary_jax.cli.demo.scheduler import Request, Scheduler
-from canary_jax.decode import format_violation
+from canary_jax.contract.decode import format_violation
+from canary_jax.tools import dump as dump_lib
+from canary_jax.tools import faults as faults_lib
 
 # jax.random.PRNGKey keeps 32 bits of a seed with x64 off (2**32 would silently equal seed 0).
 MAX_SEED = 2**32 - 1
@@ -308,7 +308,7 @@ class Campaign:
 
     def _dump(self, eng: Engine, label: str) -> None:
         """Saves the episode's canary state, layer 0 of the pools it fingerprints and the live requests
-        (:func:`canary_jax.dump.save_dump`; ``canary-jax verify-dump`` reads it)."""
+        (:func:`canary_jax.tools.dump.save_dump`; ``canary-jax verify-dump`` reads it)."""
         running = eng.scheduler.running
         rt = eng.canary
         try:

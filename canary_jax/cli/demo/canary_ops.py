@@ -4,12 +4,12 @@ One FULL :class:`~canary_jax.runtime.groups.CanaryBufferGroup` (the demo pool ha
 TAIL buffers for the K half and, with ``enable_v_half``, the V half (SGLang launches only K halves by default).
 TAIL and SWEEP launches fingerprint layer 0 of the K (and V) pool: the pool is
 ``bf16[layers, pages, page_size * kv_dim]``, so ``pool[0]``, taken inside the program, is a
-:class:`~canary_jax.sources.RealKvSource` with ``page_size`` slots per row (SGLang's packed-page layout; page size
-1 is its MHA layout).
+:class:`~canary_jax.contract.sources.RealKvSource` with ``page_size`` slots per row (SGLang's packed-page layout; page
+size 1 is its MHA layout).
 
 Per forward (SPEC 8.3), :func:`served_step` is the whole served step as one jitted program, the way a JAX serving
 stack should run the canary: :func:`canary_jax.runtime.step.canary_step` plans the batch
-(:func:`canary_jax.plan_builder.build_plans`) and runs HEAD verify + write, then the model
+(:func:`canary_jax.planning.plan_builder.build_plans`) and runs HEAD verify + write, then the model
 (:func:`canary_jax.cli.demo.model.forward_impl`) writes its KV, attends and samples, then TAIL verify + write runs
 with the same plans and real-KV sources built from the new pool inside the program (a view, no pool copy). The
 pools and the canary buffers are donated, so both are updated in place. Every array has a fixed capacity (tokens,
@@ -18,7 +18,7 @@ rows, verify entries), so the program compiles once per run; ``canary=False`` is
 
 Every ``sweep_interval`` steps :func:`canary_jax.runtime.step.canary_sweep` verifies every slot of the prefix
 cache against the TAIL buffer (:func:`canary_jax.runtime.sweep.build_sweep_plan_from_radix`, fixed capacity,
-SPEC 9 "Sweep"), its own jitted program. The backend is picked by :func:`canary_jax.backends.resolve_backend`
+SPEC 9 "Sweep"), its own jitted program. The backend is picked by :func:`canary_jax.ops.backends.resolve_backend`
 (Pallas on GPU, the jnp reference elsewhere).
 """
 
@@ -29,14 +29,15 @@ import functools
 import jax
 import numpy as np
 
-from canary_jax import backends, constants
 from canary_jax.cli.demo import model
+from canary_jax.contract import constants
+from canary_jax.contract.sources import RealKvSource
+from canary_jax.ops import backends
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
 from canary_jax.runtime.step import canary_step, canary_sweep
 from canary_jax.runtime.sweep import build_sweep_plan_from_radix
-from canary_jax.sources import RealKvSource
 
 
 def _pool_sources(pool, *, page_size: int, kv_bytes: int, mode: constants.RealKvHashMode) -> tuple:

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from canary_jax import constants
+from canary_jax.contract import constants
 
 __all__ = ["ConfigError", "EngineConfig"]
 

@@ -27,7 +27,7 @@ import numpy as np
 from canary_jax.cli.demo import canary_ops, model
 from canary_jax.cli.demo.config import ConfigError, EngineConfig  # noqa: F401  (ConfigError: re-exported)
 from canary_jax.cli.demo.scheduler import Batch, Request, Scheduler
-from canary_jax.decode import ViolationRecord, decode_violations
+from canary_jax.contract.decode import ViolationRecord, decode_violations
 from canary_jax.runtime.report import HealthChecker
 from canary_jax.runtime.state import active_tags
 

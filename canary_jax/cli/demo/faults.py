@@ -24,7 +24,7 @@ orphan_flip        one bit in bytes [0, 16) of a cached prefix slot that no     
                    running request reads                                          (PARTIAL, ALL; sweep on)
 =================  =============================================================  ===============================
 
-The array edits are the public pure functions of :mod:`canary_jax.faults` (``flip_kv_bits``,
+The array edits are the public pure functions of :mod:`canary_jax.tools.faults` (``flip_kv_bits``,
 ``flip_canary_bits``, ``remap_req_to_token``, ``shift_position``, ``swap_token``); this module only picks the
 demo engine's targets (it knows its scheduler, prefix cache and pools) and records what it broke.
 """
@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from canary_jax import constants
-from canary_jax import faults as faults_lib
+from canary_jax.contract import constants
+from canary_jax.tools import faults as faults_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ def _pick_verified_position(batch, rng):
 
 
 def _flip_k_bit(engine, slot: int, byte: int, bit: int) -> None:
-    """XOR one bit of ``slot``'s layer-0 K bytes (:func:`canary_jax.faults.flip_kv_bits` on the pool's layer 0)."""
+    """XOR one bit of ``slot``'s layer-0 K bytes (:func:`canary_jax.tools.faults.flip_kv_bits` on layer 0)."""
     layer0 = faults_lib.flip_kv_bits(
         engine.k_pool[0],  # bf16 [pages, page_size * kv_dim]
         slot,
@@ -124,7 +124,7 @@ def _flip_k_bit(engine, slot: int, byte: int, bit: int) -> None:
 
 
 def _flip_canary_field(engine, buffer: str, slot: int, field: int, bit: int) -> None:
-    """Flip one bit of a canary record field (:func:`canary_jax.faults.flip_canary_bits`)."""
+    """Flip one bit of a canary record field (:func:`canary_jax.tools.faults.flip_canary_bits`)."""
     name = "k_head" if buffer == "HEAD" else "k_tail"
     engine.canary.set_buffer(name, faults_lib.flip_canary_bits(engine.canary.buffer(name), slot, field=field, bit=bit))
 

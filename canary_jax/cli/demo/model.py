@@ -7,7 +7,7 @@ engine owns and what the canary protects:
 * ``k_pool``, ``v_pool``: ``bf16[num_layers, num_pages, page_size * kv_dim]`` with
   ``kv_dim = num_kv_heads * head_dim``. KV slot ``s`` of layer ``l`` is
   ``pool[l, s // page_size, (s % page_size) * kv_dim : + kv_dim]``, i.e. SGLang's paged layout, so
-  ``k_pool[0]`` is directly a :class:`~canary_jax.sources.RealKvSource` with ``page_size`` slots per row and
+  ``k_pool[0]`` is directly a :class:`~canary_jax.contract.sources.RealKvSource` with ``page_size`` slots per row and
   ``num_bytes_per_token = 2 * kv_dim``.
 * Slot 0 (page 0) is the dummy slot: padded tokens write their KV there and nothing ever reads it.
 

@@ -37,15 +37,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from canary_jax import constants, layout
 from canary_jax.cli.demo import campaign as campaign_lib
 from canary_jax.cli.demo import canary_ops, model
 from canary_jax.cli.demo.engine import Engine
-from canary_jax.decode import ViolationRecord
+from canary_jax.contract import constants, layout
+from canary_jax.contract.decode import ViolationRecord
+from canary_jax.contract.sources import RealKvSource
 from canary_jax.runtime import sharded
 from canary_jax.runtime.state import active_tags
 from canary_jax.runtime.sweep import build_sweep_plan_from_radix
-from canary_jax.sources import RealKvSource
 
 _FLAG = "--xla_force_host_platform_device_count"
 
@@ -114,7 +114,7 @@ class _DemoLog(layout.ViolationLog):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ShardedRecord(ViolationRecord):
-    """A :class:`~canary_jax.decode.ViolationRecord` with the shard ``(dp, tp)`` that recorded it."""
+    """A :class:`~canary_jax.contract.decode.ViolationRecord` with the shard ``(dp, tp)`` that recorded it."""
 
     shard: tuple = (0, 0)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from canary_jax import constants
-from canary_jax.faults import kind_report
+from canary_jax.contract import constants
+from canary_jax.tools.faults import kind_report
 
 
 def _ms(xs) -> float | None:
@@ -30,7 +30,7 @@ def summarize(result) -> dict:
         trs = [t for t in result.trials if t.kind == fault.kind]
         exp = fault.expected(ecfg)
         na = result.not_applicable.get(fault.kind, "")
-        rep = kind_report(fault.kind, trs)  # injected, detected, latency, fail reasons (canary_jax.faults)
+        rep = kind_report(fault.kind, trs)  # injected, detected, latency, fail reasons (canary_jax.tools.faults)
         injected, detected, lat = rep.injected, rep.detected, list(rep.steps_to_detect)
         # status: a fixed vocabulary for tables and charts; verdict: the words shown to people.
         if na:

@@ -166,7 +166,7 @@ class HybridBlockTableEngine(BlockTableEngine):
         )
 
     def sources(self):
-        from canary_jax.sources import RealKvSource
+        from canary_jax.contract.sources import RealKvSource
 
         ps = self.PAGE_SIZE
         mk = lambda pool: RealKvSource(tensor=pool, page_size=ps, num_bytes_per_token=KV_BYTES, read_bytes=KV_BYTES)  # noqa: E731

@@ -82,8 +82,8 @@ class ToyEngine:
     SWEEP_CAPACITY = 128
 
     def __init__(self, *, seed: int, num_requests: int = 14):
-        from canary_jax import constants
-        from canary_jax.buckets import Buckets
+        from canary_jax.contract import constants
+        from canary_jax.ops.buckets import Buckets
         from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
         from canary_jax.runtime.state import CanaryState, CanaryStepConfig
 
@@ -138,7 +138,7 @@ class ToyEngine:
 
     # -- shared machinery ---------------------------------------------------------------------------------
     def sources(self):
-        from canary_jax.sources import RealKvSource
+        from canary_jax.contract.sources import RealKvSource
 
         page = self.source_page_size()
         src = RealKvSource(tensor=self.pool, page_size=page, num_bytes_per_token=KV_BYTES, read_bytes=KV_BYTES)
@@ -266,7 +266,7 @@ class ToyEngine:
 
     def violation_rows(self) -> tuple[int, np.ndarray]:
         """``(count, the recorded ring rows as int64 [n, 8])`` (row[0] is the launch tag)."""
-        from canary_jax import ints
+        from canary_jax.contract import ints
 
         log = self.state.log
         n = int(np.asarray(log.write_index)[0])

@@ -6,7 +6,7 @@ torch device type as the platform) and the Pallas kernels (which ask whether to 
 
 Backends:
 
-* ``reference``: the pure-jnp references (:mod:`canary_jax.reference`), any platform.
+* ``reference``: the pure-jnp references (:mod:`canary_jax.ops.reference`), any platform.
 * ``pallas``: the Pallas kernels (:mod:`pallas_kernels`), compiled on a GPU and interpreted elsewhere.
 
 The choice: the ``backend`` argument if given, else ``$CANARY_JAX_BACKEND`` if set, else ``pallas`` on a GPU
@@ -35,11 +35,11 @@ BACKEND_ENV = "CANARY_JAX_BACKEND"
 """Environment variable naming the default backend (case-insensitive)."""
 
 OPS = ("verify", "write")
-"""Ops with one implementation per backend (the reference signature: see :mod:`canary_jax.reference`)."""
+"""Ops with one implementation per backend (the reference signature: see :mod:`canary_jax.ops.reference`)."""
 
 IMPLEMENTATIONS: dict[tuple[str, str], str] = {
-    ("reference", "verify"): "canary_jax.reference:verify_reference",
-    ("reference", "write"): "canary_jax.reference:write_reference",
+    ("reference", "verify"): "canary_jax.ops.reference:verify_reference",
+    ("reference", "write"): "canary_jax.ops.reference:write_reference",
     ("pallas", "verify"): "pallas_kernels.verify:verify_pallas",
     ("pallas", "write"): "pallas_kernels.write:write_pallas",
 }

@@ -38,16 +38,17 @@ Decisions where SGLang's reference and kernels differ or are undefined (SPEC 13 
   ``allocate()`` plans when not given): entries past ``num_valid`` (all of them on overflow) and seeds past
   ``bs``. ``write_offsets`` past ``bs`` are zero, as in SGLang.
 
-``req_to_token`` may be any slot table of :mod:`canary_jax.slot_tables` instead of SGLang's dense array
-(vLLM-style :class:`~canary_jax.slot_tables.BlockTable`, sglang-jax's ragged
-:class:`~canary_jax.slot_tables.RaggedSlotTable`, per-group :class:`~canary_jax.slot_tables.GroupSlotTables`),
-and the expected-token pool an :class:`~canary_jax.slot_tables.ExpectedTokenTable`; every table is read only at
-the planned entries, and one that agrees with SGLang's ``req_to_token`` on the positions read gives
-byte-identical plans. The tables and :func:`~canary_jax.slot_tables.swa_translate` live in
-:mod:`canary_jax.slot_tables` and are re-exported here.
+``req_to_token`` may be any slot table of :mod:`canary_jax.planning.slot_tables` instead of SGLang's dense array
+(vLLM-style :class:`~canary_jax.planning.slot_tables.BlockTable`, sglang-jax's ragged
+:class:`~canary_jax.planning.slot_tables.RaggedSlotTable`, per-group
+:class:`~canary_jax.planning.slot_tables.GroupSlotTables`), and the expected-token pool an
+:class:`~canary_jax.planning.slot_tables.ExpectedTokenTable`; every table is read only at the planned entries, and one
+that agrees with SGLang's ``req_to_token`` on the positions read gives byte-identical plans. The tables and
+:func:`~canary_jax.planning.slot_tables.swa_translate` live in :mod:`canary_jax.planning.slot_tables` and are
+re-exported here.
 
 ``scatter_req_token_ids`` fills the expected-token pool (SPEC 7.4; SGLang ``scatter_req_token_ids.py``); it lives
-in :mod:`canary_jax.expected_tokens` and is re-exported here.
+in :mod:`canary_jax.planning.expected_tokens` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -59,11 +60,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import ints, pairs, validation
-from canary_jax.expected_tokens import scatter_req_token_ids  # re-exported: its historical home
-from canary_jax.plans import VerifyPlan, WritePlan
-from canary_jax.slot_reads import _INT32_MAX, _check_2d_int32, _gather_2d, _swa_translate, _unchecked
-from canary_jax.slot_tables import (  # re-exported: plan_builder is the tables' historical home
+from canary_jax.contract import ints, pairs, validation
+from canary_jax.planning.expected_tokens import scatter_req_token_ids  # re-exported: its historical home
+from canary_jax.planning.plans import VerifyPlan, WritePlan
+from canary_jax.planning.slot_reads import _INT32_MAX, _check_2d_int32, _gather_2d, _swa_translate, _unchecked
+from canary_jax.planning.slot_tables import (  # re-exported: plan_builder is the tables' historical home
     BlockTable,
     ExpectedTokenTable,
     GroupSlotTables,
@@ -286,7 +287,7 @@ def build_plans(
 
     Args:
       req_pool_indices: int64-valued ``[bs]`` (int32, int64 or ``uint32[bs, 2]`` pairs; see
-        :func:`canary_jax.ints.as_int64_pairs`); 0 = padding row (must come after the real rows).
+        :func:`canary_jax.contract.ints.as_int64_pairs`); 0 = padding row (must come after the real rows).
       prefix_lens: int64-valued ``[bs]``: tokens already written before this step.
       extend_seq_lens: int64-valued ``[bs]``: tokens written this step.
       req_to_token: where each (request row, position) lives: SGLang's ``int32[max_reqs, max_seq_len]`` table

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants, coverage, hashing, pairs, validation
+from canary_jax.contract import constants, coverage, hashing, pairs, validation
 
 
 # --- element sizes and facts ----------------------------------------------------------------------------------
@@ -55,7 +55,7 @@ def element_bits(dtype: Any) -> int:
 
 
 def source_facts(tensor: Any) -> validation.ArrayFacts:
-    """:func:`canary_jax.validation.array_facts` of a source tensor, in bytes.
+    """:func:`canary_jax.contract.validation.array_facts` of a source tensor, in bytes.
 
     A packed sub-byte tensor (``int4``, ``float4_e2m1fn``, ...) is described as the uint8 array of its packed
     bytes (last dim ``shape[-1] * bits / 8``), so the row width is its real byte width.
@@ -144,7 +144,7 @@ class RealKvSource:
 
     Raises (``__post_init__``, SGLang's order and messages, all ``ValueError``, for a source without chunks):
       page_size < 1; bad num_bytes_per_token; bad read_bytes; tensor below 2-D; row stride not a multiple of 16.
-      With ``chunks``: :func:`canary_jax.validation.check_source_chunks`. First, ``TypeError`` for a field of
+      With ``chunks``: :func:`canary_jax.contract.validation.check_source_chunks`. First, ``TypeError`` for a field of
       the wrong kind (``tensor`` that is not an array, ``chunks`` that is not a SlotChunks, a non-int size) and
       ``ValueError`` for a sub-byte tensor whose last dim does not fill whole bytes.
     """
@@ -333,12 +333,12 @@ def check_real_kv_sources(
 ) -> tuple[SourceDescriptor, ...]:
     """Launch-time checks of the sources (SGLang ``_build_real_kv_source_abi``), then their descriptors.
 
-    The checks are :mod:`canary_jax.validation`'s, on each tensor's facts: the count (first, every mode),
+    The checks are :mod:`canary_jax.contract.validation`'s, on each tensor's facts: the count (first, every mode),
     each source's kind, contiguity and 2-D uint8 view (every mode; a chunked source may be N-D), and, when the
     launch hashes, each row's width and, given ``num_slots`` (the canary buffer's slots), that it covers every
-    slot (the whole-buffer rule, :func:`canary_jax.coverage.check_whole_buffer`). A launch runs this once, before
-    tracing, without ``num_slots``: it checks coverage against the slots it hashes where they are known on the
-    host (:mod:`canary_jax.coverage`); backends read :func:`source_descriptors`.
+    slot (the whole-buffer rule, :func:`canary_jax.contract.coverage.check_whole_buffer`). A launch runs this once,
+    before tracing, without ``num_slots``: it checks coverage against the slots it hashes where they are known on the
+    host (:mod:`canary_jax.contract.coverage`); backends read :func:`source_descriptors`.
 
     Returns:
       ``source_descriptors(sources, mode)``: empty when ``mode`` is NONE or there are no sources.
@@ -373,7 +373,7 @@ def check_real_kv_sources(
 
 
 def coverages(sources: Sequence[RealKvSource]) -> tuple[coverage.Coverage, ...]:
-    """The slots each checked source holds (``slot_rows * page_size``; :mod:`canary_jax.coverage`). Works on
+    """The slots each checked source holds (``slot_rows * page_size``; :mod:`canary_jax.contract.coverage`). Works on
     tracers (shapes only)."""
     out = []
     for i, s in enumerate(sources):

@@ -3,7 +3,7 @@
 :class:`FaultCampaign` keeps episodes (one injected fault each, :class:`Episode`) and attributes each step's
 recorded violations to the open episode or to the false positives; :meth:`FaultCampaign.report` aggregates them
 per kind (:class:`KindReport`, :func:`kind_report`) into a :class:`CampaignReport` (what ``canary-jax demo``
-prints). Re-exported by :mod:`canary_jax.faults`.
+prints). Re-exported by :mod:`canary_jax.tools.faults`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from canary_jax.decode import ViolationRecord
+from canary_jax.contract.decode import ViolationRecord
 
 __all__ = ["CampaignReport", "Episode", "FaultCampaign", "KindReport", "kind_report", "reason_keys"]
 

@@ -4,18 +4,18 @@
 
 1. run every static check (dtypes, shapes, stride, sources <= 4, write-input-assert presence) and raise a
    clear ``TypeError`` / ``ValueError`` before anything is traced or mutated;
-2. turn int64-valued inputs into uint32 pairs losslessly (:mod:`canary_jax.ints`);
+2. turn int64-valued inputs into uint32 pairs losslessly (:mod:`canary_jax.contract.ints`);
 3. dispatch to the ``reference`` (pure jnp) or ``pallas`` backend. ``backend=None`` reads the environment
    variable ``CANARY_JAX_BACKEND`` and otherwise picks ``pallas`` when the canary buffer lives on a GPU and
    ``reference`` elsewhere; ``pallas`` runs compiled on a GPU-resident buffer and interpreted on any other
-   (:mod:`canary_jax.backends`: where the data is, not JAX's default backend).
+   (:mod:`canary_jax.ops.backends`: where the data is, not JAX's default backend).
 
 Outside ``jit`` the canary buffer (write only) and the violation log are donated to the launch, so the update
 happens in place; do not reuse the arrays you passed in, use the returned context. Inside a caller's ``jit``
 the calls trace inline and XLA updates in place.
 
 Launch shapes: outside ``jit`` the plan capacities (``C``, ``Cw``) and the token count ``T`` are padded up to
-buckets (:mod:`canary_jax.buckets`, :mod:`canary_jax.padding`; padded entries are never written or counted,
+buckets (:mod:`canary_jax.ops.buckets`, :mod:`canary_jax.ops.padding`; padded entries are never written or counted,
 the result is byte-identical), so a serving loop whose sizes change every step compiles one program per
 bucket, not per size. Compiled programs are kept per op in a least-recently-used cache of at most
 :data:`MAX_PROGRAMS_PER_OP` signatures; the oldest is dropped (its jit cache cleared) past that.
@@ -32,10 +32,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from canary_jax import backends, constants, coverage, ints, padding, sources, validation
-from canary_jax.backends import resolve_backend
-from canary_jax.buckets import Buckets, bucket_size
-from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan, check_context
+from canary_jax.contract import constants, coverage, ints, sources, validation
+from canary_jax.ops import backends, padding
+from canary_jax.ops.backends import resolve_backend
+from canary_jax.ops.buckets import Buckets, bucket_size
+from canary_jax.planning.plans import VerifyOrWriteContext, VerifyPlan, WritePlan, check_context
 
 try:  # public alias in the jax versions we support; fall back for safety
     _Tracer = jax.core.Tracer
@@ -98,7 +99,7 @@ def _program(op: str, body: Callable, statics: tuple, dynamic: Any, *, donate_ar
 
 def _implementation(op: str, backend: str | None, context: VerifyOrWriteContext) -> Callable:
     """The backend's function for ``op``, chosen (and for Pallas, compiled or interpreted) by where the canary
-    buffer lives (:mod:`canary_jax.backends`; JAX's default backend for a traced buffer)."""
+    buffer lives (:mod:`canary_jax.ops.backends`; JAX's default backend for a traced buffer)."""
     platform = backends.array_platform(context.canary_buf)
     return backends.implementation(op, resolve_backend(backend, platform=platform), platform=platform)
 
@@ -122,12 +123,12 @@ def check_coverage(
     name: str,
     hashed: Callable[[int], tuple[np.ndarray, np.ndarray]],
 ) -> None:
-    """Every slot the launch hashes lies inside every real-KV source (:mod:`canary_jax.coverage`).
+    """Every slot the launch hashes lies inside every real-KV source (:mod:`canary_jax.contract.coverage`).
 
     Nothing to check when the launch hashes nothing or every source covers the canary buffer. Otherwise, outside
     ``jit`` ``hashed(num_slots)`` gives the ``(entries, slots)`` the launch hashes (read on the host), and a slot
     past a source is refused; while tracing, the whole-buffer rule applies unless the caller checked the slots on
-    the host (:func:`canary_jax.coverage.checked_on_host`).
+    the host (:func:`canary_jax.contract.coverage.checked_on_host`).
 
     Raises:
       ValueError: naming the slot, its entry, the source and its coverage; or, while tracing, the source and the
@@ -148,7 +149,8 @@ def check_coverage(
 
 
 def verify_plan_hashed(plan: VerifyPlan, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(entries, slots)`` a verify of ``plan`` hashes (:func:`canary_jax.coverage.verify_hashed`), read from the
+    """``(entries, slots)`` a verify of ``plan`` hashes (:func:`canary_jax.contract.coverage.verify_hashed`), read from
+    the
     plan's concrete arrays on the host (a device copy)."""
     return coverage.verify_hashed(
         ints.pairs_to_int64_np(plan.verify_slot_indices),
@@ -160,7 +162,7 @@ def verify_plan_hashed(plan: VerifyPlan, num_slots: int) -> tuple[np.ndarray, np
 
 def write_plan_hashed(plan: WritePlan, out_cache_loc: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
     """``(entries, slots)`` a write of ``plan`` over host ``int64`` ``out_cache_loc`` hashes
-    (:func:`canary_jax.coverage.write_hashed`), the plan read on the host."""
+    (:func:`canary_jax.contract.coverage.write_hashed`), the plan read on the host."""
     return coverage.write_hashed(
         ints.pairs_to_int64_np(plan.write_offsets),
         int(np.asarray(plan.write_num_valid_reqs)[0]),
@@ -178,13 +180,13 @@ def verify(
     backend: str | None = None,
     buckets: Buckets | None = None,
 ) -> VerifyOrWriteContext:
-    """Runs one verify launch; semantics of :func:`canary_jax.reference.verify_reference` (SGLang's
+    """Runs one verify launch; semantics of :func:`canary_jax.ops.reference.verify_reference` (SGLang's
     ``launch_canary_verify_kernel``; SPEC section 5).
 
     Args:
-      context: :class:`~canary_jax.plans.VerifyOrWriteContext`: canary buffer ``uint8[N, S]``, launch tag,
-        :class:`~canary_jax.layout.ViolationLog`, 0..4 real-KV sources and the hash mode.
-      plan: :class:`~canary_jax.plans.VerifyPlan` (entries as ``uint32[C, 2]`` int64 pairs). Slot 0 entries are
+      context: :class:`~canary_jax.planning.plans.VerifyOrWriteContext`: canary buffer ``uint8[N, S]``, launch tag,
+        :class:`~canary_jax.contract.layout.ViolationLog`, 0..4 real-KV sources and the hash mode.
+      plan: :class:`~canary_jax.planning.plans.VerifyPlan` (entries as ``uint32[C, 2]`` int64 pairs). Slot 0 entries are
         skipped but counted; slots outside ``[0, N)`` read as an all-zero record (so they fail and the row
         names the bad slot); a negative prev slot means chain head, 0 means "chain check skipped".
       check_verify_expected_token: when True, entries whose expected token is not -1 must match the stored
@@ -192,7 +194,7 @@ def verify(
       backend: ``"reference"`` (jnp), ``"pallas"`` (compiled when the canary buffer lives on a GPU, interpreted
         elsewhere), or None for ``$CANARY_JAX_BACKEND`` / the default of the canary buffer's platform.
       buckets: the bucket policy for the plan capacity outside ``jit`` (default
-        :func:`canary_jax.buckets.default_buckets`); see :func:`canary_jax.padding.pad_verify_plan`.
+        :func:`canary_jax.ops.buckets.default_buckets`); see :func:`canary_jax.ops.padding.pad_verify_plan`.
 
     Returns:
       The context with the new violation log (the canary buffer is read-only for verify). Outside ``jit`` the
@@ -244,11 +246,11 @@ def normalize_write_inputs(
     host: bool = False,
 ):
     """Checks the token arrays and converts them to int64 pairs ``uint32[T, 2]`` (host data stays numpy when
-    ``host``, see :func:`canary_jax.ints.as_int64_pairs`).
+    ``host``, see :func:`canary_jax.contract.ints.as_int64_pairs`).
 
     Raises:
       ValueError: expected tensors present/absent against the flag (SGLang's messages), or lengths differ
-        (naming the shorter array, see :func:`canary_jax.validation.check_same_length`).
+        (naming the shorter array, see :func:`canary_jax.contract.validation.check_same_length`).
       TypeError: non-integer data.
     """
     validation.check_expected_inputs(
@@ -281,22 +283,22 @@ def write(
     backend: str | None = None,
     buckets: Buckets | None = None,
 ) -> VerifyOrWriteContext:
-    """Runs one write launch; semantics of :func:`canary_jax.reference.write_reference` (SGLang's
+    """Runs one write launch; semantics of :func:`canary_jax.ops.reference.write_reference` (SGLang's
     ``launch_canary_write_kernel``; SPEC section 6).
 
     Args:
       context: as for :func:`verify`; its canary buffer receives the stamps.
-      plan: :class:`~canary_jax.plans.WritePlan`: request ``r`` owns entries ``[off[r], off[r+1])`` and its
+      plan: :class:`~canary_jax.planning.plans.WritePlan`: request ``r`` owns entries ``[off[r], off[r+1])`` and its
         chain continues from seed slot ``seeds[r]`` (-1: chain head).
       input_ids, positions, out_cache_loc: int64-valued ``[T]`` arrays in any lossless form accepted by
-        :func:`canary_jax.ints.as_int64_pairs` (int32, int64 with x64 on or numpy, or ``uint32[T, 2]``).
+        :func:`canary_jax.contract.ints.as_int64_pairs` (int32, int64 with x64 on or numpy, or ``uint32[T, 2]``).
       expected_input_tokens, expected_input_positions: same forms, required iff
         ``enable_write_input_assert``.
 
       enable_write_input_assert: compare every written entry with the expected tensors (bits 8 / 16).
       backend: as for :func:`verify`.
       buckets: the bucket policy for ``T`` and ``Cw`` outside ``jit`` (default
-        :func:`canary_jax.buckets.default_buckets`); see :func:`canary_jax.padding.pad_write_plan`.
+        :func:`canary_jax.ops.buckets.default_buckets`); see :func:`canary_jax.ops.padding.pad_write_plan`.
 
     Ring rows (SPEC 6): ``[tag, slot, actual position, actual token, expected token, running prev_hash,
     expected position, bits]``. An input-assert row precedes the chain-position row of the same entry; the

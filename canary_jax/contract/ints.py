@@ -13,7 +13,7 @@ Accepted for an int64 argument of logical shape ``S`` (see :func:`as_int64_pairs
   refused (ValueError: an int64 tensor cannot hold it), and so is a traced uint64 array (TypeError: its
   values cannot be checked);
 * ``int32`` / ``int16`` / ``int8`` / ``uint32`` / ``uint16`` / ``uint8`` array of shape ``S``: widened exactly
-  (sign-extended for signed types, :func:`canary_jax.pairs.from_int32`), since every such value is an int64;
+  (sign-extended for signed types, :func:`canary_jax.contract.pairs.from_int32`), since every such value is an int64;
 * Python ints / nested lists: taken as int64 (values outside int64 raise).
 
 Anything else, bools included (a mask is not a token id, a position or a slot), raises ``TypeError`` naming the
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import pairs, validation
+from canary_jax.contract import pairs, validation
 
 
 def x64_enabled() -> bool:
@@ -150,7 +150,7 @@ def as_int64_pairs(
       name: argument name for error messages.
       shape: expected logical shape ``S``; ``None`` entries match any size; ``None`` skips the check.
       host: host data (numpy, lists, ints) stays a numpy array instead of moving to the device (the entry
-        points pad it to a bucket first, see :mod:`canary_jax.padding`); JAX arrays are unaffected.
+        points pad it to a bucket first, see :mod:`canary_jax.ops.padding`); JAX arrays are unaffected.
 
     Returns:
       ``uint32`` array of shape ``S + (2,)`` (numpy when ``host`` and ``x`` is host data, else JAX).

@@ -3,7 +3,7 @@
 :func:`pick_used_slot` (a slot the next step verifies), :func:`pick_written_slot` (a slot the last step wrote,
 SGLang's ``pick_out_cache_loc_slot``) and :func:`pick_orphan_slot` (a cached slot no live request maps, SGLang's
 ``real_kv_unused_cache``); each draws from a ``numpy.random.Generator`` and returns None when there is no
-candidate. Re-exported by :mod:`canary_jax.faults`.
+candidate. Re-exported by :mod:`canary_jax.tools.faults`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from canary_jax import ints
+from canary_jax.contract import ints
 
 __all__ = ["pick_orphan_slot", "pick_used_slot", "pick_written_slot"]
 

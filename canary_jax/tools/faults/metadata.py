@@ -3,7 +3,7 @@ the token stream fed to the model (:func:`swap_token`, :func:`swap_tokens`, :fun
 functions (numpy or JAX, jit-able; nothing changed in place).
 
 They model SGLang's ``req_to_token`` and ``next_token_swap`` perturbations; the verify position and chain checks
-and the write input asserts catch them. Re-exported by :mod:`canary_jax.faults`.
+and the write input asserts catch them. Re-exported by :mod:`canary_jax.tools.faults`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from canary_jax.faults.array_checks import _check_array, _check_index, _is_jax, _set
+from canary_jax.tools.faults.array_checks import _check_array, _check_index, _is_jax, _set
 
 __all__ = ["remap_block_table", "remap_req_to_token", "shift_position", "swap_token", "swap_tokens"]
 

@@ -1,6 +1,6 @@
 """Slot tables: where each (request row, position) of a batch lives in the KV pool, read by the plan builder.
 
-:func:`canary_jax.plan_builder.build_plans` (SGLang's ``launch_canary_plan_kernels``) gathers a slot for every
+:func:`canary_jax.planning.plan_builder.build_plans` (SGLang's ``launch_canary_plan_kernels``) gathers a slot for every
 verify entry (position ``p`` and its predecessor ``p - 1``) and for every write seed (position ``P - 1``), and an
 expected token per verify entry when the verify-token assert is on. SGLang gathers from its dense
 ``req_to_token`` (SPEC 7.1) and its expected-token pool; the tables here generalise those gathers to the layouts
@@ -18,13 +18,13 @@ JAX serving stacks keep:
 
 Every table is read only at the planned entries (work proportional to the entries, no dense table is built), and a
 table that agrees with SGLang's ``req_to_token`` on the positions read gives byte-identical plans. Rows and
-positions in, slots out, are int64 values held as ``uint32[n, 2]`` pairs (:mod:`canary_jax.pairs`). Tables are
+positions in, slots out, are int64 values held as ``uint32[n, 2]`` pairs (:mod:`canary_jax.contract.pairs`). Tables are
 pytrees (arrays are leaves; ``BlockTable``'s ``block_size`` / ``null_block`` are static), so they pass through
 ``jit``; unflattening skips the constructor checks (safe on tracers). ``canary_jax.adapters.batches`` builds them
 from each stack's batch.
 
 Decisions where SGLang's reference and kernels differ or are undefined (SPEC 13 b, c; the full list of the plan
-builder's decisions is in :mod:`canary_jax.plan_builder`):
+builder's decisions is in :mod:`canary_jax.planning.plan_builder`):
 
 * A read outside a slot table (row or position out of range, a ragged read at or past the row's length, a
   ``BlockTable`` null block) gives ``TOKEN_TO_KV_SLOT_PADDING`` (0); SGLang's reference raises ``IndexError`` or
@@ -37,8 +37,8 @@ builder's decisions is in :mod:`canary_jax.plan_builder`):
 Errors: constructors and ``check()`` (tracer-safe, static shapes and dtypes only) raise ``TypeError`` /
 ``ValueError`` with ``kv-canary:`` messages.
 
-:class:`ExpectedTokenTable` lives in :mod:`canary_jax.expected_tokens` and :func:`swa_translate` with the
-bounds-safe gathers in :mod:`canary_jax.slot_reads`; both are re-exported here.
+:class:`ExpectedTokenTable` lives in :mod:`canary_jax.planning.expected_tokens` and :func:`swa_translate` with the
+bounds-safe gathers in :mod:`canary_jax.planning.slot_reads`; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants, ints, pairs
-from canary_jax.expected_tokens import ExpectedTokenTable  # re-exported: slot_tables is its historical home
-from canary_jax.slot_reads import (  # the private names stay importable from here, their old home
+from canary_jax.contract import constants, ints, pairs
+from canary_jax.planning.expected_tokens import ExpectedTokenTable  # re-exported: slot_tables is its historical home
+from canary_jax.planning.slot_reads import (  # the private names stay importable from here, their old home
     _INT32_MAX,
     _check_2d_int32,
     _check_pairs,
@@ -62,7 +62,7 @@ from canary_jax.slot_reads import (  # the private names stay importable from he
     _row_gather,
     swa_translate,
 )
-from canary_jax.slot_reads import _swa_translate as _swa_translate
+from canary_jax.planning.slot_reads import _swa_translate as _swa_translate
 
 __all__ = [
     "BlockTable",
@@ -113,7 +113,8 @@ class SlotTable:
         return pairs.pack(self._lookup64(batch_row, pairs.unpack(rpi), pairs.unpack(pos)))
 
     def _lookup64(self, batch_row: jax.Array, rpi: pairs.U64, pos: pairs.U64) -> pairs.U64:
-        """:meth:`lookup` on :class:`~canary_jax.pairs.U64` words: what ``build_plans`` calls, so no entry-sized
+        """:meth:`lookup` on :class:`~canary_jax.contract.pairs.U64` words: what ``build_plans`` calls, so no
+        entry-sized
         array is packed only to be unpacked. Tables that define only :meth:`lookup` get this wrapper."""
         return pairs.unpack(self.lookup(batch_row, pairs.pack(rpi), pairs.pack(pos)))
 

@@ -1,10 +1,10 @@
 """The expected-token pool of the verify-token assert: filling it and reading it by batch row.
 
 :func:`scatter_req_token_ids` fills SGLang's pool (SPEC 7.4; SGLang ``scatter_req_token_ids.py``), and
-:class:`ExpectedTokenTable` lets :func:`canary_jax.plan_builder.build_plans` read a pool addressed by batch row
+:class:`ExpectedTokenTable` lets :func:`canary_jax.planning.plan_builder.build_plans` read a pool addressed by batch row
 or by an explicit row per request (a raw ``int32`` pool is SGLang's, rows = ``req_pool_indices``). Reads outside
 the pool give -1 (token check skipped); the pool is never read outside its bounds. Both are re-exported from
-their historical homes, :mod:`canary_jax.slot_tables` and :mod:`canary_jax.plan_builder`.
+their historical homes, :mod:`canary_jax.planning.slot_tables` and :mod:`canary_jax.planning.plan_builder`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import ints, pairs
-from canary_jax.slot_reads import (
+from canary_jax.contract import ints, pairs
+from canary_jax.planning.slot_reads import (
     _INT32_MAX,
     _check_2d_int32,
     _check_pairs,

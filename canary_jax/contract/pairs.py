@@ -6,12 +6,12 @@ as two ``uint32`` words, little-endian: ``value = lo + hi * 2**32`` (see ``docs/
 * :class:`U64` ``(lo, hi)``: two ``uint32`` arrays of one shape. Every operation here takes and returns this
   form. It is what hashing and the Pallas kernel bodies compute on (one vector per word).
 * packed ``uint32[..., 2]``: the storage form of plans, logs and token arrays (the same bytes as SGLang's int64
-  tensor). :func:`unpack` / :func:`pack` convert explicitly; :mod:`canary_jax.ints` converts host int64 arrays
+  tensor). :func:`unpack` / :func:`pack` convert explicitly; :mod:`canary_jax.contract.ints` converts host int64 arrays
   at the API boundary.
 
 Every function is plain ``jax.lax`` / ``jax.numpy`` on ``uint32`` words with logical shifts and 32-bit
 multiplies only, so it traces the same with x64 off and on, runs in the jnp references, the plan builder and
-:mod:`canary_jax.hashing`, and lowers inside Pallas kernel bodies (Triton cannot lower uint64 constants above
+:mod:`canary_jax.contract.hashing`, and lowers inside Pallas kernel bodies (Triton cannot lower uint64 constants above
 2**63 - 1, see PITFALLS). Values are two's-complement int64 unless a function says it works on uint64.
 """
 
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants
+from canary_jax.contract import constants
 
 
 class U64(NamedTuple):

@@ -2,9 +2,9 @@
 
 The one job here is reading a table at int64 ``(row, column)`` words without ever indexing outside it, and
 checking a table's rank and dtype before it is read (tracer-safe: static shapes and dtypes only). The slot
-tables (:mod:`canary_jax.slot_tables`), the expected-token pool (:mod:`canary_jax.expected_tokens`) and the
-plan builder (:mod:`canary_jax.plan_builder`) read through these; :func:`swa_translate` is re-exported by
-both of those modules. Reads outside a table give the caller's fill value; checks raise ``TypeError`` /
+tables (:mod:`canary_jax.planning.slot_tables`), the expected-token pool (:mod:`canary_jax.planning.expected_tokens`)
+and the plan builder (:mod:`canary_jax.planning.plan_builder`) read through these; :func:`swa_translate` is re-exported
+by both of those modules. Reads outside a table give the caller's fill value; checks raise ``TypeError`` /
 ``ValueError`` with ``kv-canary:`` messages.
 """
 
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import ints, pairs
+from canary_jax.contract import ints, pairs
 
 _INT32_MAX = 2**31 - 1
 
@@ -39,7 +39,7 @@ def _gather_2d(table: jax.Array, row: pairs.U64, col: pairs.U64, fill: int) -> t
 
 
 def _swa_translate(s: pairs.U64, lut: jax.Array | None) -> pairs.U64:
-    """:func:`swa_translate` on :class:`~canary_jax.pairs.U64` slots."""
+    """:func:`swa_translate` on :class:`~canary_jax.contract.pairs.U64` slots."""
     if lut is None:
         return s
     n = lut.shape[0]

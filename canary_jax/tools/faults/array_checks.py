@@ -1,4 +1,4 @@
-"""Array checks and the copy-on-write setter shared by the fault functions (:mod:`canary_jax.faults`).
+"""Array checks and the copy-on-write setter shared by the fault functions (:mod:`canary_jax.tools.faults`).
 
 The one job here: refuse a non-array, a wrong rank, non-integer data or a concrete index out of range with a
 ``kv-canary:`` ``TypeError`` / ``ValueError`` naming the argument, and write one element into a copy (numpy) or

@@ -45,8 +45,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from canary_jax import constants, hashing, layout, pairs, sources
-from canary_jax.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
+from canary_jax.contract import constants, hashing, layout, pairs, sources
+from canary_jax.planning.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
 
 MIN_PREFIX_BUCKET = 64  # smallest non-empty prefix a verify branch processes (see the module docstring)
 PREFIX_BUCKET_GROWTH = 4  # ratio of consecutive prefix sizes: bounds the branches (compile) to about log4(C / 64) + 2
@@ -110,8 +110,8 @@ def verify_reference(
       * The canary buffer and the real-KV sources are read-only.
 
     Args:
-      context: see :class:`~canary_jax.plans.VerifyOrWriteContext`.
-      plan: see :class:`~canary_jax.plans.VerifyPlan`.
+      context: see :class:`~canary_jax.planning.plans.VerifyOrWriteContext`.
+      plan: see :class:`~canary_jax.planning.plans.VerifyPlan`.
       check_verify_expected_token: static; when False the expected-token array is not consulted and
         column 4 holds -1.
 
@@ -233,9 +233,9 @@ def write_reference(
       * Only the first 32 bytes of written slots change; the sources are read-only.
 
     Args:
-      context: see :class:`~canary_jax.plans.VerifyOrWriteContext`.
-      plan: see :class:`~canary_jax.plans.WritePlan`.
-      input_ids, positions, out_cache_loc: ``uint32[T, 2]`` int64 pairs (see :mod:`canary_jax.ints`);
+      context: see :class:`~canary_jax.planning.plans.VerifyOrWriteContext`.
+      plan: see :class:`~canary_jax.planning.plans.WritePlan`.
+      input_ids, positions, out_cache_loc: ``uint32[T, 2]`` int64 pairs (see :mod:`canary_jax.contract.ints`);
         ``out_cache_loc`` already SWA-translated, negative = skip.
       enable_write_input_assert: static; compare against the expected tensors.
       expected_input_tokens, expected_input_positions: ``uint32[T, 2]`` pairs iff the assert is on.

@@ -1,8 +1,8 @@
-"""splitmix64 and the canary's hashes on :class:`~canary_jax.pairs.U64` words, identical with x64 off and on.
+"""splitmix64 and the canary's hashes on :class:`~canary_jax.contract.pairs.U64` words, identical with x64 off and on.
 
 The hash definitions come from SGLang's ``consts.py`` (``splitmix64``, ``splitmix64_mix3``) and
 ``verify_ref.py`` (``compute_slot_hash``, the real-KV byte fold); SPEC section 2 restates them and section 2.6
-gives worked numbers pinned in ``tests/test_hashing.py``. The 64-bit arithmetic is :mod:`canary_jax.pairs`
+gives worked numbers pinned in ``tests/test_hashing.py``. The 64-bit arithmetic is :mod:`canary_jax.contract.pairs`
 (32-bit multiplies, logical shifts, xors), so every function here runs in the jnp references and inside Pallas
 kernel bodies alike; the kernels pass their own multiplier as ``mul`` (``pallas_kernels.hashing.PairHash``).
 """
@@ -14,8 +14,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from canary_jax import constants, pairs
-from canary_jax.pairs import U64
+from canary_jax.contract import constants, pairs
+from canary_jax.contract.pairs import U64
 
 MulConst = Callable[[U64, int], U64]
 """``(a, value) -> a * value mod 2**64`` for a static Python-int ``value``."""

@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from canary_jax import constants, ints, layout, sources
+from canary_jax.contract import constants, ints, layout, sources
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.state import CanaryState
 
@@ -105,7 +105,7 @@ def dump_arrays(
 
     Args:
       state: a :class:`~canary_jax.runtime.state.CanaryState` (log and buffer groups) or a bare
-        :class:`~canary_jax.layout.ViolationLog`.
+        :class:`~canary_jax.contract.layout.ViolationLog`.
       real_kv_sources: one ``(sources_k, sources_v)`` pair per group (None / ``()`` for a half without), the KV
         as it is now; saved as bytes so the real-KV fingerprints can be recomputed. None saves no KV.
       real_kv_hash_mode: the mode the state was built with (NONE / PARTIAL / ALL), or None if unknown.
@@ -244,10 +244,10 @@ class CanaryDump:
     """A dump read back.
 
     Fields:
-      log: the :class:`~canary_jax.layout.ViolationLog` (device arrays, byte-identical to the saved one).
+      log: the :class:`~canary_jax.contract.layout.ViolationLog` (device arrays, byte-identical to the saved one).
       state: the :class:`~canary_jax.runtime.state.CanaryState` (None for a log-only dump).
       real_kv_sources: one ``(sources_k, sources_v)`` pair of numpy-backed
-        :class:`~canary_jax.sources.RealKvSource` per group (``uint8[rows, row_bytes]`` tensors), or None.
+        :class:`~canary_jax.contract.sources.RealKvSource` per group (``uint8[rows, row_bytes]`` tensors), or None.
       real_kv_hash_mode: the saved mode, or None.
       req_to_token, req_pool_indices, seq_lens: the saved request metadata (numpy), or None.
       step: the saved outer step, or None.

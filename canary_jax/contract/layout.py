@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants, ints, pairs, validation
+from canary_jax.contract import constants, ints, pairs, validation
 
 
 # --- canary buffer -----------------------------------------------------------------------------------------
 def check_canary_buffer(canary_buf, *, name: str = "canary_buf") -> None:
-    """:func:`canary_jax.validation.check_canary_buffer` on a JAX / numpy array (works on tracers)."""
+    """:func:`canary_jax.contract.validation.check_canary_buffer` on a JAX / numpy array (works on tracers)."""
     validation.check_canary_buffer(validation.array_facts(canary_buf), name=name)
 
 
@@ -91,7 +91,7 @@ class ViolationLog:
         ``k``-th violation ever recorded; rows past ``write_index`` are zeros. Columns (SPEC 1.2):
         kernel_kind, slot_idx, position, stored_token, expected_token, stored_chain_hash, expected_aux,
         fail_reason_bits; verify and write rows fill them differently (see
-        :class:`~canary_jax.decode.ViolationRecord`).
+        :class:`~canary_jax.contract.decode.ViolationRecord`).
       write_index: ``int32[1]``: number of violations ever recorded (keeps growing past ``R``).
       slot_run_counters: ``uint32[num_tags, 2]``: per-tag int64 count of entries processed, indexed by
         ``CanaryLaunchTag`` value (as are the kernel counters).

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from canary_jax import constants, ints
+from canary_jax.contract import constants, ints
 
 _WRITE_BITS = int(constants.FailReason.WRITE_TOKEN_MISMATCH | constants.FailReason.WRITE_POSITION_MISMATCH)
 _TOKEN_BITS = int(constants.FailReason.WRITE_TOKEN_MISMATCH | constants.FailReason.VERIFY_TOKEN_MISMATCH)
@@ -158,7 +158,7 @@ def decode_violations(log_or_ring: Any, write_index: Any | None = None, *, start
     """Decodes recorded rows ``[start, min(write_index, R))``.
 
     Args:
-      log_or_ring: a :class:`~canary_jax.layout.ViolationLog`, or a ring as ``int64[R, 8]`` (numpy, e.g. saved
+      log_or_ring: a :class:`~canary_jax.contract.layout.ViolationLog`, or a ring as ``int64[R, 8]`` (numpy, e.g. saved
         from SGLang) or ``uint32[R, 8, 2]``; then ``write_index`` must be given.
       write_index: ``int32[1]`` (or an int) when a bare ring is passed.
       start: first row to decode (SGLang's ``last_logged`` cursor).

@@ -1,4 +1,4 @@
-"""Launch shapes padded to buckets (:mod:`canary_jax.buckets`): padded entries are never written, never counted.
+"""Launch shapes padded to buckets (:mod:`canary_jax.ops.buckets`): padded entries are never written, never counted.
 
 :func:`canary_jax.verify` and :func:`canary_jax.write` call these outside ``jit`` (inside a caller's ``jit`` the
 calls trace inline, unpadded), so the compiled programs see only bucket sizes:
@@ -28,8 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from canary_jax import ints
-from canary_jax.plans import VerifyPlan, WritePlan
+from canary_jax.contract import ints
+from canary_jax.planning.plans import VerifyPlan, WritePlan
 
 Placement = jax.Device | jax.sharding.Sharding | None
 """Where padded arrays go: a device, a sharding, or None for the default device."""
@@ -50,7 +50,7 @@ def pad_rows(x: Any, rows: int, *, fill: int = 0, edge: bool = False, device: Pl
       rows: the padded length.
       fill: the int64 (pairs) or int32 value of the new rows.
       edge: repeat the last row instead of ``fill``.
-      device: the launch's device (see :func:`canary_jax.ints.to_device`).
+      device: the launch's device (see :func:`canary_jax.contract.ints.to_device`).
 
     Returns:
       A JAX array of ``rows`` rows (``x`` itself, moved to the device, when ``n == rows``).
@@ -84,7 +84,7 @@ def pad_verify_plan(plan: VerifyPlan, capacity: int, *, device: Placement = None
     """``plan`` with capacity ``capacity >= C``; entries past ``C`` dead (see the module docstring). New arrays
     go to ``device`` (the launch's).
 
-    Returns ``plan`` with its arrays placed on ``device`` (:func:`canary_jax.ints.to_device`) when
+    Returns ``plan`` with its arrays placed on ``device`` (:func:`canary_jax.contract.ints.to_device`) when
     ``capacity == C``.
     """
     c = plan.verify_capacity

@@ -1,7 +1,7 @@
 """Launch objects: VerifyPlan, WritePlan and the verify/write launch context (SPEC section 4).
 
 All three are frozen dataclasses registered as pytrees, so they cross ``jit``. SGLang's int64 arrays are held
-as ``uint32[..., 2]`` little-endian pairs (see :mod:`canary_jax.ints`), which keeps the bytes identical with
+as ``uint32[..., 2]`` little-endian pairs (see :mod:`canary_jax.contract.ints`), which keeps the bytes identical with
 ``jax_enable_x64`` off and on. Capacities are fixed at allocation; ``*_num_valid`` says how much is live, and
 entries past it are unspecified and never read.
 """
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants, ints, layout, sources, validation
+from canary_jax.contract import constants, ints, layout, sources, validation
 
 
 @jax.tree_util.register_dataclass
@@ -254,9 +254,9 @@ class VerifyOrWriteContext:
     Fields:
       canary_buf: ``uint8[num_slots, slot_stride_bytes]``.
       kernel_kind: the launch tag stamped in column 0 and indexing the counters (static).
-      log: the shared :class:`~canary_jax.layout.ViolationLog` (ring, write index, per-tag counters, and the
+      log: the shared :class:`~canary_jax.contract.layout.ViolationLog` (ring, write index, per-tag counters, and the
         chain-position assert flag that SGLang passes as ``enable_chain_position_assert``).
-      real_kv_sources: tuple of 0..4 :class:`~canary_jax.sources.RealKvSource`; its tensors are read-only.
+      real_kv_sources: tuple of 0..4 :class:`~canary_jax.contract.sources.RealKvSource`; its tensors are read-only.
       real_kv_hash_mode: NONE / PARTIAL / ALL (static).
 
     Registered as a pytree: arrays are leaves, ``kernel_kind`` and ``real_kv_hash_mode`` are static.
@@ -296,7 +296,8 @@ def check_context(context: VerifyOrWriteContext) -> tuple[sources.SourceDescript
     """Every static check of a launch context, before tracing; returns the source descriptors.
 
     Coverage of the canary buffer's slots by the sources is the launch's to check against the slots it hashes
-    (:mod:`canary_jax.coverage`; :func:`canary_jax.launch.verify` and :func:`canary_jax.launch.write` do).
+    (:mod:`canary_jax.contract.coverage`; :func:`canary_jax.ops.launch.verify` and :func:`canary_jax.ops.launch.write`
+    do).
 
     Raises:
       TypeError / ValueError naming the argument (see the checks of each part).

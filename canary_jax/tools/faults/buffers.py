@@ -3,7 +3,7 @@
 
 A KV flip models SGLang's ``real_kv_used`` / ``real_kv_unused_cache`` / ``real_kv_post_forward`` perturbations
 (caught by the real-KV fingerprint of the verify that next reads the slot); a canary-record flip a corrupted
-canary buffer (caught by the chain or position check). Re-exported by :mod:`canary_jax.faults`.
+canary buffer (caught by the chain or position check). Re-exported by :mod:`canary_jax.tools.faults`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax import constants, ints, sources
-from canary_jax.faults.array_checks import _check_index, _is_jax
+from canary_jax.contract import constants, ints, sources
 from canary_jax.runtime import shapes
+from canary_jax.tools.faults.array_checks import _check_index, _is_jax
 
 __all__ = ["flip_canary_bits", "flip_kv_bits"]
 
@@ -52,7 +52,7 @@ def flip_kv_bits(
 ) -> Any:
     """XORs ``xor`` into byte ``byte`` of ``slot``'s KV bytes: ``u8[slot // page_size, (slot % page_size) *
     num_bytes_per_token + byte] ^= xor``, where ``u8`` is the tensor viewed as ``uint8[rows, row_bytes]`` (the
-    addressing of a :class:`~canary_jax.sources.RealKvSource`, SPEC 3; SGLang's ``flip_first_byte_in_source``
+    addressing of a :class:`~canary_jax.contract.sources.RealKvSource`, SPEC 3; SGLang's ``flip_first_byte_in_source``
     with ``byte=0, xor=0xFF``). For a chunked source (``RealKvSource.chunks``, canary-jax's extension) ``byte``
     indexes the slot's hashed sequence: chunk ``byte // chunk_bytes``, which starts ``offset_bytes + c *
     chunk_stride_bytes`` bytes after the slot's first byte in the tensor's flat bytes.
@@ -143,7 +143,7 @@ def flip_canary_bits(canary_buf: Any, slot: Any, *, field: int, bit: Any) -> Any
     Args:
       canary_buf: ``uint8[num_slots, stride >= 32]`` (numpy or JAX).
       slot: the slot (may be traced).
-      field: 0 token, 1 position, 2 prev_hash, 3 real_kv_hash (``canary_jax.constants.CANARY_FIELD_*``).
+      field: 0 token, 1 position, 2 prev_hash, 3 real_kv_hash (``canary_jax.contract.constants.CANARY_FIELD_*``).
       bit: the bit of the int64 field, in ``[0, 64)`` (may be traced).
 
     Returns:

@@ -32,24 +32,31 @@ The slot pickers (:func:`pick_used_slot`, :func:`pick_orphan_slot`, :func:`pick_
 on the host from your batch metadata, and :class:`FaultCampaign` tracks episodes: inject, observe the violations
 each step recorded (e.g. ``CanaryGuard(on_violations=campaign.observe)``), and :meth:`FaultCampaign.report`.
 
-The package holds one job a module: :mod:`canary_jax.faults.buffers` (KV and canary bytes),
-:mod:`canary_jax.faults.metadata` (slot tables and the token stream), :mod:`canary_jax.faults.pickers` (the slot
-pickers), :mod:`canary_jax.faults.campaign` (the tracker) and :mod:`canary_jax.faults.array_checks` (the checks
-they share); every name is re-exported here, and the fault kind names are defined here.
+The package holds one job a module: :mod:`canary_jax.tools.faults.buffers` (KV and canary bytes),
+:mod:`canary_jax.tools.faults.metadata` (slot tables and the token stream), :mod:`canary_jax.tools.faults.pickers` (the
+slot pickers), :mod:`canary_jax.tools.faults.campaign` (the tracker) and :mod:`canary_jax.tools.faults.array_checks`
+(the checks they share); every name is re-exported here, and the fault kind names are defined here.
 """
 
 from __future__ import annotations
 
-from canary_jax.faults.buffers import flip_canary_bits, flip_kv_bits
-from canary_jax.faults.campaign import CampaignReport, Episode, FaultCampaign, KindReport, kind_report, reason_keys
-from canary_jax.faults.metadata import (
+from canary_jax.tools.faults.buffers import flip_canary_bits, flip_kv_bits
+from canary_jax.tools.faults.campaign import (
+    CampaignReport,
+    Episode,
+    FaultCampaign,
+    KindReport,
+    kind_report,
+    reason_keys,
+)
+from canary_jax.tools.faults.metadata import (
     remap_block_table,
     remap_req_to_token,
     shift_position,
     swap_token,
     swap_tokens,
 )
-from canary_jax.faults.pickers import pick_orphan_slot, pick_used_slot, pick_written_slot
+from canary_jax.tools.faults.pickers import pick_orphan_slot, pick_used_slot, pick_written_slot
 
 __all__ = [
     "BLOCK_TABLE_REMAP",

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from canary_jax import constants, coverage
+from canary_jax.contract import constants, coverage
 
 
 # --- facts ---------------------------------------------------------------------------------------------------
@@ -341,9 +341,9 @@ def check_source_row_width(row_bytes: int, *, page_size: int, num_bytes_per_toke
 def check_source_coverage(index: int, *, num_rows: int, page_size: int, num_slots: int) -> None:
     """Source ``index`` covers every slot of the canary buffer: ``num_rows * page_size >= num_slots``.
 
-    The whole-buffer rule (:func:`canary_jax.coverage.check_whole_buffer`): what a launch needs where its slots are
-    not known on the host. Launches whose slots are known check only the slots they hash
-    (:func:`canary_jax.coverage.check_slots`).
+    The whole-buffer rule (:func:`canary_jax.contract.coverage.check_whole_buffer`): what a launch needs where its slots
+    are not known on the host. Launches whose slots are known check only the slots they hash
+    (:func:`canary_jax.contract.coverage.check_slots`).
 
     Args:
       index: the source's position in ``real_kv_sources``.
@@ -373,7 +373,7 @@ def check_source_chunks(
     row_bytes: int,
     row_stride_bytes: int,
 ) -> None:
-    """A chunked source (canary-jax's extension, ``canary_jax.sources.SlotChunks``; not SGLang's contract).
+    """A chunked source (canary-jax's extension, ``canary_jax.contract.sources.SlotChunks``; not SGLang's contract).
 
     A slot's sequence is ``num_chunks`` chunks of ``chunk_bytes``, chunk ``c`` at ``offset_bytes + c *
     chunk_stride_bytes`` bytes after the slot's first byte, zero-padded to a multiple of 16 bytes. Sizes are
@@ -550,7 +550,7 @@ def check_plan_launch(
     max_bs: int | None = None,
 ) -> None:
     """The launch checks of SGLang's ``launch_canary_plan_kernels`` (SPEC 7), shared by
-    :func:`canary_jax.plan_builder.build_plans` and the torch launcher, with SGLang's messages.
+    :func:`canary_jax.planning.plan_builder.build_plans` and the torch launcher, with SGLang's messages.
 
     Run after each argument's own dtype and shape checks (the facts below are then exact). The kernel path
     checks in SGLang's order: the SWA LUT, ``max_bs``, the verify capacity, the LUT length, ``bs`` against the
