@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from canary_jax.contract import pairs, validation
+from canary_jax.contract import arrays, pairs
 
 
 def x64_enabled() -> bool:
@@ -133,7 +133,7 @@ def pairs_to_int64_np(pairs: Any) -> np.ndarray:
 
 
 def _describe(x: Any) -> str:
-    return f"shape {validation.format_shape(np.shape(x))} dtype {getattr(x, 'dtype', type(x).__name__)}"
+    return f"shape {arrays.format_shape(np.shape(x))} dtype {getattr(x, 'dtype', type(x).__name__)}"
 
 
 def as_int64_pairs(
@@ -192,8 +192,8 @@ def as_int64_pairs(
                 ) from None
         if not host:
             out = to_device(out)
-    if shape is not None and not validation.shape_matches(out.shape[:-1], shape):
-        want, got = validation.format_shape(shape), validation.format_shape(out.shape[:-1])
+    if shape is not None and not arrays.shape_matches(out.shape[:-1], shape):
+        want, got = arrays.format_shape(shape), arrays.format_shape(out.shape[:-1])
         raise ValueError(f"kv-canary: {name} must have shape {want} (int64), got shape {got}")
     return out
 
@@ -234,5 +234,5 @@ def as_int32(
             )
         out = arr.astype(np.int32, copy=False) if host else to_device(arr.astype(np.int32))
     if shape is not None:
-        validation.check_shape(name, out.shape, shape)
+        arrays.check_shape(name, out.shape, shape)
     return out
