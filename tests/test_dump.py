@@ -18,8 +18,9 @@ import pytest
 
 from canary_jax.cli import main as cli
 from canary_jax.cli import verify_dump
-from canary_jax.contract import constants, decode, dump, faults
+from canary_jax.contract import constants, decode
 from canary_jax.contract.layout import ViolationLog
+from canary_jax.tools import dump, faults
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
