@@ -8,7 +8,8 @@
 * :mod:`interop.kernels`: the verify / write / plan bodies the launchers run.
 * :mod:`interop.arguments`: torch tensors as the facts :mod:`canary_jax.contract.validation` checks.
 * :mod:`interop.sglang`: SGLang's ``launch_canary_{plan,verify,write}_kernel(s)``; their launch objects are
-  :mod:`interop.sglang_types` (re-exported by :mod:`interop.sglang`).
+  :mod:`interop.sglang_types` and the plan launcher :mod:`interop.sglang_plan` (both re-exported by
+  :mod:`interop.sglang`); :mod:`interop.sglang_launch` is the launch prologue they share.
 
 ``canary_jax`` never imports this package or torch.
 """

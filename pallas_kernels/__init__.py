@@ -1,4 +1,5 @@
 """Pallas (Triton) GPU kernels of canary-jax: ``verify.verify_pallas`` and ``write.write_pallas``.
 
-``canary_jax.ops.launch`` imports them lazily as the ``pallas`` backend; see ``pallas_kernels/README.md``.
+``canary_jax.ops.backends`` names them (``"module:function"``) and imports them on first use as the ``pallas``
+backend; see ``pallas_kernels/README.md``.
 """

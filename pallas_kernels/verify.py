@@ -30,13 +30,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from canary_jax.contract import hashing, layout, pairs, sources
+from canary_jax.contract import hashing, pairs
 from canary_jax.contract.constants import FailReason
 from canary_jax.contract.pairs import U64
 from canary_jax.planning.plans import VerifyOrWriteContext, VerifyPlan
-from pallas_kernels import real_kv, refs
+from pallas_kernels import calls, real_kv, refs
 from pallas_kernels.config import PallasConfig, launch_options
-from pallas_kernels.hashing import PairHash
 
 
 def _entry_state(idx, live, slot_ref, prev_ref, words_ref, *, n_slots, hasher, gather, with_rkv_field):
@@ -227,92 +226,58 @@ def _verify_pallas(
     context: VerifyOrWriteContext, plan: VerifyPlan, *, check: bool, interpret: bool, config: PallasConfig
 ):
     """Both ``pallas_call`` s of a verify launch (traced under ``jax.jit``, statics bound)."""
-    descs = sources.source_descriptors(context.real_kv_sources, context.real_kv_hash_mode)
-    tag = int(context.kernel_kind)
-    log = context.log
-    words = layout.canary_words(context.canary_buf)
-    n_slots = int(words.shape[0])
+    pro = calls.prologue(context, config, interpret)
     cap = int(plan.verify_slot_indices.shape[0])
-    block = config.verify_source_block if descs else config.verify_block
+    block = config.verify_source_block if pro.descs else config.verify_block
     num_blocks = -(-cap // block)
     grid = (max(1, min(num_blocks, config.verify_max_programs)),)
-    hasher = PairHash(config.resolved_multiplier(interpret))
-    tensors = [s.tensor for s in context.real_kv_sources][: len(descs)]
-    srcs = [sources.source_words(t) for t in tensors]
     params = pltriton.CompilerParams(num_warps=config.verify_num_warps, num_stages=1)
     sds = jax.ShapeDtypeStruct
+    statics = dict(check=check, n_slots=pro.n_slots, cap=cap, block=block, hasher=pro.hasher, gather=config.gather)
 
     args = dict(
         num_valid=plan.verify_num_valid,
         enable=plan.enable,
-        write_index=log.write_index,
+        write_index=pro.log.write_index,
         slot=plan.verify_slot_indices,
         exp_tok=plan.verify_expected_tokens,
         exp_pos=plan.verify_expected_positions,
         prev=plan.verify_prev_slot_indices,
-        words=words,
-        **{f"source{k}": s for k, s in enumerate(srcs)},
+        words=pro.words,
+        **{f"source{k}": s for k, s in enumerate(pro.srcs)},
     )
-    bits, counts, base = pl.pallas_call(
-        functools.partial(
-            _verify_kernel,
-            descs=descs,
-            check=check,
-            n_slots=n_slots,
-            cap=cap,
-            block=block,
-            hasher=hasher,
-            gather=config.gather,
-            source_gather=config.source_gather,
-            source_unroll=config.source_unroll,
-            source_tile_words=config.source_tile_words,
-        ),
-        out_shape=(sds((cap,), jnp.uint8), sds((num_blocks,), jnp.int32), sds((1,), jnp.int32)),
-        grid=grid,
-        compiler_params=params,
-        interpret=interpret,
-        name="canary_verify",
-    )(*args.values())
+    out_shape = dict(bits=sds((cap,), jnp.uint8), counts=sds((num_blocks,), jnp.int32), base=sds((1,), jnp.int32))
+    kernel = functools.partial(
+        _verify_kernel,
+        descs=pro.descs,
+        source_gather=config.source_gather,
+        source_unroll=config.source_unroll,
+        source_tile_words=config.source_tile_words,
+        **statics,
+    )
+    bits, counts, base = calls.call(
+        kernel, args, out_shape, grid=grid, compiler_params=params, interpret=interpret, name="canary_verify"
+    )
 
-    ring, slot_counters, kernel_counters = refs.log_operands(log)
     args = dict(
         num_valid=plan.verify_num_valid,
         enable=plan.enable,
         slot=plan.verify_slot_indices,
         exp_tok=plan.verify_expected_tokens,
         prev=plan.verify_prev_slot_indices,
-        words=words,
+        words=pro.words,
         bits=bits,
         counts=counts,
         base=base,
-        ring=ring,
-        write_index=log.write_index,
-        slot_counters=slot_counters,
-        kernel_counters=kernel_counters,
     )
-    outs = ("ring", "write_index", "slot_counters", "kernel_counters")
-    ring, wi, slot_counters, kernel_counters = pl.pallas_call(
-        functools.partial(
-            _verify_rows_kernel,
-            tag=tag,
-            check=check,
-            n_slots=n_slots,
-            cap=cap,
-            block=block,
-            ring_capacity=ring.shape[0],
-            hasher=hasher,
-            gather=config.gather,
-        ),
-        out_shape=tuple(sds(args[name].shape, args[name].dtype) for name in outs),
+    _, new_log = calls.call_with_log(
+        functools.partial(_verify_rows_kernel, tag=pro.tag, **statics),
+        args,
+        pro.log,
         grid=grid,
-        input_output_aliases=refs.aliases(args, outs),
         compiler_params=params,
         interpret=interpret,
         name="canary_verify_rows",
-    )(*args.values())
-
-    new_log = refs.updated_log(
-        log, ring=ring, write_index=wi, slot_counters=slot_counters, kernel_counters=kernel_counters
     )
     return context.replace(log=new_log)
 

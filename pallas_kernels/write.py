@@ -32,14 +32,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from canary_jax.contract import layout, sources, validation
+from canary_jax.contract import layout, validation
 from canary_jax.planning.plans import VerifyOrWriteContext, WritePlan
-from pallas_kernels import refs
+from pallas_kernels import calls
 from pallas_kernels.config import PallasConfig, launch_options
-from pallas_kernels.hashing import PairHash
 from pallas_kernels.write_chain import write_chain_kernel
 from pallas_kernels.write_commit import write_commit_kernel
 from pallas_kernels.write_long import write_long_kernel
@@ -60,21 +58,15 @@ def _write_pallas(
     config: PallasConfig,
 ):
     """Every launch of a write (traced under ``jax.jit``, statics bound); arguments as :func:`write_pallas`."""
-    descs = sources.source_descriptors(context.real_kv_sources, context.real_kv_hash_mode)
-    tag = int(context.kernel_kind)
-    log = context.log
     num_tokens = int(input_ids.shape[0])
     if num_tokens == 0:  # nothing to store or check: only the launch counter moves
-        return context.replace(log=layout.bump_counters(log, tag, jnp.uint32(0)))
-    words = layout.canary_words(context.canary_buf)
-    n_slots = int(words.shape[0])
+        return context.replace(log=layout.bump_counters(context.log, int(context.kernel_kind), jnp.uint32(0)))
+    pro = calls.prologue(context, config, interpret)
+    descs, log, words, n_slots, hasher = pro.descs, pro.log, pro.words, pro.n_slots, pro.hasher
     cw = int(plan.write_seed_slot_indices.shape[0])
-    hasher = PairHash(config.resolved_multiplier(interpret))
     gather = config.gather
     if not assert_inputs:
         expected_input_tokens, expected_input_positions = input_ids, positions  # never read
-    tensors = [s.tensor for s in context.real_kv_sources][: len(descs)]
-    srcs = [sources.source_words(t) for t in tensors]
     u32, i32 = jnp.uint32, jnp.int32
     sds = jax.ShapeDtypeStruct
     block = config.write_block
@@ -93,6 +85,10 @@ def _write_pallas(
     )
     chain_params = pltriton.CompilerParams(num_warps=config.write_num_warps, num_stages=1)
     params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+    # statics of both chain kernels (lanes and long requests)
+    chains = dict(
+        n_slots=n_slots, cw=cw, num_tokens=num_tokens, hasher=hasher, gather=gather, assert_inputs=assert_inputs
+    )
 
     # 1. Chains and, in the same launch, the entry-parallel work (claims zeroed, real-KV fingerprints).
     flat = dict(
@@ -109,7 +105,7 @@ def _write_pallas(
         offsets=plan.write_offsets,
         seeds=plan.write_seed_slot_indices,
         **flat,
-        **{f"source{k}": s for k, s in enumerate(srcs)},
+        **{f"source{k}": s for k, s in enumerate(pro.srcs)},
         words=words,
         flags=jnp.zeros((num_tokens,), u32),
     )
@@ -122,33 +118,28 @@ def _write_pallas(
     )
     if has_rkv:
         out_shape["rkv"] = sds((num_tokens, 2), u32)
-    words, flags, prev_at, chain_exp, base, *rkv = pl.pallas_call(
+    words, flags, prev_at, chain_exp, base, *rkv = calls.call(
         functools.partial(
             write_chain_kernel,
             descs=descs,
             chain_programs=chain_programs,
             entry_programs=entry_programs,
             long_threshold=long_threshold if long_programs else None,
-            n_slots=n_slots,
-            cw=cw,
-            num_tokens=num_tokens,
             lanes=config.write_lanes,
             prefetch=config.write_prefetch,
             entry_block=config.write_entry_block,
-            hasher=hasher,
-            gather=gather,
             source_gather=config.source_gather,
             source_unroll=config.source_unroll,
             source_tile_words=config.write_source_tile_words,
-            assert_inputs=assert_inputs,
+            **chains,
         ),
-        out_shape=tuple(out_shape.values()),
+        args,
+        out_shape,
         grid=(chain_programs + entry_programs,),
-        input_output_aliases=refs.aliases(args, tuple(out_shape)),
         compiler_params=chain_params,
         interpret=interpret,
         name="canary_write_chain",
-    )(*args.values())
+    )
 
     if long_programs:
         # 1b. Long requests: one chain per program (after the lane chains; seeds read fields 0..2, which no
@@ -171,30 +162,24 @@ def _write_pallas(
             prev_at=prev_at,
             chain_exp=chain_exp,
         )
-        outs = ("words", "flags", "prev_at", "chain_exp")
-        words, flags, prev_at, chain_exp = pl.pallas_call(
+        words, flags, prev_at, chain_exp = calls.call(
             functools.partial(
                 # rows=1: the chain state as [1] vectors (what ran on the H200; Triton still hands the
                 # chunk's words to every thread)
                 write_long_kernel,
-                n_slots=n_slots,
-                cw=cw,
-                num_tokens=num_tokens,
                 rows=1,
                 chunk=k,
                 threshold=long_threshold,
                 scan_block=long_scan_block,
-                hasher=hasher,
-                gather=gather,
-                assert_inputs=assert_inputs,
+                **chains,
             ),
-            out_shape=tuple(sds(args[name].shape, u32) for name in outs),
+            args,
+            ("words", "flags", "prev_at", "chain_exp"),
             grid=(long_programs,),
-            input_output_aliases=refs.aliases(args, outs),
             compiler_params=chain_params,
             interpret=interpret,
             name="canary_write_long",
-        )(*args.values())
+        )
 
     prev_at, chain_exp = prev_at.reshape(num_tokens, 2), chain_exp.reshape(num_tokens, 2)
 
@@ -211,7 +196,7 @@ def _write_pallas(
         prev_at=sds(prev_at.shape, u32),
         chain_exp=sds(chain_exp.shape, u32),
     )
-    flags, counts, prev_at, chain_exp = pl.pallas_call(
+    flags, counts, prev_at, chain_exp = calls.call(
         functools.partial(
             write_won_kernel,
             num_tokens=num_tokens,
@@ -220,16 +205,15 @@ def _write_pallas(
             hasher=hasher,
             has_long=bool(long_programs),
         ),
-        out_shape=tuple(out_shape.values()),
+        args,
+        out_shape,
         grid=grid_entries,
-        input_output_aliases=refs.aliases(args, tuple(out_shape)),
         compiler_params=params,
         interpret=interpret,
         name="canary_write_won",
-    )(*args.values())
+    )
 
     # 4. Stores, violation rows, write index and counters.
-    ring, slot_counters, kernel_counters = refs.log_operands(log)
     args = dict(
         base=base,
         ids=input_ids,
@@ -244,35 +228,24 @@ def _write_pallas(
     )
     if has_rkv:
         args["rkv"] = rkv[0]
-    args.update(
-        words=words,
-        ring=ring,
-        write_index=log.write_index,
-        slot_counters=slot_counters,
-        kernel_counters=kernel_counters,
-    )
-    outs = ("words", "ring", "write_index", "slot_counters", "kernel_counters")
-    words, ring, wi, slot_counters, kernel_counters = pl.pallas_call(
+    args["words"] = words
+    (words,), new_log = calls.call_with_log(
         functools.partial(
             write_commit_kernel,
             has_rkv=has_rkv,
-            tag=tag,
+            tag=pro.tag,
             num_tokens=num_tokens,
             block=block,
-            ring_capacity=ring.shape[0],
             gather=gather,
             assert_inputs=assert_inputs,
         ),
-        out_shape=tuple(sds(args[name].shape, args[name].dtype) for name in outs),
+        args,
+        log,
+        outs=("words",),
         grid=grid_entries,
-        input_output_aliases=refs.aliases(args, outs),
         compiler_params=params,
         interpret=interpret,
         name="canary_write_store",
-    )(*args.values())
-
-    new_log = refs.updated_log(
-        log, ring=ring, write_index=wi, slot_counters=slot_counters, kernel_counters=kernel_counters
     )
     return context.replace(canary_buf=layout.canary_bytes(words), log=new_log)
 

@@ -28,19 +28,8 @@ from pallas_kernels.write_flags import CLAIM_WORD, WriteFlag
 
 
 def _chain_role(
-    num_reqs_ref,
-    assert_flag_ref,
-    offsets_ref,
-    seeds_ref,
-    ids_ref,
-    pos_ref,
-    loc_ref,
-    exp_tok_ref,
-    exp_pos_ref,
-    words_ref,
-    flags_ref,
-    prev_at_ref,
-    chain_exp_ref,
+    in_refs,
+    out_refs,
     *,
     pid,
     programs,
@@ -56,8 +45,12 @@ def _chain_role(
 ):
     """Serial chains, one request per lane: flags, running prev_hash and chain-position expectations.
 
-    Refs as in :func:`write_chain_kernel`. With ``long_threshold`` (the long role is on), requests of more
-    entries are left to :func:`pallas_kernels.write_long.write_long_kernel`."""
+    Refs as in :func:`write_chain_kernel`: ``in_refs`` its inputs but ``write_index`` (num_reqs, assert_flag,
+    offsets, seeds, ids, pos, loc, exp_tok, exp_pos), ``out_refs`` words, flags, prev_at and chain_exp. With
+    ``long_threshold`` (the long role is on), requests of more entries are left to
+    :func:`pallas_kernels.write_long.write_long_kernel`."""
+    num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, pos_ref, loc_ref, exp_tok_ref, exp_pos_ref = in_refs
+    words_ref, flags_ref, prev_at_ref, chain_exp_ref = out_refs
     nv = jnp.clip(num_reqs_ref[0], 0, cw)
     gate_on = assert_flag_ref[0] != 0
     per_step = 2 * (5 if assert_inputs else 3)
@@ -222,6 +215,7 @@ def write_chain_kernel(
     src_refs = more_refs[: len(descs)]
     _, _, words_ref, flags_ref, prev_at_ref, chain_exp_ref, base_ref, *rkv = more_refs[len(descs) :]
     rkv_ref = rkv[0] if rkv else None
+    inputs = (ids_ref, pos_ref, loc_ref, exp_tok_ref, exp_pos_ref)
     pid = refs.program_id()
 
     @pl.when(pid == 0)
@@ -231,19 +225,8 @@ def write_chain_kernel(
     @pl.when(pid < chain_programs)
     def _():
         _chain_role(
-            num_reqs_ref,
-            assert_flag_ref,
-            offsets_ref,
-            seeds_ref,
-            ids_ref,
-            pos_ref,
-            loc_ref,
-            exp_tok_ref,
-            exp_pos_ref,
-            words_ref,
-            flags_ref,
-            prev_at_ref,
-            chain_exp_ref,
+            (num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, *inputs),
+            (words_ref, flags_ref, prev_at_ref, chain_exp_ref),
             pid=pid,
             programs=chain_programs,
             n_slots=n_slots,

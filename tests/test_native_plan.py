@@ -2,8 +2,9 @@
 
 Every case runs one SGLang-shaped launch twice on copies of the same stale outputs: through
 ``interop.sglang.launch_canary_plan_kernels(path="dlpack")`` (the jitted jnp builder, the contract) and through
-:func:`interop.native.plan.launch_plan` with the statics and tensors the launcher builds (its ``_run`` is patched
-to capture them). Every output tensor must then be byte-identical, including what the builder leaves untouched.
+:func:`interop.native.plan.launch_plan` with the statics and tensors the launcher builds
+(``interop.sglang_plan._run`` is patched to capture them). Every output tensor must then be byte-identical,
+including what the builder leaves untouched.
 In-range cases are also checked against SGLang's torch reference (``helpers.torch_reference.ref_plan``).
 Shapes come from a few fixed configurations (each compiles the builder once) while the values are fuzzed,
 out-of-range ones included (rows outside ``req_to_token``, prefixes past its width, negative lengths, slots past
@@ -23,7 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from helpers.torch_reference import ref_plan
-from interop import sglang
+from interop import sglang, sglang_plan
 from interop.native import plan
 
 # name: shapes and statics (bs, C, Cw, req_to_token rows x width, W, LUT, pool rows x width or None, k)
@@ -124,14 +125,14 @@ def _clone(p):
 
 
 def _capture_native(op, statics, body_factory, args, path):
-    """Stands in for ``interop.sglang._run``: the launcher's statics and tensors go to the native plan."""
+    """Stands in for ``interop.sglang_plan._run``: the launcher's statics and tensors go to the native plan."""
     del body_factory, path
     assert op == "plan"
     plan.launch_plan(statics, {a.name: a.tensor for a in args})
 
 
 def _launch(kw: dict, vp, wp, cap: int, *, native: bool) -> None:
-    ctx = mock.patch.object(sglang, "_run", _capture_native) if native else contextlib.nullcontext()
+    ctx = mock.patch.object(sglang_plan, "_run", _capture_native) if native else contextlib.nullcontext()
     with ctx:
         path = None if native else "dlpack"
         sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=cap, path=path, **kw)
@@ -260,7 +261,7 @@ def _direct_args(name: str, seed: int = 3) -> tuple[tuple, dict, dict]:
     def capture(op, statics, body_factory, args, path):
         got["statics"], got["tensors"] = statics, {a.name: a.tensor for a in args}
 
-    with mock.patch.object(sglang, "_run", capture):
+    with mock.patch.object(sglang_plan, "_run", capture):
         sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=cfg["cap"], **kw)
     return got["statics"], got["tensors"], cfg
 

@@ -31,7 +31,9 @@ bytes; bytes are little-endian element bytes, packed sub-byte dtypes as XLA pack
   refused (see the function).
 
 Only the dense token-major source is SGLang's contract; the chunked sources (K or V half of a fused pool, heads-
-major pools, padded small rows, layer offsets) are canary-jax's extension (``canary_jax.contract.sources``).
+major pools, padded small rows, layer offsets) are canary-jax's extension (``canary_jax.contract.sources``). The
+argument checks, the fused-token piece arithmetic and the one chunked-source builder the helpers share are
+:mod:`canary_jax.adapters.slot_pieces`.
 """
 
 from __future__ import annotations
@@ -39,126 +41,21 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-import numpy as np
-
-from canary_jax.contract.sources import RealKvSource, SlotChunks, element_bits
+from canary_jax.adapters.slot_pieces import (
+    _check_array,
+    _check_int,
+    _check_scale_bytes,
+    _describe,
+    _fused_pieces,
+    _heads_major_source,
+    _nbytes,
+    _source,
+    _token_bytes,
+)
+from canary_jax.contract.sources import RealKvSource
 
 Half = Literal["k", "v", "kv"]
 KvLayout = Literal["interleaved", "k_then_v"]
-
-
-# --- shared checks ----------------------------------------------------------------------------------------------
-def _describe(x: Any) -> str:
-    return f"shape {tuple(int(d) for d in x.shape)} dtype {np.dtype(x.dtype)}"
-
-
-def _check_array(fn: str, name: str, x: Any, *, min_rank: int) -> None:
-    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        raise TypeError(f"kv-canary: {fn}: {name} must be a JAX or numpy array, got {type(x).__name__}")
-    if len(x.shape) < min_rank:
-        raise ValueError(f"kv-canary: {fn}: {name} must be at least {min_rank}-D, got {_describe(x)}")
-    if any(int(d) == 0 for d in x.shape):
-        raise ValueError(f"kv-canary: {fn}: {name} is empty, got {_describe(x)}")
-
-
-def _nbytes(x: Any, elements: int) -> int:
-    """Bytes of ``elements`` elements of ``x``'s dtype (packed for sub-byte dtypes), or -1 if not whole."""
-    bits = elements * element_bits(x.dtype)
-    return bits // 8 if bits % 8 == 0 else -1
-
-
-def _check_int(fn: str, name: str, value: Any, *, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"kv-canary: {fn}: {name} must be an int >= {low}, got {value!r}")
-    return int(value)
-
-
-def _source(
-    fn: str,
-    name: str,
-    x: Any,
-    *,
-    page_size: int,
-    slot_pitch: int,
-    chunk_bytes: int,
-    num_chunks: int = 1,
-    chunk_stride: int = 0,
-    offset: int = 0,
-    slot_rows: int | None = None,
-    read_bytes: int | None,
-) -> RealKvSource:
-    """A chunked source over ``x`` (rows = dim 0), errors re-raised naming the helper and the argument."""
-    if min(chunk_bytes, slot_pitch) <= 0 or chunk_bytes % 4 or slot_pitch % 4 or offset % 4 or chunk_stride % 4:
-        raise ValueError(
-            f"kv-canary: {fn}: {name} ({_describe(x)}) puts {chunk_bytes}-byte pieces {slot_pitch} bytes apart; the "
-            "canary reads whole 4-byte words, so each hashed piece and each slot must be a multiple of 4 bytes"
-        )
-    padded = -(-num_chunks * chunk_bytes // 16) * 16
-    rb = padded if read_bytes is None else read_bytes
-    try:
-        return RealKvSource(
-            tensor=x,
-            page_size=page_size,
-            num_bytes_per_token=slot_pitch,
-            read_bytes=rb,
-            chunks=SlotChunks(
-                chunk_bytes=chunk_bytes,
-                num_chunks=num_chunks,
-                chunk_stride_bytes=chunk_stride,
-                offset_bytes=offset,
-                slot_rows=slot_rows,
-            ),
-        )
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"kv-canary: {fn}: {name} ({_describe(x)}): {e}") from None
-
-
-def _token_bytes(fn: str, name: str, x: Any, token_dims: tuple[int, ...]) -> int:
-    tb = _nbytes(x, math.prod(token_dims))
-    if tb <= 0:
-        raise ValueError(
-            f"kv-canary: {fn}: {name} ({_describe(x)}) has a token of {token_dims} that is not whole bytes"
-        )
-    return tb
-
-
-def _fused_pieces(
-    fn: str, x: Any, token_dims: tuple[int, ...], *, num_kv_heads: int | None, half: str, kv_layout: str
-) -> tuple[int, int, int, int]:
-    """``(chunk_bytes, num_chunks, chunk_stride, offset)`` of one half of a fused token (relative to the token)."""
-    if half not in ("k", "v", "kv"):
-        raise ValueError(f"kv-canary: {fn}: half must be 'k', 'v' or 'kv', got {half!r}")
-    head_bytes = _nbytes(x, token_dims[-1])
-    if head_bytes <= 0:
-        raise ValueError(f"kv-canary: {fn}: pool ({_describe(x)}) has a head_dim that is not whole bytes")
-    if kv_layout == "interleaved":
-        combined = math.prod(token_dims[:-1])
-        heads = combined // 2 if num_kv_heads is None else _check_int(fn, "num_kv_heads", num_kv_heads, low=1)
-        if heads < 1 or 2 * heads > combined:
-            raise ValueError(
-                f"kv-canary: {fn}: pool ({_describe(x)}) holds {combined} combined K/V heads per token, "
-                f"fewer than 2 x num_kv_heads={heads}"
-            )
-        if half == "kv":
-            return 2 * heads * head_bytes, 1, 0, 0
-        return head_bytes, heads, 2 * head_bytes, (head_bytes if half == "v" else 0)
-    if kv_layout == "k_then_v":
-        if len(token_dims) != 3 or token_dims[0] != 2:
-            raise ValueError(
-                f"kv-canary: {fn}: kv_layout='k_then_v' needs a pool [..., 2, heads, head_dim] per token, "
-                f"got {_describe(x)}"
-            )
-        stored = token_dims[1]
-        heads = stored if num_kv_heads is None else _check_int(fn, "num_kv_heads", num_kv_heads, low=1)
-        if heads > stored:
-            raise ValueError(
-                f"kv-canary: {fn}: pool ({_describe(x)}) holds {stored} heads per half, fewer than num_kv_heads={heads}"
-            )
-        half_bytes, plane = heads * head_bytes, stored * head_bytes
-        if half == "kv":
-            return (2 * half_bytes, 1, 0, 0) if heads == stored else (half_bytes, 2, plane, 0)
-        return half_bytes, 1, 0, (plane if half == "v" else 0)
-    raise ValueError(f"kv-canary: {fn}: kv_layout must be 'interleaved' or 'k_then_v', got {kv_layout!r}")
 
 
 # --- layouts ------------------------------------------------------------------------------------------------------
@@ -337,21 +234,6 @@ def sources_for_heads_major(pool: Any, *, read_bytes: int | None = None) -> tupl
     )
 
 
-def _heads_major_source(fn, name, x, *, heads, slots, head_bytes, read_bytes) -> RealKvSource:
-    # rows = heads; a row is one head's plane of `slots` slots; chunk c = head c, one plane (row) apart
-    return _source(
-        fn,
-        name,
-        x,
-        page_size=slots,
-        slot_pitch=head_bytes,
-        chunk_bytes=head_bytes,
-        num_chunks=heads,
-        chunk_stride=slots * head_bytes,
-        read_bytes=read_bytes,
-    )
-
-
 def sources_for_quantised(
     data: Any,
     scales: Any | None,
@@ -428,13 +310,3 @@ def sources_for_quantised(
         )
         return out + (src,)
     raise ValueError(f"kv-canary: {fn}: layout must be 'token_major' or 'heads_major', got {layout!r}")
-
-
-def _check_scale_bytes(fn: str, scales: Any, nbytes: int, per: str) -> None:
-    if nbytes <= 0 or nbytes % 4:
-        raise ValueError(
-            f"kv-canary: {fn}: scales ({_describe(scales)}) hold {nbytes if nbytes > 0 else 'a fraction of a'} "
-            f"byte(s) per {per}; the canary hashes 4-byte words and cannot isolate them from the neighbouring "
-            "slot's, so these scales would NOT be protected. Store at least 4 bytes per "
-            f"{per} (e.g. float32), or pass scales=None to protect the data alone"
-        )

@@ -33,7 +33,7 @@ from canary_jax.cli.outputs import check_out_path, write_json, write_output
 
 # --- demo ------------------------------------------------------------------------------------------------
 def _demo(args) -> int:
-    from canary_jax.cli import progress, render
+    from canary_jax.cli import chart, progress, render
     from canary_jax.cli.demo import campaign, engine, faults, model
     from canary_jax.cli.demo.summary import summarize
     from canary_jax.cli.demo.workload import PromptFileError
@@ -137,7 +137,7 @@ def _demo(args) -> int:
     if args.json:
         write_output("--json", args.json, write_json(summary), errors)
     if args.plot:
-        write_output("--plot", args.plot, lambda path: render.plot(summary, path), errors)
+        write_output("--plot", args.plot, lambda path: chart.plot(summary, path), errors)
     if args.dump:
         if camp.dump_error:
             errors.append(f"--dump {args.dump!r}: cannot write: {camp.dump_error}")

@@ -29,8 +29,9 @@ canary per rank; so does this module, on a 2-D :class:`jax.sharding.Mesh` with a
 Modules (the public names are re-exported here): :mod:`~canary_jax.runtime.sharded_layout` (the mesh, host
 data laid out on it, the checks that a value follows it), :mod:`~canary_jax.runtime.sharded_trace`
 (``shard_map`` and the traced per-shard pieces), :mod:`~canary_jax.runtime.sharded_canary`
-(:class:`ShardedCanary`'s programs) and :mod:`~canary_jax.runtime.sharded_report` (the host-side report, stats
-and health check).
+(:class:`ShardedCanary`'s programs), :mod:`~canary_jax.runtime.sharded_logs` (the host reads of each shard's
+log), :mod:`~canary_jax.runtime.sharded_report` (the host-side violation report) and
+:mod:`~canary_jax.runtime.sharded_stats` (stats and the health check).
 
 Calling contract: each program is jitted once per (layout, config, functions, shapes). HEAD, TAIL and the step
 donate the state's canary buffers (use the returned state); the violation log is not donated. Called inside a
@@ -42,17 +43,15 @@ from __future__ import annotations
 from canary_jax.runtime.sharded_canary import ShardedCanary
 from canary_jax.runtime.sharded_layout import Shard as Shard
 from canary_jax.runtime.sharded_layout import ShardLayout
+from canary_jax.runtime.sharded_logs import shard_logs
 from canary_jax.runtime.sharded_report import (
-    ShardedHealthChecker,
-    ShardedStats,
     ShardedViolationMonitor,
     ShardedViolationRecord,
     ShardedViolationReporter,
     format_sharded_violation,
-    shard_logs,
-    sharded_stats,
 )
 from canary_jax.runtime.sharded_report import logger as logger
+from canary_jax.runtime.sharded_stats import ShardedHealthChecker, ShardedStats, sharded_stats
 from canary_jax.runtime.sharded_trace import fields_digest as fields_digest
 from canary_jax.runtime.sharded_trace import shard_map
 

@@ -20,8 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 from canary_jax.contract import ints
 from canary_jax.runtime import phases, shapes
+from canary_jax.runtime.prepare import check_batch
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
-from canary_jax.runtime.step import _check_batch, _check_config, _check_state
+from canary_jax.runtime.step import _check_config, _check_state
 
 __all__ = [
     "Shard",
@@ -196,6 +197,13 @@ class ShardLayout:
           ValueError: not one entry per dp shard, no batch at all, None for a dp shard this process holds, a
             batch larger than ``num_tokens`` / ``num_rows``, or tables of different shapes.
           TypeError: an entry that is not a CanaryBatch or None.
+
+        Each batch gets :func:`canary_jax.runtime.prepare.check_batch` (the static checks of
+        :func:`~canary_jax.runtime.prepare.prepare_batch`) and the bucket padding of
+        :mod:`canary_jax.runtime.shapes`, but to one shape shared by every dp shard (the largest bucket, or
+        ``num_tokens`` / ``num_rows``), not each batch's own. The host values
+        (:func:`~canary_jax.runtime.prepare.check_batch_values`) are not checked: there is no state here to bound
+        them by.
         """
         config = _check_config(config)
         batches = list(batches)
@@ -208,7 +216,7 @@ class ShardLayout:
             raise ValueError("kv-canary: shard_batch got no batch")
         self._check_held(batches, "shard_batch")
         for b in given:
-            _check_batch(b, config)
+            check_batch(b, config)  # the step API's static batch checks (prepare_batch's step 2)
         shapes_ = [shapes.padded_batch_shape(b, config) for b in given]
         t = max(s[0] for s in shapes_) if num_tokens is None else int(num_tokens)
         rows = max(s[1] for s in shapes_) if num_rows is None else int(num_rows)

@@ -6,9 +6,10 @@ Modules: :mod:`~canary_jax.cli.demo.model` (the transformer and its bf16 paged K
 :mod:`~canary_jax.cli.demo.engine` (the per-forward flow), :mod:`~canary_jax.cli.demo.canary_ops` (the served
 step as one program: plan, HEAD, the model, TAIL via the runtime's ``canary_step``; and the SWEEP),
 :mod:`~canary_jax.cli.demo.sharded` (``--devices N``: KV pools and canary sharded by KV heads),
-:mod:`~canary_jax.cli.demo.faults` (fault kinds), :mod:`~canary_jax.cli.demo.campaign` (clean phase + fault
+:mod:`~canary_jax.cli.demo.faults` (fault kinds; their base class and shared pickers in
+:mod:`~canary_jax.cli.demo.fault_base`), :mod:`~canary_jax.cli.demo.campaign` (clean phase + fault
 episodes), :mod:`~canary_jax.cli.demo.summary` (the report as plain data) and
 :mod:`~canary_jax.cli.demo.workload` (prompts and requests). Tables and the chart are drawn by
-:mod:`canary_jax.cli.render`, saved state is decoded by :mod:`canary_jax.cli.verify_dump`, and
-:mod:`canary_jax.cli.main` runs the command.
+:mod:`canary_jax.cli.render` and :mod:`canary_jax.cli.chart`, saved state is decoded by
+:mod:`canary_jax.cli.verify_dump`, and :mod:`canary_jax.cli.main` runs the command.
 """

@@ -27,7 +27,8 @@ import numpy as np
 
 from canary_jax.cli.demo import canary_ops, workload
 from canary_jax.cli.demo.engine import ConfigError, Engine, EngineConfig
-from canary_jax.cli.demo.faults import FAULT_KINDS, Fault, WorkloadTrace
+from canary_jax.cli.demo.fault_base import Fault, WorkloadTrace
+from canary_jax.cli.demo.faults import FAULT_KINDS
 from canary_jax.cli.demo.model import PAD_TOKEN, ModelConfig, init_params
 from canary_jax.cli.demo.scheduler import Request, Scheduler
 from canary_jax.contract.decode import format_violation

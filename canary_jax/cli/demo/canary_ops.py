@@ -184,44 +184,72 @@ def canary_batch(config: CanaryStepConfig, batch, req_to_token: np.ndarray, expe
     )
 
 
-class CanaryRuntime:
-    """Canary state of the demo engine, its served step (:meth:`forward`: plan, HEAD, the model, TAIL in one
-    program) and its SWEEP."""
+def runtime_args(cfg) -> dict:
+    """The keyword arguments both demo canary runtimes (:class:`CanaryRuntime` and the sharded demo's) take from
+    the engine's :class:`~canary_jax.cli.demo.config.EngineConfig` ``cfg``: :func:`canary_setup`'s, ``page_size``
+    and ``sweep_capacity`` (slots and entries; ``write_req_capacity`` is ``cfg.max_running``)."""
+    return dict(
+        num_slots=cfg.num_slots,
+        page_size=cfg.page_size,
+        verify_capacity=cfg.verify_capacity,
+        write_req_capacity=cfg.max_running,
+        sweep_capacity=cfg.sweep_capacity,
+        real_kv_hash_mode=cfg.real_kv_hash_mode,
+        token_oracle=cfg.token_oracle,
+        ring_capacity=cfg.ring_capacity,
+        backend=cfg.backend,
+        enable_v_half=cfg.enable_v_half,
+    )
 
-    def __init__(
-        self,
-        *,
-        num_slots: int,
-        page_size: int,
-        kv_bytes_per_token: int,
-        verify_capacity: int,
-        write_req_capacity: int,
-        sweep_capacity: int,
-        real_kv_hash_mode: constants.RealKvHashMode,
-        token_oracle: bool,
-        ring_capacity: int,
-        backend: str | None,
-        enable_v_half: bool = False,
-    ):
+
+class CanaryRuntimeBase:
+    """What both demo canary runtimes share: the setup (:func:`canary_setup`), the last step's summary, the
+    sweep count and the checks the engine makes after a step.
+
+    Args:
+      page_size: KV slots per page.
+      sweep_capacity: entries of a SWEEP plan.
+      setup: :func:`canary_setup`'s keyword arguments (``enable_v_half`` defaults to False).
+    """
+
+    def __init__(self, *, page_size: int, sweep_capacity: int, **setup):
         self.page_size = page_size
-        self.kv_bytes = kv_bytes_per_token
         self.sweep_capacity = sweep_capacity
-        self.backend, self.config, self.state = canary_setup(
-            num_slots=num_slots,
-            verify_capacity=verify_capacity,
-            write_req_capacity=write_req_capacity,
-            real_kv_hash_mode=real_kv_hash_mode,
-            token_oracle=token_oracle,
-            ring_capacity=ring_capacity,
-            backend=backend,
-            enable_v_half=enable_v_half,
-        )
+        self.backend, self.config, self.state = canary_setup(**{"enable_v_half": False, **setup})
         self.summary = None
         self.sweep_passes = 0
 
     @property
     def mode(self) -> constants.RealKvHashMode:
         return self.config.real_kv_hash_mode
+
+    def sweep_plan(self, tree):
+        """The SWEEP plan of every cached prefix slot of the radix ``tree`` (:attr:`sweep_capacity` entries)."""
+        return build_sweep_plan_from_radix(tree.root_node, verify_capacity=self.sweep_capacity)
+
+    def swept(self, plan) -> int:
+        """Counts a SWEEP pass of ``plan``; returns its number of entries."""
+        self.sweep_passes += 1
+        return int(np.asarray(plan.verify_num_valid)[0])
+
+    def block(self) -> None:
+        jax.block_until_ready(self.state)
+
+    def plan_overflowed(self) -> bool:
+        return self.summary is not None and int(np.asarray(self.summary.verify_enable).min()) == 0
+
+
+class CanaryRuntime(CanaryRuntimeBase):
+    """Canary state of the demo engine, its served step (:meth:`forward`: plan, HEAD, the model, TAIL in one
+    program) and its SWEEP.
+
+    Args: ``kv_bytes_per_token`` (bytes of one slot's K row in layer 0's pool), and
+    :class:`CanaryRuntimeBase`'s (:func:`runtime_args` gives them from the engine config).
+    """
+
+    def __init__(self, *, kv_bytes_per_token: int, **kw):
+        super().__init__(**kw)
+        self.kv_bytes = kv_bytes_per_token
 
     @property
     def log(self):
@@ -292,15 +320,8 @@ class CanaryRuntime:
 
     def sweep(self, tree, k_pool, v_pool) -> int:
         """SWEEP verify of every cached prefix slot; returns the number of entries."""
-        plan = build_sweep_plan_from_radix(tree.root_node, verify_capacity=self.sweep_capacity)
+        plan = self.sweep_plan(tree)
         self.state = _sweep(
             self.state, plan, k_pool, v_pool, config=self.config, page_size=self.page_size, kv_bytes=self.kv_bytes
         )
-        self.sweep_passes += 1
-        return int(np.asarray(plan.verify_num_valid)[0])
-
-    def block(self) -> None:
-        jax.block_until_ready(self.state)
-
-    def plan_overflowed(self) -> bool:
-        return self.summary is not None and int(np.asarray(self.summary.verify_enable).min()) == 0
+        return self.swept(plan)

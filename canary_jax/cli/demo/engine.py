@@ -70,17 +70,7 @@ class Engine:
         self.k_pool, self.v_pool = model.allocate_pools(model_cfg, num_pages=cfg.num_pages, page_size=cfg.page_size)
         self.scheduler = Scheduler(cfg, requests)
         self.canary = canary_ops.CanaryRuntime(
-            num_slots=cfg.num_slots,
-            page_size=cfg.page_size,
-            kv_bytes_per_token=model_cfg.kv_bytes_per_token,
-            verify_capacity=cfg.verify_capacity,
-            write_req_capacity=cfg.max_running,
-            sweep_capacity=cfg.sweep_capacity,
-            real_kv_hash_mode=cfg.real_kv_hash_mode,
-            token_oracle=cfg.token_oracle,
-            ring_capacity=cfg.ring_capacity,
-            backend=cfg.backend,
-            enable_v_half=cfg.enable_v_half,
+            kv_bytes_per_token=model_cfg.kv_bytes_per_token, **canary_ops.runtime_args(cfg)
         )
         self.key = jax.random.PRNGKey(sample_seed)
         self.step_index = 0

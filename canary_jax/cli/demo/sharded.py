@@ -45,7 +45,6 @@ from canary_jax.contract.decode import ViolationRecord
 from canary_jax.contract.sources import RealKvSource
 from canary_jax.runtime import sharded
 from canary_jax.runtime.state import active_tags
-from canary_jax.runtime.sweep import build_sweep_plan_from_radix
 
 _FLAG = "--xla_force_host_platform_device_count"
 
@@ -139,56 +138,32 @@ def _zeros(*, shape, sharding):
     return jax.lax.with_sharding_constraint(jnp.zeros(shape, jnp.bfloat16), sharding)
 
 
-class ShardedCanaryRuntime:
+class ShardedCanaryRuntime(canary_ops.CanaryRuntimeBase):
     """The demo's canary runtime (:class:`canary_jax.cli.demo.canary_ops.CanaryRuntime`'s interface) on a
     ``1 x devices`` mesh split by KV heads.
 
-    Args: as CanaryRuntime, plus ``devices`` (head shards), ``num_kv_heads`` and ``head_dim`` (bf16).
+    Args: as CanaryRuntime (but ``kv_bytes_per_token``), plus ``devices`` (head shards), ``num_kv_heads`` and
+    ``head_dim`` (bf16).
 
     Raises:
       ValueError: ``num_kv_heads`` not a multiple of ``devices``, or a head shard's row not a multiple of 16
         bytes.
     """
 
-    def __init__(
-        self,
-        *,
-        devices: int,
-        num_kv_heads: int,
-        head_dim: int,
-        num_slots: int,
-        page_size: int,
-        verify_capacity: int,
-        write_req_capacity: int,
-        sweep_capacity: int,
-        real_kv_hash_mode: constants.RealKvHashMode,
-        token_oracle: bool,
-        ring_capacity: int,
-        backend: str | None,
-        enable_v_half: bool = False,
-    ):
+    def __init__(self, *, devices: int, num_kv_heads: int, head_dim: int, page_size: int, **kw):
         if num_kv_heads % devices:
             raise ValueError(f"--kv-heads {num_kv_heads} must be a multiple of --devices {devices}")
         self.heads_per_shard = num_kv_heads // devices
-        self.num_kv_heads, self.head_dim, self.page_size = num_kv_heads, head_dim, page_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         bytes_per_token = self.heads_per_shard * head_dim * 2
         if bytes_per_token % 16:
             raise ValueError(
                 f"--devices {devices}: a head shard's KV row is {bytes_per_token} bytes, not a multiple of 16; "
                 "raise --head-dim"
             )
-        self.sweep_capacity = sweep_capacity
+        super().__init__(page_size=page_size, **kw)
         # single_state: the one-device state every shard starts from (the template of active tags)
-        self.backend, self.config, self.single_state = canary_ops.canary_setup(
-            num_slots=num_slots,
-            verify_capacity=verify_capacity,
-            write_req_capacity=write_req_capacity,
-            real_kv_hash_mode=real_kv_hash_mode,
-            token_oracle=token_oracle,
-            ring_capacity=ring_capacity,
-            backend=backend,
-            enable_v_half=enable_v_half,
-        )
+        self.single_state = self.state
         self.layout = sharded.ShardLayout.create(dp=1, tp=devices, devices=jax.devices()[:devices])
         self.kv_specs = (POOL_SPEC, POOL_SPEC)
         self.pool_sharding = NamedSharding(self.layout.mesh, POOL_SPEC)
@@ -197,17 +172,11 @@ class ShardedCanaryRuntime:
             self.layout,
             self.config,
             kv_specs=self.kv_specs,
-            sources_fn=_LocalSources(page_size, bytes_per_token, int(self.config.real_kv_hash_mode), enable_v_half),
+            sources_fn=_LocalSources(page_size, bytes_per_token, int(self.mode), self.config.enable_v_half),
         )
         self.state = self.layout.shard_state(self.single_state)
         self.fault_shard = (0, devices - 1)  # canary-record faults land in this head shard
         self._plans = self._batch = self._n = None
-        self.summary = None
-        self.sweep_passes = 0
-
-    @property
-    def mode(self) -> constants.RealKvHashMode:
-        return self.config.real_kv_hash_mode
 
     @property
     def log(self):
@@ -257,16 +226,9 @@ class ShardedCanaryRuntime:
 
     def sweep(self, tree, k_pool, v_pool) -> int:
         """Every head shard's SWEEP verify of the cached prefixes; returns the number of entries."""
-        plan = build_sweep_plan_from_radix(tree.root_node, verify_capacity=self.sweep_capacity)
+        plan = self.sweep_plan(tree)
         self.state = self.canary.sweep(self.state, (self.layout.shard_per_dp([plan]),), self._kv(k_pool, v_pool))
-        self.sweep_passes += 1
-        return int(np.asarray(plan.verify_num_valid)[0])
-
-    def block(self) -> None:
-        jax.block_until_ready(self.state)
-
-    def plan_overflowed(self) -> bool:
-        return self.summary is not None and int(np.asarray(self.summary.verify_enable).min()) == 0
+        return self.swept(plan)
 
 
 class ShardedEngine(Engine):
@@ -282,16 +244,7 @@ class ShardedEngine(Engine):
             devices=self.devices,
             num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim,
-            num_slots=cfg.num_slots,
-            page_size=cfg.page_size,
-            verify_capacity=cfg.verify_capacity,
-            write_req_capacity=cfg.max_running,
-            sweep_capacity=cfg.sweep_capacity,
-            real_kv_hash_mode=cfg.real_kv_hash_mode,
-            token_oracle=cfg.token_oracle,
-            ring_capacity=cfg.ring_capacity,
-            backend=cfg.backend,
-            enable_v_half=cfg.enable_v_half,
+            **canary_ops.runtime_args(cfg),
         )
         self.params = jax.device_put(self.params, NamedSharding(self.canary.layout.mesh, P()))  # replicated, once
         # replaces the base engine's one-device pools: the same bytes per slot, heads an axis, sharded over heads

@@ -1,0 +1,127 @@
+"""SGLang's ``launch_canary_plan_kernels`` on torch tensors (SPEC 7): the plan launcher of :mod:`interop.sglang`,
+which re-exports it.
+
+One jnp program (canary-jax ``build_plans``) on the DLPack path, or :func:`interop.native.plan.launch_plan` on the
+native path (:func:`interop.sglang_launch._run`); the launch is not padded to buckets (its outputs' shapes are the
+caller's). Device-specific checks follow SGLang: CUDA tensors get the kernel path's ``bs <= 4096`` limit and
+messages, CPU tensors the reference's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from canary_jax.contract import validation
+from interop import arguments, kernels
+from interop.arguments import TORCH_DTYPES, check, tensor
+from interop.native import replay
+from interop.runner import TensorArg
+from interop.sglang_launch import PLAN_BS_BLOCK_SIZE, _int, _replay_key, _run
+
+
+# --- plan ------------------------------------------------------------------------------------------------
+def launch_canary_plan_kernels(
+    *,
+    verify_plan_out: Any,
+    write_plan_out: Any,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    swa_window_size: int,
+    full_to_swa_index_mapping: torch.Tensor | None,
+    verify_capacity: int,
+    req_to_verify_expected_tokens: torch.Tensor | None,
+    req_to_verify_expected_tokens_valid_lens: torch.Tensor | None,
+    kv_token_id_vs_position_offset: int,
+    backend: str | None = None,
+    path: str | None = None,
+) -> None:
+    """SGLang's ``launch_canary_plan_kernels`` on torch tensors (SPEC 7; canary-jax ``build_plans``).
+
+    Fills ``verify_plan_out`` and ``write_plan_out`` in place. Regions SGLang leaves untouched keep their
+    contents: verify entries past ``num_valid`` (all of them on overflow) and seeds past ``bs``;
+    ``write_offsets`` past ``bs`` become zero. ``backend`` is accepted for symmetry (one implementation).
+
+    Raises:
+      ValueError / TypeError: SGLang's errors (device-specific like SGLang: CUDA tensors get the kernel
+        path's checks and messages, CPU tensors the reference's) and the interop's; nothing runs.
+    """
+    del backend
+    key = _replay_key(
+        "plan",
+        path,
+        None,
+        getattr(verify_plan_out, "verify_slot_indices", None),
+        lambda: (
+            replay.fields_sig(verify_plan_out, validation.VERIFY_PLAN_FIELDS),
+            replay.fields_sig(write_plan_out, validation.WRITE_PLAN_FIELDS),
+            replay.sig((req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, full_to_swa_index_mapping)),
+            replay.sig((req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens)),
+            tuple(replay.value_sig(v) for v in (swa_window_size, verify_capacity, kv_token_id_vs_position_offset)),
+        ),
+    )
+    if replay.GRAPHS.replay(key):
+        return
+    vp = arguments.tensors(verify_plan_out, validation.VERIFY_PLAN_FIELDS, "verify_plan_out.")
+    wp = arguments.tensors(write_plan_out, validation.WRITE_PLAN_FIELDS, "write_plan_out.")
+    ins = {
+        "req_pool_indices": tensor(req_pool_indices, "req_pool_indices"),
+        "prefix_lens": tensor(prefix_lens, "prefix_lens"),
+        "extend_seq_lens": tensor(extend_seq_lens, "extend_seq_lens"),
+        "req_to_token": tensor(req_to_token, "req_to_token"),
+    }
+    has_lut = full_to_swa_index_mapping is not None
+    has_pool = req_to_verify_expected_tokens is not None
+    optional = {
+        "full_to_swa_index_mapping": full_to_swa_index_mapping,
+        "req_to_verify_expected_tokens": req_to_verify_expected_tokens,
+        # SGLang reads the valid lengths only with the pool
+        "req_to_verify_expected_tokens_valid_lens": req_to_verify_expected_tokens_valid_lens if has_pool else None,
+    }
+    ins.update({n: tensor(x, n) for n, x in optional.items() if x is not None})
+    on_cuda = vp["verify_plan_out.verify_slot_indices"].device.type == "cuda"
+    bs = int(ins["req_pool_indices"].shape[0]) if ins["req_pool_indices"].dim() >= 1 else 0
+    arguments.check_contiguous({**ins, **vp, **wp})
+    for n in ("req_pool_indices", "prefix_lens", "extend_seq_lens"):
+        check(ins[n], n, torch.int64, (bs,))
+    check(ins["req_to_token"], "req_to_token", torch.int32, (None, None))
+    if has_lut:
+        check(ins["full_to_swa_index_mapping"], "full_to_swa_index_mapping", torch.int64, (None,))
+    if has_pool:
+        check(ins["req_to_verify_expected_tokens"], "req_to_verify_expected_tokens", torch.int32, (None, None))
+    if "req_to_verify_expected_tokens_valid_lens" in ins:
+        check(
+            ins["req_to_verify_expected_tokens_valid_lens"],
+            "req_to_verify_expected_tokens_valid_lens",
+            torch.int64,
+            (bs,),
+        )
+    plan_cap = int(vp["verify_plan_out.verify_slot_indices"].shape[0])
+    validation.check_verify_plan(
+        arguments.fields_facts(vp, "verify_plan_out."), TORCH_DTYPES, prefix="verify_plan_out.", capacity=plan_cap
+    )
+    cw = validation.check_write_plan(
+        arguments.fields_facts(wp, "write_plan_out."), TORCH_DTYPES, prefix="write_plan_out.", offsets_message=False
+    )
+    validation.check_plan_launch(
+        swa_window_size=_int(swa_window_size, "swa_window_size"),
+        has_lut=has_lut,
+        lut_len=int(ins["full_to_swa_index_mapping"].shape[0]) if has_lut else 0,
+        verify_capacity=_int(verify_capacity, "verify_capacity"),
+        plan_capacity=plan_cap,
+        bs=bs,
+        write_req_capacity=cw,
+        has_pool=has_pool,
+        has_valid_lens="req_to_verify_expected_tokens_valid_lens" in ins,
+        path=validation.PLAN_KERNEL_PATH if on_cuda else validation.PLAN_REFERENCE_PATH,
+        max_bs=PLAN_BS_BLOCK_SIZE,
+    )
+    arguments.check_devices({**vp, **wp, **ins}, "verify_plan_out.verify_slot_indices")
+    args = [TensorArg(n, t) for n, t in ins.items()]
+    args += [TensorArg(n, t, True) for n, t in {**vp, **wp}.items()]
+    offset = _int(kv_token_id_vs_position_offset, "kv_token_id_vs_position_offset")
+    statics = (int(swa_window_size), offset, has_lut, has_pool)
+    replay.GRAPHS.run(key, lambda: (_run("plan", statics, kernels.plan_body_factory, args, path), ()))
