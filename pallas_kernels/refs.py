@@ -25,6 +25,15 @@ I32 = jnp.int32
 U32 = jnp.uint32
 
 
+if hasattr(jax.lax, "unstack"):
+    unstack = jax.lax.unstack
+else:  # older jax (0.8.3, which sglang-jax 0.0.2 pins, has none): the same static slices
+
+    def unstack(x: jax.Array, axis: int = 0) -> tuple[jax.Array, ...]:
+        """``jax.lax.unstack``: the slices of ``x`` along ``axis``, that axis dropped."""
+        return tuple(jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(x.shape[axis]))
+
+
 def iota(n: int) -> jax.Array:
     """``int32[n]``: ``0, 1, ..., n - 1``."""
     return jax.lax.iota(I32, n)
@@ -75,11 +84,11 @@ def load_words(ref, row: jax.Array, col, n: int, mask: jax.Array, mode: str) -> 
         m2 = jnp.broadcast_to(mask[:, None], (b, width))
         x = pltriton.load(ref.at[rows, cols], mask=m2, other=0)  # u32[B, width]
         if width == 2:
-            out.extend(jax.lax.unstack(x, axis=1))
+            out.extend(unstack(x, axis=1))
         else:
-            even, odd = jax.lax.unstack(x.reshape(b, 2, 2), axis=2)  # even = [w0, w2], odd = [w1, w3]
-            w0, w2 = jax.lax.unstack(even, axis=1)
-            w1, w3 = jax.lax.unstack(odd, axis=1)
+            even, odd = unstack(x.reshape(b, 2, 2), axis=2)  # even = [w0, w2], odd = [w1, w3]
+            w0, w2 = unstack(even, axis=1)
+            w1, w3 = unstack(odd, axis=1)
             out.extend([w0, w1, w2, w3])
     return out
 
@@ -94,7 +103,7 @@ def load_pair_flat(ref, i: jax.Array, mask: jax.Array) -> U64:
     """The int64 of entry ``i`` of a flat ``uint32[2 T]`` ref (a ``[T, 2]`` pair array reshaped)."""
     idx = 2 * jnp.where(mask, i, 0)[:, None] + iota(2)[None, :]
     m2 = jnp.broadcast_to(mask[:, None], idx.shape)
-    lo, hi = jax.lax.unstack(pltriton.load(ref.at[idx], mask=m2, other=0), axis=1)
+    lo, hi = unstack(pltriton.load(ref.at[idx], mask=m2, other=0), axis=1)
     return U64(lo, hi)
 
 
@@ -119,7 +128,7 @@ def columns(x: jax.Array) -> list[jax.Array]:
     b, w = x.shape
     if w == 1:
         return [x.reshape(b)]
-    even, odd = jax.lax.unstack(x.reshape(b, w // 2, 2), axis=2)
+    even, odd = unstack(x.reshape(b, w // 2, 2), axis=2)
     out = []
     for e, o in zip(columns(even), columns(odd), strict=True):
         out += [e, o]

@@ -164,6 +164,18 @@ def layouts() -> list[Layout]:
             lambda s: [le_bytes(np.stack([slot(k, s), slot(v, s)], axis=1))],
         )
     )
+    # sglang-jax 0.0.2 MHATokenToKVPool.kv_buffer[layer], as allocated: [num_slots, 2H, D], built as its merge_kv
+    # builds it (concat([k, v], -1).reshape(T, 2H, D): row 2h = K head h, 2h + 1 = V head h); unpaged, no reshape
+    k3, v3 = k.reshape(N, H, D), v.reshape(N, H, D)
+    fused3 = np.concatenate([k3, v3], axis=-1).reshape(N, 2 * H, D)
+    for half, pick in (("k", lambda s: k3[s]), ("v", lambda s: v3[s]), ("kv", lambda s: fused3[s])):
+        out.append(
+            Layout(
+                f"sglang_jax_fused3d_{half}",
+                L.sources_for_fused_kv(jnp.asarray(fused3), half=half),
+                lambda s, pick=pick: [le_bytes(pick(s))],
+            )
+        )
     # fp8, one KV head with packing 4: 2 real combined heads + 2 padding heads (D = 4: a head is 4 bytes)
     k8 = rand((P, PS, 1, 4), jnp.float8_e4m3fn, 3)
     v8 = rand((P, PS, 1, 4), jnp.float8_e4m3fn, 4)
@@ -357,6 +369,45 @@ class ReferenceLayoutsTest(absltest.TestCase):
         b = ref_hashes(L.sources_for_quantised(jnp.asarray(q), jnp.asarray(bad.view(np.float32))), PARTIAL, [s])
         self.assertNotEqual(a, b)
 
+    def test_sglang_jax_fused3d(self):
+        """sglang-jax 0.0.2's layer as allocated, [size + page_size, 2H, D] bf16 (D = 128: a head is 256 bytes).
+
+        The source holds the pool array itself (no reshape, no copy), its slot index is the pool row, and a flip
+        moves the K half's hash exactly where the K bytes it hashes are: K head 0 bytes [0, 16) under PARTIAL and
+        ALL, K head 0 past byte 16 and K head 1 (row 2) under ALL only, a V row (row 1) never."""
+        size, page, H, D = N - PS, PS, 2, 128  # N rows: the size + page_size rows sglang-jax allocates
+        k = rand((size + page, H, D), jnp.bfloat16, 21)
+        v = rand((size + page, H, D), jnp.bfloat16, 22)
+        fused = np.concatenate([k, v], axis=-1).reshape(size + page, 2 * H, D)  # memory_pool.merge_kv
+        pool = jnp.asarray(fused)
+        (src,) = L.sources_for_fused_kv(pool, half="k")
+        self.assertIs(src.tensor, pool)
+        self.assertEqual((src.page_size, src.num_bytes_per_token), (1, 2 * H * D * 2))
+        self.assertEqual(
+            src.chunks, SlotChunks(chunk_bytes=2 * D, num_chunks=H, chunk_stride_bytes=4 * D, offset_bytes=0)
+        )
+        s = 9
+        for mode in (PARTIAL, ALL):
+            # golden: K head 0 then K head 1 of slot s, as Python bytes of the logical K (not of the pool)
+            want = want_hash([le_bytes(k[s, 0]) + le_bytes(k[s, 1])], mode)
+            self.assertEqual(ref_hashes((src,), mode, [s]), [want])
+        u8 = fused.view(np.uint8).reshape(size + page, 2 * H, 2 * D)
+        base = {m: ref_hashes((src,), m, [s, s + 1]) for m in (PARTIAL, ALL)}
+        cases = ((0, 3, {PARTIAL, ALL}), (0, 100, {ALL}), (2, 0, {ALL}), (1, 0, set()), (3, 255, set()))
+        for row, byte, seen in cases:
+            bad = u8.copy()
+            bad[s, row, byte] ^= 0x10
+            srcs = L.sources_for_fused_kv(jnp.asarray(bad.view(fused.dtype)))
+            for mode in (PARTIAL, ALL):
+                with self.subTest(row=row, byte=byte, mode=mode.name):
+                    after = ref_hashes(srcs, mode, [s, s + 1])
+                    self.assertEqual(after[1], base[mode][1])
+                    self.assertEqual(after[0] != base[mode][0], mode in seen)
+        with self.assertRaisesRegex(ValueError, r"fused_kv: pool must be at least 3-D, got shape \(20, 512\)"):
+            L.sources_for_fused_kv(pool.reshape(size + page, -1))
+        with self.assertRaisesRegex(ValueError, r"a paged pool must be .* got shape \(20, 4, 128\).*paged=False"):
+            L.sources_for_fused_kv(pool, paged=True)
+
 
 class PallasLayoutsTest(absltest.TestCase):
     """The Pallas kernel body (interpreted on a CPU, compiled on a GPU) hashes chunked layouts as the oracle does."""
@@ -373,6 +424,7 @@ class PallasLayoutsTest(absltest.TestCase):
             (("fused_fp8_padded_v", "heads_major", "quant_int4"), "quad", 2, 16, False),
             (("fused_k", "fused_fp8_padded_v", "stacked_layer2"), "word", 1, 16, True),
             (("stacked_layer0", "k_then_v_v", "fused_kv"), "tile_contiguous", 1, 32, False),
+            (("sglang_jax_fused3d_k", "sglang_jax_fused3d_v", "sglang_jax_fused3d_kv"), "tile", 1, 16, True),
         )
         for names, gather, unroll, tw, x64 in cases:
             srcs = sum((self.by_name[n].srcs for n in names), ())
@@ -573,7 +625,7 @@ class RefusalTest(absltest.TestCase):
                 r"pool \(shape \(5, 4, 4, 8\) dtype bfloat16\) holds 4 combined K/V heads .* num_kv_heads=3",
             ),
             (lambda: L.sources_for_fused_kv(bf, kv_layout="k_then_v"), ValueError, r"needs a pool \[\.\.\., 2, heads"),
-            (lambda: L.sources_for_fused_kv(bf[0]), ValueError, r"pool must be at least 4-D, got shape \(4, 4, 8\)"),
+            (lambda: L.sources_for_fused_kv(bf[0, 0]), ValueError, r"pool must be at least 3-D, got shape \(4, 8\)"),
             (lambda: L.sources_for_stacked(bf[None], layer=1), ValueError, r"layer=1 is outside the pool's 1 layers"),
             (lambda: L.sources_for_stacked(bf[None], layer_axis=2), ValueError, r"layer_axis must be 0 or 1, got 2"),
             (lambda: L.sources_for_heads_major(bf[None]), ValueError, r"pool must be \[num_kv_heads, num_pages"),

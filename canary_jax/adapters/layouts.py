@@ -13,11 +13,17 @@ bytes; bytes are little-endian element bytes, packed sub-byte dtypes as XLA pack
 
 * :func:`sources_for_token_major` ``[num_pages, page_size, *token]`` (or ``[num_slots, *token]``): the token's
   bytes. SGLang's own MHA pool (``[num_slots, heads, dim]`` per layer) is this with ``paged=False``.
-* :func:`sources_for_fused_kv` ``[num_pages, page_size, 2 * heads (+ padding), head_dim]`` or its RPA-v3 split
-  ``[num_pages, page_size, 2 * heads // packing, packing, head_dim]`` with K and V interleaved per head
-  (K0 V0 K1 V1 ...): sglang-jax ``MHATokenToKVPool`` (``memory_pool.py``, one fused buffer per layer), vLLM TPU
-  (tpu-inference ``kv_cache.py`` ``create_kv_caches``) and EasyDeL eSurge (``RaggedPagesCacheView.kv_pages``,
-  v2 and v3). ``half="k"`` hashes the K heads in head order (exactly the bytes of a separate K pool
+* :func:`sources_for_fused_kv` ``[num_slots, 2 * heads (+ padding), head_dim]`` (unpaged),
+  ``[num_pages, page_size, 2 * heads (+ padding), head_dim]`` or its RPA-v3 split
+  ``[num_pages, page_size, 2 * heads // packing, packing, head_dim]``, K and V interleaved per head
+  (K0 V0 K1 V1 ...). Who allocates which: sglang-jax 0.0.2 ``MHATokenToKVPool._create_buffers``
+  (``sgl_jax/srt/mem_cache/memory_pool.py``) allocates the 3-D form, one array per layer in ``kv_buffer``,
+  ``[size + page_size, 2 * head_num, head_dim]`` (``merge_kv`` puts K head h in row 2h, V head h in row 2h + 1;
+  checked by running it, ``tests/stacks/``). The 4- and 5-D paged forms are the RPA-v3 page shapes of vLLM TPU
+  (tpu-inference ``kv_cache.py`` ``create_kv_caches``) and EasyDeL eSurge (``RaggedPagesCacheView.kv_pages``)
+  as their sources describe them; no stack version was run here to confirm which of them allocates the 4-D
+  form (packing folded into the heads) rather than the 5-D one, so treat those two as read from their code, not
+  tested against a release. ``half="k"`` hashes the K heads in head order (exactly the bytes of a separate K pool
   ``[pages, page_size, heads, head_dim]``), ``"v"`` the V heads, ``"kv"`` both (the token's leading
   ``2 * heads`` heads). ``kv_layout="k_then_v"`` reads ``[num_pages, page_size, 2, heads, head_dim]`` instead.
 * :func:`sources_for_stacked`: all layers in one array, ``[layers, pages, page_size, *token]``
@@ -87,16 +93,23 @@ def sources_for_fused_kv(
     num_kv_heads: int | None = None,
     half: Half = "k",
     kv_layout: KvLayout = "interleaved",
+    paged: bool | None = None,
     read_bytes: int | None = None,
 ) -> tuple[RealKvSource]:
     """One source hashing the K heads, the V heads or both of a fused K/V pool (one layer).
 
     Args:
-      pool: ``[num_pages, page_size, combined_heads, head_dim]`` or ``[num_pages, page_size, combined_heads //
-        packing, packing, head_dim]`` (``kv_layout="interleaved"``: combined head ``2h`` is K head ``h``,
-        ``2h + 1`` V head ``h``, heads past ``2 * num_kv_heads`` are padding and never hashed), or
-        ``[num_pages, page_size, 2, heads, head_dim]`` (``"k_then_v"``). ``head_dim`` is the stored (possibly
-        128-aligned) width; a head must be a multiple of 4 bytes.
+      pool: ``[num_slots, combined_heads, head_dim]`` (unpaged: sglang-jax 0.0.2's ``kv_buffer[layer]``,
+        ``[size + page_size, 2 * head_num, head_dim]``, passed as allocated), ``[num_pages, page_size,
+        combined_heads, head_dim]`` or ``[num_pages, page_size, combined_heads // packing, packing, head_dim]``
+        (``kv_layout="interleaved"``: combined head ``2h`` is K head ``h``, ``2h + 1`` V head ``h``, heads past
+        ``2 * num_kv_heads`` are padding and never hashed), or ``[num_pages, page_size, 2, heads, head_dim]``
+        (``"k_then_v"``; ``[num_slots, 2, heads, head_dim]`` with ``paged=False``). ``head_dim`` is the stored
+        (possibly 128-aligned) width; a head must be a multiple of 4 bytes. Which stack version allocates which
+        shape: see this module's docstring.
+      paged: whether dim 1 is the page size; None = a 3-D pool is unpaged (one slot per row), any other rank
+        paged. The canary's slot index is the row (unpaged) or ``page * page_size + offset`` (paged), the
+        stack's own slot numbering either way.
       num_kv_heads: real KV heads; None = ``combined_heads // 2`` (interleaved) or ``heads`` (k_then_v).
       half: ``"k"`` (a slot's K heads in head order), ``"v"``, or ``"kv"`` (K and V, in storage order).
       kv_layout: ``"interleaved"`` or ``"k_then_v"``.
@@ -110,8 +123,17 @@ def sources_for_fused_kv(
       ValueError / TypeError naming the argument (``pool`` with shape and dtype, ``half``, ``num_kv_heads``).
     """
     fn = "sources_for_fused_kv"
-    _check_array(fn, "pool", pool, min_rank=4)
-    token_dims = tuple(int(d) for d in pool.shape[2:])
+    _check_array(fn, "pool", pool, min_rank=3)
+    if paged is None:
+        paged = len(pool.shape) != 3
+    elif not isinstance(paged, bool):
+        raise TypeError(f"kv-canary: {fn}: paged must be a bool or None, got {paged!r}")
+    if len(pool.shape) < (4 if paged else 3):
+        raise ValueError(
+            f"kv-canary: {fn}: a paged pool must be [num_pages, page_size, heads, head_dim] or longer, got "
+            f"{_describe(pool)} (pass paged=False for one slot per row)"
+        )
+    token_dims = tuple(int(d) for d in pool.shape[2 if paged else 1 :])
     tb = _token_bytes(fn, "pool", pool, token_dims)
     cb, nc, stride, off = _fused_pieces(fn, pool, token_dims, num_kv_heads=num_kv_heads, half=half, kv_layout=kv_layout)
     return (
@@ -119,7 +141,7 @@ def sources_for_fused_kv(
             fn,
             "pool",
             pool,
-            page_size=int(pool.shape[1]),
+            page_size=int(pool.shape[1]) if paged else 1,
             slot_pitch=tb,
             chunk_bytes=cb,
             num_chunks=nc,
