@@ -1,0 +1,159 @@
+"""The shared verify suites (``tests/helpers/verify_suite.py`` with its real-KV part) against the Pallas TPU
+(Mosaic) verify kernel, ``pallas_kernels.tpu.verify.verify_tpu``, and the registry's choice of it on a TPU.
+
+Without a TPU (CI) the kernel runs in Pallas's TPU interpret mode (``pltpu.InterpretParams``, reads out of bounds
+raise, uninitialised memory NaN-filled), with race detection on: the interpreter emulates the HBM / VMEM / SMEM
+memory spaces, the async copies and their semaphores, not the speed. Sizes pick the tiling edges (blocks of 16
+entries: several live blocks, a partial last block, blocks past ``num_valid`` that copy nothing), not large
+counts. ``TpuVerifyX64Test`` runs the same suites with ``jax_enable_x64`` on.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import jax
+import numpy as np
+from absl.testing import absltest
+
+import canary_jax
+from canary_jax.ops import backends, reference
+from helpers import verify_suite
+from helpers.suite_base import ALL, PARTIAL, SrcSpec
+from pallas_kernels.tpu.config import TpuConfig
+from pallas_kernels.tpu.verify import verify_tpu
+
+
+def _races_found() -> bool:
+    """Whether the TPU interpreter's race detector reported a race since its state was last reset (jax keeps the
+    flag in a private module; False where this jax has none)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+
+    races = getattr(ipc, "races", None)
+    return bool(getattr(races, "races_found", False))
+
+
+class TpuVerifyTest(verify_suite.VerifySuite, absltest.TestCase):
+    BACKEND = "pallas_tpu"
+    VERIFY_IMPL = staticmethod(backends.implementation("verify", "pallas_tpu"))
+    WRITE_IMPL = staticmethod(backends.implementation("write", "pallas_tpu"))
+    CONFIG = TpuConfig(verify_block=16, detect_races=True)
+    FUZZ_SEEDS = (0, 1, 2)
+    LARGE_ENTRIES = 1_000  # interpreted copies cost ~ms each; see test_verify_more_than_65535_entries
+    X64 = False
+
+    def setUp(self):
+        super().setUp()
+        self.enter_context(jax.enable_x64(self.X64))
+
+    def tearDown(self):
+        self.assertFalse(_races_found(), "the TPU interpreter reported a race")
+        super().tearDown()
+
+    def test_verify_more_than_65535_entries(self):
+        # The GPU suite's 70000 entries guard 16-bit grid limits; interpreted TPU copies make that minutes long.
+        # Here: a capacity past two prefix buckets (64, 256) and many blocks, with failures in the first, a
+        # middle and the partial last block.
+        cap = self.LARGE_ENTRIES
+        h = self.harness()
+        h.lay_chain([1, 2], [10, 20], [0, 1])
+        ents = [(1, 0, -1), (2, 1, 1)] * (cap // 2)
+        bad = [3, 517, cap - 1]
+        for k in bad:
+            ents[k] = (ents[k][0], 500 + k, ents[k][2])
+        h.verify(ents, cap=cap)
+        self.assertEqual(h.slot_counter(), cap)
+        self.assertEqual([r[1] for r in h.rows()], [ents[k][0] for k in bad])
+        self.assertEqual(h.write_index, 3)
+
+    # --- tiling edges of the TPU kernel ---
+    def test_tpu_partial_last_block_and_dead_blocks(self):
+        # Capacity 70: prefix buckets (0, 64, 70); live counts on both sides of 64 and of each block edge.
+        h = self.harness()
+        h.lay_chain([1, 2], [10, 20], [0, 1])
+        for live in (1, 15, 16, 17, 63, 64, 65, 69, 70):
+            ents = [(1, 0, -1), (2, 1, 1)] * 35
+            ents[live - 1] = (ents[live - 1][0], 777, ents[live - 1][2])  # the last live entry fails
+            h.verify(ents, cap=70, num_valid=live)
+        self.assertEqual([r[1] for r in h.rows()], [1, 1, 2, 1, 1, 2, 1, 1, 2])
+
+    def test_tpu_block_not_a_power_of_two(self):
+        h = self.harness(config=TpuConfig(verify_block=24, detect_races=True))
+        h.lay_chain([1, 2], [10, 20], [0, 1])
+        ents = [(1, 0, -1), (2, 1, 1)] * 32
+        for k in (0, 23, 24, 47, 63):
+            ents[k] = (ents[k][0], 900, ents[k][2])
+        h.verify(ents)
+        self.assertEqual(h.write_index, 5)
+
+    def test_tpu_long_source_rows_fold_in_a_loop(self):
+        # ALL over 256 bytes (64 words): past the straight-line fold, the kernel folds in a loop.
+        rng = np.random.default_rng(7)
+        data = rng.integers(0, 256, (self.NUM_SLOTS, 512), dtype=np.uint8)
+        for mode in (PARTIAL, ALL):
+            h = self.harness(sources=[SrcSpec(data, 2, 256, 256)], mode=mode)
+            h.lay_chain([5, 6, 9], [1, 2, 3], [0, 1, 2])
+            h.verify([(5, 0, -1), (6, 1, 5), (9, 2, 6)])
+            self.assertEqual(h.rows(), [])
+            bad = data.copy()
+            bad[9 // 2, (9 % 2) * 256 + 250] ^= 1  # a byte past the first 16: only ALL sees it
+            h.ctx = h.ctx.replace(
+                real_kv_sources=(canary_jax.RealKvSource(tensor=bad, page_size=2, num_bytes_per_token=256, read_bytes=256),)
+            )
+            h.osrcs = (verify_suite.oracle.Source.of(bad, 2, 256, 256),)
+            h.verify([(5, 0, -1), (6, 1, 5), (9, 2, 6)])
+            self.assertEqual([r[1] for r in h.rows()], [9] if mode == ALL else [])
+
+
+class TpuVerifyX64Test(TpuVerifyTest):
+    X64 = True
+
+
+class TpuRegistryTest(absltest.TestCase):
+    """The registry picks the TPU kernel where the data lives on a TPU (the platform faked on a CPU)."""
+
+    def test_tpu_platform_picks_tpu_verify(self):
+        self.assertEqual(backends.resolve_backend(platform="tpu"), "pallas_tpu")
+        self.assertEqual(backends.resolve_backend(platform="cpu"), "reference")
+        self.assertEqual(backends.resolve_backend(platform="gpu"), "pallas")
+        fn = backends.implementation("verify", "pallas_tpu", platform="tpu")
+        self.assertIs(fn.func, verify_tpu)
+        self.assertEqual(fn.keywords, {"interpret": False})  # compiled on a TPU
+        fn = backends.implementation("verify", "pallas_tpu", platform="cpu")
+        self.assertEqual(fn.keywords, {"interpret": True})  # TPU interpret mode elsewhere
+
+    def test_tpu_write_is_the_reference_by_name(self):
+        self.assertIn(("pallas_tpu", "write"), backends.REFERENCE_FALLBACKS)
+        self.assertIs(backends.implementation("write", "pallas_tpu", platform="tpu"), reference.write_reference)
+
+    def test_default_backend_tpu_reaches_the_tpu_kernel(self):
+        # CanaryGuard and the command line pass no backend: on a TPU host they resolve to pallas_tpu, and the
+        # public entry point then runs verify_tpu (interpreted here, because the buffer is on the CPU).
+        with mock.patch.object(jax, "default_backend", return_value="tpu"), mock.patch.dict(
+            "os.environ", {backends.BACKEND_ENV: ""}
+        ):
+            self.assertEqual(backends.resolve_backend(), "pallas_tpu")
+            self.assertTrue(backends.is_tpu_platform())
+            with mock.patch.object(backends, "array_platform", return_value="tpu"):
+                calls = []
+                real = backends.implementation
+
+                def spy(op, backend, *, platform=None):
+                    calls.append((op, backend, platform))
+                    return real(op, backend, platform="cpu")  # interpret: the data is really on the CPU
+
+                with mock.patch.object(backends, "implementation", spy):
+                    log = canary_jax.ViolationLog.allocate(ring_capacity=4)
+                    ctx = canary_jax.VerifyOrWriteContext(
+                        canary_buf=canary_jax.allocate_canary_buffer(num_slots=16),
+                        kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+                        log=log,
+                    )
+                    plan = canary_jax.VerifyPlan.from_entries(slots=[3], positions=[1], prev_slots=[0])
+                    ctx = canary_jax.verify(ctx, plan)
+        self.assertEqual(calls, [("verify", "pallas_tpu", "tpu")])
+        self.assertEqual(int(np.asarray(ctx.log.write_index)[0]), 1)  # stored position 0 != 1
+
+
+if __name__ == "__main__":
+    absltest.main()
