@@ -17,9 +17,10 @@ import numpy as np
 from absl.testing import absltest
 
 import canary_jax
+from canary_jax.adapters import layouts as adapter_layouts
 from canary_jax.ops import backends, reference
 from helpers import verify_suite
-from helpers.suite_base import ALL, PARTIAL, SrcSpec
+from helpers.suite_base import ALL, B_RKV, PARTIAL, SrcSpec
 from pallas_kernels.tpu.config import TpuConfig
 from pallas_kernels.tpu.verify import verify_tpu
 
@@ -38,12 +39,15 @@ class TpuVerifyTest(verify_suite.VerifySuite, absltest.TestCase):
     VERIFY_IMPL = staticmethod(backends.implementation("verify", "pallas_tpu"))
     WRITE_IMPL = staticmethod(backends.implementation("write", "pallas_tpu"))
     CONFIG = TpuConfig(verify_block=16, detect_races=True)
-    FUZZ_SEEDS = (0, 1, 2)
-    LARGE_ENTRIES = 1_000  # interpreted copies cost ~ms each; see test_verify_more_than_65535_entries
+    FUZZ_SEEDS = (0,)
+    LARGE_ENTRIES = 200  # interpreted copies cost ~ms each; see test_verify_more_than_65535_entries
     X64 = False
+    X64_SUBSET: frozenset[str] | None = None  # tests this class runs (None: all)
 
     def setUp(self):
         super().setUp()
+        if self.X64_SUBSET is not None and self._testMethodName not in self.X64_SUBSET:
+            self.skipTest("x64 on: runs the subset in X64_SUBSET (interpret mode is slow; CI's time)")
         self.enter_context(jax.enable_x64(self.X64))
 
     def tearDown(self):
@@ -52,13 +56,13 @@ class TpuVerifyTest(verify_suite.VerifySuite, absltest.TestCase):
 
     def test_verify_more_than_65535_entries(self):
         # The GPU suite's 70000 entries guard 16-bit grid limits; interpreted TPU copies make that minutes long.
-        # Here: a capacity past two prefix buckets (64, 256) and many blocks, with failures in the first, a
-        # middle and the partial last block.
+        # Here: a capacity past a prefix bucket (64) and 13 blocks, with failures in the first, a middle and
+        # the partial last block.
         cap = self.LARGE_ENTRIES
         h = self.harness()
         h.lay_chain([1, 2], [10, 20], [0, 1])
         ents = [(1, 0, -1), (2, 1, 1)] * (cap // 2)
-        bad = [3, 517, cap - 1]
+        bad = [3, 101, cap - 1]
         for k in bad:
             ents[k] = (ents[k][0], 500 + k, ents[k][2])
         h.verify(ents, cap=cap)
@@ -97,16 +101,112 @@ class TpuVerifyTest(verify_suite.VerifySuite, absltest.TestCase):
             self.assertEqual(h.rows(), [])
             bad = data.copy()
             bad[9 // 2, (9 % 2) * 256 + 250] ^= 1  # a byte past the first 16: only ALL sees it
-            h.ctx = h.ctx.replace(
-                real_kv_sources=(canary_jax.RealKvSource(tensor=bad, page_size=2, num_bytes_per_token=256, read_bytes=256),)
-            )
+            src = canary_jax.RealKvSource(tensor=bad, page_size=2, num_bytes_per_token=256, read_bytes=256)
+            h.ctx = h.ctx.replace(real_kv_sources=(src,))
             h.osrcs = (verify_suite.oracle.Source.of(bad, 2, 256, 256),)
             h.verify([(5, 0, -1), (6, 1, 5), (9, 2, 6)])
             self.assertEqual([r[1] for r in h.rows()], [9] if mode == ALL else [])
 
+    # --- every layout the layout adapters describe (chunked sources, fp8 / fp4 / int4 data and scales) ---
+    def test_tpu_adapter_layouts(self):
+        import test_adapters_layouts as LT
+
+        lays = {lay.name: lay for lay in LT.layouts()}
+        groups = (  # at most 4 sources per launch; every layout once under ALL, small chunks under PARTIAL too
+            (("heads_major", "fused_k", "quant_fp8"), (ALL,)),
+            (("unified_layer1_k", "quant_fp4_heads_major"), (ALL,)),
+            (("fused_fp8_padded_v", "fused_v", "quant_int4"), (ALL,)),
+            (("token_major", "token_major_unpaged", "k_then_v_v", "fused_kv"), (ALL,)),
+            (("stacked_layer0", "stacked_layer2"), (ALL,)),
+        )
+        if self.X64:  # x64 on: the chunked layouts with sub-word heads and scales, PARTIAL and ALL
+            groups = ((groups[1][0], (PARTIAL,)), groups[2])
+        if not self.X64:
+            self.assertEqual({n for names, _ in groups for n in names}, set(lays))
+        n = LT.N
+        slots = [s for s in LT.SLOTS if 0 < s < n]
+        for names, modes in groups:
+            srcs = sum((lays[k].srcs for k in names), ())
+            for mode in modes:
+                want = [LT.want_hash(sum((lays[k].seq_of(s) for k in names), []), mode) for s in slots]
+                buf = np.zeros((n, 32), np.uint8)
+                for s, w in zip(slots, want, strict=True):
+                    verify_suite.oracle.write_record(buf, s, [0, 0, verify_suite.H, w])
+                bad = slots[2]
+                verify_suite.oracle.write_record(buf, bad, [0, 0, verify_suite.H, want[2] ^ 1])
+                ctx = canary_jax.VerifyOrWriteContext(
+                    canary_buf=jax.numpy.asarray(buf),
+                    kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+                    log=canary_jax.ViolationLog.allocate(ring_capacity=8),
+                    real_kv_sources=srcs,
+                    real_kv_hash_mode=mode,
+                )
+                ents = slots + [n, -1]  # past the pool and negative: zero records, zero fingerprints
+                plan = canary_jax.VerifyPlan.from_entries(
+                    slots=ents, positions=[0] * len(ents), prev_slots=[-1] * len(slots) + [0, 0]
+                )
+                with self.subTest(names=names, mode=mode.name):
+                    got = self.VERIFY_IMPL(ctx, plan, config=self.CONFIG).log
+                    h_s = verify_suite.s64(verify_suite.H)  # the oracle's row: only the flipped fingerprint fails
+                    self.assertEqual(got.ring_rows().tolist(), [[int(ctx.kernel_kind), bad, 0, 0, -1, h_s, h_s, B_RKV]])
+                    self.assertEqual(got.slot_run_counter(ctx.kernel_kind), len(ents))
+
 
 class TpuVerifyX64Test(TpuVerifyTest):
+    """The same kernel with ``jax_enable_x64`` on, over a subset that reaches every kernel path (hand rows,
+    boundary values and hashes, out-of-range slots, ring overflow, a fuzz seed, real KV dense and chunked,
+    the tiling edges)."""
+
     X64 = True
+    FUZZ_SEEDS = (1,)
+    X64_SUBSET = frozenset(
+        {
+            "test_verify_token_and_position_bits_34",
+            "test_verify_boundary_values",
+            "test_verify_boundary_hashes",
+            "test_verify_out_of_range_slots_read_as_zero_records",
+            "test_verify_ring_full_keeps_counting",
+            "test_fuzz_random_verify",
+            "test_verify_partial_vs_all",
+            "test_verify_two_sources_literal",
+            "test_tpu_partial_last_block_and_dead_blocks",
+            "test_tpu_long_source_rows_fold_in_a_loop",
+            "test_tpu_adapter_layouts",
+        }
+    )
+
+
+class TpuLoweringTest(absltest.TestCase):
+    """The kernel lowers to Mosaic for a TPU without one (``jax.export`` with ``platforms=["tpu"]``): block
+    shapes, scalar prefetch, the async copies and semaphores, and the uint32 hashing pass Pallas's TPU lowering.
+    (The Mosaic compiler's own layout passes run only on a TPU.)"""
+
+    def test_exports_for_tpu(self):
+        from pallas_kernels.tpu.verify import _verify_jit
+
+        n = 128
+        dense = canary_jax.RealKvSource(
+            tensor=np.zeros((n // 2, 512), np.uint8), page_size=2, num_bytes_per_token=256, read_bytes=256
+        )
+        chunked = adapter_layouts.sources_for_heads_major(np.zeros((2, n // 4, 4, 8), jax.numpy.bfloat16))
+        cases = ((), 0, True), ((dense, *chunked), ALL, False), ((dense,), PARTIAL, True)
+        slots = list(range(1, 100))
+        plan = canary_jax.VerifyPlan.from_entries(slots=slots, positions=[0] * len(slots), prev_slots=[-1] * len(slots))
+        for srcs, mode, check in cases:
+            ctx = canary_jax.VerifyOrWriteContext(
+                canary_buf=jax.numpy.zeros((n, 32), np.uint8),
+                kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+                log=canary_jax.ViolationLog.allocate(ring_capacity=8),
+                real_kv_sources=srcs,
+                real_kv_hash_mode=mode,
+            )
+
+            def f(c, p, check=check):
+                return _verify_jit(c, p, check=check, interpret=False, config=TpuConfig(verify_block=32))
+
+            with self.subTest(sources=len(srcs), mode=int(mode)):
+                text = jax.export.export(jax.jit(f), platforms=["tpu"])(ctx, plan).mlir_module()
+                self.assertIn("tpu_custom_call", text)
 
 
 class TpuRegistryTest(absltest.TestCase):
@@ -129,8 +229,9 @@ class TpuRegistryTest(absltest.TestCase):
     def test_default_backend_tpu_reaches_the_tpu_kernel(self):
         # CanaryGuard and the command line pass no backend: on a TPU host they resolve to pallas_tpu, and the
         # public entry point then runs verify_tpu (interpreted here, because the buffer is on the CPU).
-        with mock.patch.object(jax, "default_backend", return_value="tpu"), mock.patch.dict(
-            "os.environ", {backends.BACKEND_ENV: ""}
+        with (
+            mock.patch.object(jax, "default_backend", return_value="tpu"),
+            mock.patch.dict("os.environ", {backends.BACKEND_ENV: ""}),
         ):
             self.assertEqual(backends.resolve_backend(), "pallas_tpu")
             self.assertTrue(backends.is_tpu_platform())

@@ -16,12 +16,13 @@ Backends:
 
 The choice: the ``backend`` argument if given, else ``$CANARY_JAX_BACKEND`` if set, else ``pallas`` on a GPU
 platform, ``pallas_tpu`` on a TPU platform and ``reference`` elsewhere (so the command line and ``CanaryGuard``,
-which pass no backend, get the TPU kernels where the data is on a TPU). The platform is where the launch's data lives (the canary buffer's device:
-:func:`array_platform`, or a torch tensor's ``device.type``), not JAX's default backend: CPU arrays on a GPU host
-run on the CPU, so the Pallas kernels run interpreted there. Only a traced buffer (inside a caller's ``jit``),
-whose device is not known, falls back to JAX's default backend. ``pallas_kernels`` builds on ``canary_jax``, so
-the registry knows the implementations by name (:data:`IMPLEMENTATIONS`, ``"module:function"`` strings) and
-imports their module with :mod:`importlib` on first use: ``canary_jax`` never imports ``pallas_kernels``.
+which pass no backend, get the TPU kernels where the data is on a TPU). The platform is where the launch's data
+lives (the canary buffer's device: :func:`array_platform`, or a torch tensor's ``device.type``), not JAX's default
+backend: CPU arrays on a GPU host run on the CPU, so the Pallas kernels run interpreted there. Only a traced
+buffer (inside a caller's ``jit``), whose device is not known, falls back to JAX's default backend.
+``pallas_kernels`` builds on ``canary_jax``, so the registry knows the implementations by name
+(:data:`IMPLEMENTATIONS`, ``"module:function"`` strings) and imports their module with :mod:`importlib` on first
+use: ``canary_jax`` never imports ``pallas_kernels``.
 """
 
 from __future__ import annotations

@@ -225,9 +225,7 @@ def _verify_jit(context: VerifyOrWriteContext, plan: VerifyPlan, *, check, inter
     cap = int(plan.verify_slot_indices.shape[0])
     active = jnp.where(plan.enable[0] != 0, jnp.clip(plan.verify_num_valid[0], 0, cap), 0).astype(I32)
     sizes = reference.prefix_buckets(cap)
-    branches = [
-        functools.partial(_verify_prefix, n=n, check=check, interpret=interpret, config=config) for n in sizes
-    ]
+    branches = [functools.partial(_verify_prefix, n=n, check=check, interpret=interpret, config=config) for n in sizes]
     log = jax.lax.switch(reference.bucket_index(active, sizes), branches, context, plan, active)
     log = layout.bump_counters(log, int(context.kernel_kind), active.astype(U32))
     return context.replace(log=log)
