@@ -34,9 +34,24 @@ def _races_found() -> bool:
     return bool(getattr(races, "races_found", False))
 
 
+def _race_checked(fn):
+    """``fn`` (a verify) that fails when the interpreter's race detector flagged its launch. jax resets the
+    detector's state at each ``pallas_call``, so this sees the launch's last call (every launch here but the
+    segmented one of ``test_tpu_block_not_a_power_of_two_and_segments`` makes one call)."""
+
+    def checked(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        jax.block_until_ready(out.log.write_index)
+        if _races_found():
+            raise AssertionError("the TPU interpreter reported a race (see the RACE DETECTED lines above)")
+        return out
+
+    return checked
+
+
 class TpuVerifyTest(verify_suite.VerifySuite, absltest.TestCase):
     BACKEND = "pallas_tpu"
-    VERIFY_IMPL = staticmethod(backends.implementation("verify", "pallas_tpu"))
+    VERIFY_IMPL = staticmethod(_race_checked(backends.implementation("verify", "pallas_tpu")))
     WRITE_IMPL = staticmethod(backends.implementation("write", "pallas_tpu"))
     CONFIG = TpuConfig(verify_block=16, detect_races=True)
     FUZZ_SEEDS = (0,)
@@ -49,10 +64,6 @@ class TpuVerifyTest(verify_suite.VerifySuite, absltest.TestCase):
         if self.X64_SUBSET is not None and self._testMethodName not in self.X64_SUBSET:
             self.skipTest("x64 on: runs the subset in X64_SUBSET (interpret mode is slow; CI's time)")
         self.enter_context(jax.enable_x64(self.X64))
-
-    def tearDown(self):
-        self.assertFalse(_races_found(), "the TPU interpreter reported a race")
-        super().tearDown()
 
     def test_verify_more_than_65535_entries(self):
         # The GPU suite's 70000 entries guard 16-bit grid limits; interpreted TPU copies make that minutes long.
@@ -81,14 +92,24 @@ class TpuVerifyTest(verify_suite.VerifySuite, absltest.TestCase):
             h.verify(ents, cap=70, num_valid=live)
         self.assertEqual([r[1] for r in h.rows()], [1, 1, 2, 1, 1, 2, 1, 1, 2])
 
-    def test_tpu_block_not_a_power_of_two(self):
-        h = self.harness(config=TpuConfig(verify_block=24, detect_races=True))
+    def test_tpu_block_not_a_power_of_two_and_segments(self):
+        # Blocks of 24 entries, calls of 40 entries (the SMEM bound): 64 entries run as calls of 40 and 24.
+        h = self.harness(config=TpuConfig(verify_block=24, verify_prefetch_entries=40, detect_races=True))
         h.lay_chain([1, 2], [10, 20], [0, 1])
         ents = [(1, 0, -1), (2, 1, 1)] * 32
-        for k in (0, 23, 24, 47, 63):
+        for k in (0, 23, 24, 39, 40, 47, 63):
             ents[k] = (ents[k][0], 900, ents[k][2])
         h.verify(ents)
-        self.assertEqual(h.write_index, 5)
+        self.assertEqual(h.write_index, 7)
+        h.verify(ents, num_valid=39)  # the second call is skipped
+        self.assertEqual(h.write_index, 10)  # entries 0, 23, 24
+
+    def test_tpu_config_refusals(self):
+        for kw in ({"verify_block": 12}, {"verify_block": 0}, {"verify_prefetch_entries": 4}, {"verify_block": True}):
+            with self.assertRaisesRegex(
+                ValueError, r"^kv-canary: TpuConfig\.\w+ must be a positive multiple of 8, got"
+            ):
+                TpuConfig(**kw)
 
     def test_tpu_long_source_rows_fold_in_a_loop(self):
         # ALL over 256 bytes (64 words): past the straight-line fold, the kernel folds in a loop.
@@ -174,6 +195,31 @@ class TpuVerifyX64Test(TpuVerifyTest):
             "test_tpu_adapter_layouts",
         }
     )
+
+
+class TpuRaceDetectorTest(absltest.TestCase):
+    """The race check above is live: the interpreter flags a kernel that reads a copy's target before waiting."""
+
+    def test_read_before_wait_is_a_race(self):
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import tpu as pltpu
+
+        def kernel(x_hbm, o_ref, buf, sem):
+            copy = pltpu.make_async_copy(x_hbm.at[pl.ds(0, 8)], buf, sem.at[0])
+            copy.start()
+            o_ref[...] = buf[...]  # before the wait
+            copy.wait()
+
+        f = pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), np.uint32),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((8, 128), np.uint32), pltpu.SemaphoreType.DMA((1,))],
+            interpret=pltpu.InterpretParams(detect_races=True),
+        )
+        jax.block_until_ready(f(np.ones((16, 128), np.uint32)))
+        self.assertTrue(_races_found())
+        pltpu.reset_tpu_interpret_mode_state()
 
 
 class TpuLoweringTest(absltest.TestCase):

@@ -20,20 +20,25 @@ class TpuConfig:
     Fields:
       verify_block: entries per grid step of the verify kernel (a multiple of 8: the sublane tile of 32-bit
         data; a prefix shorter than this runs as one block of its own length).
+      verify_prefetch_entries: entries per verify ``pallas_call`` (a multiple of 8): each call scalar-prefetches
+        two ``int32`` rows per entry into SMEM (64 KiB at the default), a longer live prefix runs as several
+        calls in entry order.
       detect_races: in interpret mode, let the interpreter check the DMAs and semaphores for races
         (``pltpu.InterpretParams(detect_races=...)``); slower.
 
     Raises:
-      ValueError: ``verify_block`` not a positive multiple of 8.
+      ValueError: ``verify_block`` or ``verify_prefetch_entries`` not a positive multiple of 8.
     """
 
     verify_block: int = 256
+    verify_prefetch_entries: int = 8192
     detect_races: bool = False
 
     def __post_init__(self):
-        v = self.verify_block
-        if not isinstance(v, int) or isinstance(v, bool) or v < 8 or v % 8:
-            raise ValueError(f"kv-canary: TpuConfig.verify_block must be a positive multiple of 8, got {v!r}")
+        for name in ("verify_block", "verify_prefetch_entries"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 8 or v % 8:
+                raise ValueError(f"kv-canary: TpuConfig.{name} must be a positive multiple of 8, got {v!r}")
 
 
 DEFAULT_CONFIG = TpuConfig()

@@ -10,7 +10,8 @@ Structure (each piece reused from the reference where it exists):
   disabled), so a launch's work follows its live entries (at most ``max(64, 4 active)``), never ``C`` or the pool.
 * ``canary_verify_tpu`` (:func:`_verify_kernel`, one ``pallas_call`` per branch of ``n`` entries): a sequential
   grid over blocks of ``B`` entries (``TpuConfig.verify_block``, or ``n`` when shorter). Scalar prefetch puts
-  ``active`` and each entry's canary row and predecessor row (``int32[n]``, 0 where out of range) in SMEM; the
+  ``active`` and each entry's canary row and predecessor row (``int32[n]``, 0 where out of range) in SMEM
+  (prefixes longer than ``TpuConfig.verify_prefetch_entries`` run as several calls, so SMEM stays bounded); the
   ``index_map`` s clamp every block index to the last live block, so blocks past ``active`` move no data. The
   plan's pair arrays arrive as ``uint32[B, 2]`` VMEM blocks (entries on sublanes, a multiple of 8). The canary
   buffer (``uint32[N, S/4]``) and the real-KV sources stay in HBM (``pltpu.ANY``); each entry's record, its
@@ -159,9 +160,9 @@ def _verify_block(
         rows_ref[:, 2 * f + 1 : 2 * f + 2] = v.hi
 
 
-def _rows_pallas(context, plan, active, *, n, check, interpret, config):
-    """The ``canary_verify_tpu`` call over the prefix ``[0, n)``: ``uint32[n, 16]`` rows (rows past ``active``
-    unspecified)."""
+def _rows_pallas(context, plan, active, *, lo, n, check, interpret, config):
+    """The ``canary_verify_tpu`` call over the entries ``[lo, lo + n)``, of which the first ``active`` (int32
+    scalar in ``[0, n]``) are live: ``uint32[n, 16]`` rows (rows past ``active`` unspecified)."""
     descs = sources.source_descriptors(context.real_kv_sources, context.real_kv_hash_mode)
     words = layout.canary_words(context.canary_buf)
     n_slots = int(words.shape[0])
@@ -172,10 +173,11 @@ def _rows_pallas(context, plan, active, *, n, check, interpret, config):
         r, ok = pairs.index(pairs.unpack(a), n_slots)
         return jnp.where(ok, r, 0)
 
-    slot_p, prev_p = plan.verify_slot_indices[:n], plan.verify_prev_slot_indices[:n]
-    pair_args = [slot_p, prev_p, plan.verify_expected_positions[:n]]
+    part = slice(lo, lo + n)
+    slot_p, prev_p = plan.verify_slot_indices[part], plan.verify_prev_slot_indices[part]
+    pair_args = [slot_p, prev_p, plan.verify_expected_positions[part]]
     if check:
-        pair_args.append(plan.verify_expected_tokens[:n])
+        pair_args.append(plan.verify_expected_tokens[part])
     srcs = [sources.source_words(s.tensor) for s in context.real_kv_sources][: len(descs)]
 
     def block_map(i, active_ref, *_):
@@ -211,13 +213,26 @@ def _rows_pallas(context, plan, active, *, n, check, interpret, config):
 
 
 def _verify_prefix(context, plan, active, *, n, check, interpret, config) -> layout.ViolationLog:
-    """One ``lax.switch`` branch: entries ``[0, n)`` (``active <= n``); the log with their rows appended."""
-    if n == 0:
-        return context.log
-    rows = _rows_pallas(context, plan, active, n=n, check=check, interpret=interpret, config=config)
-    rows = rows.reshape(n, constants.VIOLATION_FIELDS, 2)
-    record = (jnp.arange(n, dtype=I32) < active) & (rows[:, constants.VIOLATION_FIELDS - 1, 0] != 0)
-    return layout.append_violation_rows(context.log, rows, record)
+    """One ``lax.switch`` branch: entries ``[0, n)`` (``active <= n``); the log with their rows appended.
+
+    The prefix runs in segments of ``config.verify_prefetch_entries`` entries, one ``pallas_call`` each, so the
+    scalar-prefetched rows (``2 * 4`` bytes per entry of SMEM) stay bounded; a segment past ``active`` is skipped
+    (``lax.cond``). Segments append in entry order, so the ring order is the reference's."""
+    log = context.log
+    for lo in range(0, n, config.verify_prefetch_entries):
+        seg = min(config.verify_prefetch_entries, n - lo)
+        seg_active = jnp.clip(active - lo, 0, seg).astype(I32)
+
+        def run(log, lo=lo, seg=seg, seg_active=seg_active):
+            rows = _rows_pallas(
+                context, plan, seg_active, lo=lo, n=seg, check=check, interpret=interpret, config=config
+            )
+            rows = rows.reshape(seg, constants.VIOLATION_FIELDS, 2)
+            record = (jnp.arange(seg, dtype=I32) < seg_active) & (rows[:, constants.VIOLATION_FIELDS - 1, 0] != 0)
+            return layout.append_violation_rows(log, rows, record)
+
+        log = jax.lax.cond(seg_active > 0, run, lambda log: log, log)
+    return log
 
 
 @functools.partial(jax.jit, static_argnames=("check", "interpret", "config"))
