@@ -19,7 +19,7 @@ from absl.testing import absltest
 import canary_jax
 from canary_jax.adapters import layouts as adapter_layouts
 from canary_jax.ops import backends, reference
-from helpers import verify_suite
+from helpers import public_suite, verify_suite
 from helpers.suite_base import ALL, B_RKV, PARTIAL, SrcSpec
 from pallas_kernels.tpu.config import TpuConfig
 from pallas_kernels.tpu.verify import verify_tpu
@@ -188,13 +188,22 @@ class TpuVerifyX64Test(TpuVerifyTest):
             "test_verify_out_of_range_slots_read_as_zero_records",
             "test_verify_ring_full_keeps_counting",
             "test_fuzz_random_verify",
-            "test_verify_partial_vs_all",
             "test_verify_two_sources_literal",
             "test_tpu_partial_last_block_and_dead_blocks",
             "test_tpu_long_source_rows_fold_in_a_loop",
             "test_tpu_adapter_layouts",
         }
     )
+
+
+class TpuPublicEntryTest(public_suite.PublicEntrySuite, absltest.TestCase):
+    """``canary_jax.verify`` / ``write`` with ``backend="pallas_tpu"`` (the TPU verify with its default
+    configuration, interpreted here; the reference write): validation before tracing, donation, and a fuzzed
+    write/verify pipeline against the oracle."""
+
+    BACKEND = "pallas_tpu"
+    VERIFY_IMPL = staticmethod(backends.implementation("verify", "pallas_tpu"))
+    WRITE_IMPL = staticmethod(backends.implementation("write", "pallas_tpu"))
 
 
 class TpuRaceDetectorTest(absltest.TestCase):
