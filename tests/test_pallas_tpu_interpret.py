@@ -277,6 +277,29 @@ class TpuRegistryTest(absltest.TestCase):
         fn = backends.implementation("verify", "pallas_tpu", platform="cpu")
         self.assertEqual(fn.keywords, {"interpret": True})  # TPU interpret mode elsewhere
 
+    def test_cpu_buffer_on_a_tpu_host(self):
+        # A TPU host keeps CPU arrays too: the backend and the interpret mode follow the buffer, not the host.
+        def ctx():  # fresh each launch: the public entry point donates the log
+            return canary_jax.VerifyOrWriteContext(
+                canary_buf=canary_jax.allocate_canary_buffer(num_slots=16),
+                kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+                log=canary_jax.ViolationLog.allocate(ring_capacity=4),
+            )
+
+        plan = canary_jax.VerifyPlan.from_entries(slots=[3, 4], positions=[1, 0], prev_slots=[0, -1])
+        want = canary_jax.verify(ctx(), plan, backend="reference").log
+        with mock.patch.object(jax, "default_backend", return_value="tpu"):
+            self.assertEqual(backends.resolve_backend(platform="cpu"), "reference")  # auto, CPU buffer
+            for got in (
+                canary_jax.verify(ctx(), plan, backend="pallas_tpu").log,  # interpreted: the buffer is on the CPU
+                verify_tpu(ctx(), plan).log,  # the wrapper called directly, on concrete CPU arrays
+            ):
+                for field in ("ring", "write_index", "slot_run_counters", "kernel_run_counters"):
+                    np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)))
+        self.assertEqual(int(np.asarray(want.write_index)[0]), 2)
+        bound = backends.implementation("verify", "pallas_tpu", platform="cpu")
+        self.assertIs(bound, backends.implementation("verify", "pallas_tpu", platform="cpu"))  # one cache key
+
     def test_tpu_write_is_the_reference_by_name(self):
         self.assertIn(("pallas_tpu", "write"), backends.REFERENCE_FALLBACKS)
         self.assertIs(backends.implementation("write", "pallas_tpu", platform="tpu"), reference.write_reference)
