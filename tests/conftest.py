@@ -24,6 +24,7 @@ SLOW_FIRST = (
     "test_demo.py",
     "test_sharded.py",
     "test_pallas_interpret.py",
+    "test_pallas_tpu_interpret.py",
 )
 
 

@@ -955,7 +955,8 @@ class LaunchMechanicsTest(absltest.TestCase):
     def test_resolve_backend(self):
         self.assertEqual(canary_jax.resolve_backend("REFERENCE"), "reference")
         self.assertEqual(canary_jax.resolve_backend("pallas"), "pallas")
-        with self.assertRaisesRegex(ValueError, r"backend must be one of \('reference', 'pallas'\), got 'triton'"):
+        want = r"backend must be one of \('reference', 'pallas', 'pallas_tpu'\), got 'triton'"
+        with self.assertRaisesRegex(ValueError, want):
             canary_jax.resolve_backend("triton")
 
 

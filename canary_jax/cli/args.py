@@ -167,9 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--backend",
-        choices=("auto", "reference", "pallas"),
+        choices=("auto", "reference", "pallas", "pallas_tpu"),
         default="auto",
-        help="canary kernels: auto (Pallas on GPU, jnp reference elsewhere), reference, pallas",
+        help="canary kernels: auto (Pallas GPU kernels on a GPU, Pallas TPU verify on a TPU, jnp reference "
+        "elsewhere), reference, pallas, pallas_tpu",
     )
     s = d.add_argument_group("serving")
     s.add_argument("--requests", type=_positive("--requests"), default=24, help="requests to serve (default 24)")

@@ -7,15 +7,22 @@ torch device type as the platform) and the Pallas kernels (which ask whether to 
 Backends:
 
 * ``reference``: the pure-jnp references (:mod:`canary_jax.ops.reference`), any platform.
-* ``pallas``: the Pallas kernels (:mod:`pallas_kernels`), compiled on a GPU and interpreted elsewhere.
+* ``pallas``: the Pallas GPU (Triton) kernels (:mod:`pallas_kernels`), compiled on a GPU and interpreted elsewhere.
+* ``pallas_tpu``: the Pallas TPU (Mosaic) kernels (:mod:`pallas_kernels.tpu`), compiled on a TPU and run in
+  Pallas's TPU interpret mode elsewhere. Verify is the TPU kernel. Write has no TPU kernel yet: this backend's
+  write is, explicitly and by name in :data:`IMPLEMENTATIONS`, the reference write
+  (:func:`canary_jax.ops.reference.write_reference`, pure jnp, which XLA compiles for the TPU), so a TPU
+  launch's bytes are the reference's either way; :data:`REFERENCE_FALLBACKS` lists the ops so bound.
 
 The choice: the ``backend`` argument if given, else ``$CANARY_JAX_BACKEND`` if set, else ``pallas`` on a GPU
-platform and ``reference`` elsewhere. The platform is where the launch's data lives (the canary buffer's device:
-:func:`array_platform`, or a torch tensor's ``device.type``), not JAX's default backend: CPU arrays on a GPU host
-run on the CPU, so the Pallas kernels run interpreted there. Only a traced buffer (inside a caller's ``jit``),
-whose device is not known, falls back to JAX's default backend. ``pallas_kernels`` builds on ``canary_jax``, so
-the registry knows the implementations by name (:data:`IMPLEMENTATIONS`, ``"module:function"`` strings) and
-imports their module with :mod:`importlib` on first use: ``canary_jax`` never imports ``pallas_kernels``.
+platform, ``pallas_tpu`` on a TPU platform and ``reference`` elsewhere (so the command line and ``CanaryGuard``,
+which pass no backend, get the TPU kernels where the data is on a TPU). The platform is where the launch's data
+lives (the canary buffer's device: :func:`array_platform`, or a torch tensor's ``device.type``), not JAX's default
+backend: CPU arrays on a GPU host run on the CPU, so the Pallas kernels run interpreted there. Only a traced
+buffer (inside a caller's ``jit``), whose device is not known, falls back to JAX's default backend.
+``pallas_kernels`` builds on ``canary_jax``, so the registry knows the implementations by name
+(:data:`IMPLEMENTATIONS`, ``"module:function"`` strings) and imports their module with :mod:`importlib` on first
+use: ``canary_jax`` never imports ``pallas_kernels``.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 
 import jax
 
-BACKENDS = ("reference", "pallas")
+BACKENDS = ("reference", "pallas", "pallas_tpu")
 """Backend names, in the order the docs list them."""
 
 BACKEND_ENV = "CANARY_JAX_BACKEND"
@@ -42,12 +49,23 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("reference", "write"): "canary_jax.ops.reference:write_reference",
     ("pallas", "verify"): "pallas_kernels.verify:verify_pallas",
     ("pallas", "write"): "pallas_kernels.write:write_pallas",
+    ("pallas_tpu", "verify"): "pallas_kernels.tpu.verify:verify_tpu",
+    ("pallas_tpu", "write"): "canary_jax.ops.reference:write_reference",  # no TPU write kernel yet: see below
 }
 """Each ``(backend, op)``'s implementation by name, ``"module:function"``, imported on first use by
 :func:`implementation` (so this module imports neither the references nor the kernels)."""
 
+REFERENCE_FALLBACKS: frozenset[tuple[str, str]] = frozenset(
+    key for key, name in IMPLEMENTATIONS.items() if key[0] != "reference" and name.startswith("canary_jax.ops.")
+)
+"""``(backend, op)`` pairs whose implementation is the pure-jnp reference on purpose (today: the ``pallas_tpu``
+write). They take no ``interpret=`` / ``config=``; :func:`implementation` returns the reference itself."""
+
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 """Platform names (JAX's ``default_backend()`` or a torch ``device.type``) that count as a GPU."""
+
+TPU_PLATFORMS = ("tpu",)
+"""Platform names (JAX's ``default_backend()`` or an array's device platform) that count as a TPU."""
 
 
 def array_platform(x: Any) -> str | None:
@@ -65,9 +83,21 @@ def is_gpu_platform(platform: str | None = None) -> bool:
     return platform in GPU_PLATFORMS
 
 
+def is_tpu_platform(platform: str | None = None) -> bool:
+    """Whether ``platform`` (default: JAX's default backend) is a TPU platform."""
+    platform = jax.default_backend() if platform is None else str(platform)
+    return platform in TPU_PLATFORMS
+
+
 def default_interpret(platform: str | None = None) -> bool:
-    """Whether the Pallas kernels run in interpret mode: everywhere but on a GPU platform."""
+    """Whether the Pallas GPU kernels run in interpret mode: everywhere but on a GPU platform."""
     return not is_gpu_platform(platform)
+
+
+def default_interpret_for(backend: str, platform: str | None = None) -> bool:
+    """Whether ``backend``'s Pallas kernels run in interpret mode on ``platform``: the GPU kernels everywhere
+    but on a GPU, the TPU kernels everywhere but on a TPU."""
+    return not (is_tpu_platform(platform) if backend == "pallas_tpu" else is_gpu_platform(platform))
 
 
 def check_backend_name(name: str) -> str:
@@ -92,21 +122,23 @@ def resolve_backend(backend: str | None = None, *, platform: str | None = None) 
 
     Returns:
       ``backend`` if given, else ``$CANARY_JAX_BACKEND`` if set and non-empty, else ``"pallas"`` on a GPU
-      platform and ``"reference"`` elsewhere.
+      platform, ``"pallas_tpu"`` on a TPU platform and ``"reference"`` elsewhere.
 
     Raises:
       ValueError: an unknown backend name, from the argument or the environment.
     """
     name = backend if backend is not None else (os.environ.get(BACKEND_ENV) or None)
     if name is None:
-        return "pallas" if is_gpu_platform(platform) else "reference"
+        if is_gpu_platform(platform):
+            return "pallas"
+        return "pallas_tpu" if is_tpu_platform(platform) else "reference"
     return check_backend_name(name)
 
 
 def implementation(op: str, backend: str, *, platform: str | None = None) -> Callable:
     """The function that runs ``op`` (``"verify"`` or ``"write"``) on ``backend``.
 
-    Both backends share the reference signatures: ``verify(context, plan, *, check_verify_expected_token)``
+    Every backend shares the reference signatures: ``verify(context, plan, *, check_verify_expected_token)``
     and ``write(context, plan, input_ids, positions, out_cache_loc, *, enable_write_input_assert,
     expected_input_tokens, expected_input_positions)``, each returning the updated context.
 
@@ -114,10 +146,11 @@ def implementation(op: str, backend: str, *, platform: str | None = None) -> Cal
       op: ``"verify"`` or ``"write"``.
       backend: a name from :data:`BACKENDS`.
       platform: where the launch's data lives (as for :func:`resolve_backend`), for callers that trace the
-        implementation (the Pallas wrappers cannot see a traced buffer's device): the Pallas implementation is
-        then bound to interpret mode off on a GPU platform and on elsewhere. None: the Pallas wrappers decide
-        from the canary buffer they get (JAX's default backend for a traced one). The same function is
-        returned for the same arguments, so it can key a cache of compiled programs.
+        implementation (the Pallas wrappers cannot see a traced buffer's device): a Pallas implementation is
+        then bound to interpret mode off on its platform (GPU for ``pallas``, TPU for ``pallas_tpu``) and on
+        elsewhere. None: the Pallas wrappers decide from the canary buffer they get (JAX's default backend for
+        a traced one). The same function is returned for the same arguments, so it can key a cache of
+        compiled programs. The ops in :data:`REFERENCE_FALLBACKS` return the reference itself.
 
     Raises:
       ValueError: an unknown op or backend.
@@ -125,9 +158,9 @@ def implementation(op: str, backend: str, *, platform: str | None = None) -> Cal
     if op not in OPS:
         raise ValueError(f"kv-canary: op must be one of {OPS}, got {op!r}")
     backend = check_backend_name(backend)
-    if backend == "reference":
+    if backend == "reference" or (backend, op) in REFERENCE_FALLBACKS:
         return _resolve(IMPLEMENTATIONS[backend, op])
-    return _pallas(op, None if platform is None else default_interpret(platform))
+    return _pallas(backend, op, None if platform is None else default_interpret_for(backend, platform))
 
 
 @functools.cache
@@ -138,6 +171,6 @@ def _resolve(name: str) -> Callable:
 
 
 @functools.cache
-def _pallas(op: str, interpret: bool | None) -> Callable:
-    fn = _resolve(IMPLEMENTATIONS["pallas", op])
+def _pallas(backend: str, op: str, interpret: bool | None) -> Callable:
+    fn = _resolve(IMPLEMENTATIONS[backend, op])
     return fn if interpret is None else functools.partial(fn, interpret=interpret)

@@ -5,9 +5,10 @@
 1. run every static check (dtypes, shapes, stride, sources <= 4, write-input-assert presence) and raise a
    clear ``TypeError`` / ``ValueError`` before anything is traced or mutated;
 2. turn int64-valued inputs into uint32 pairs losslessly (:mod:`canary_jax.contract.ints`);
-3. dispatch to the ``reference`` (pure jnp) or ``pallas`` backend. ``backend=None`` reads the environment
-   variable ``CANARY_JAX_BACKEND`` and otherwise picks ``pallas`` when the canary buffer lives on a GPU and
-   ``reference`` elsewhere; ``pallas`` runs compiled on a GPU-resident buffer and interpreted on any other
+3. dispatch to the ``reference`` (pure jnp), ``pallas`` (GPU kernels) or ``pallas_tpu`` (TPU verify, reference
+   write) backend. ``backend=None`` reads the environment variable ``CANARY_JAX_BACKEND`` and otherwise picks
+   ``pallas`` when the canary buffer lives on a GPU, ``pallas_tpu`` on a TPU and ``reference`` elsewhere; the
+   Pallas kernels run compiled on their own platform's buffers and interpreted on any other
    (:mod:`canary_jax.ops.backends`: where the data is, not JAX's default backend).
 
 Outside ``jit`` the canary buffer (write only) and the violation log are donated to the launch, so the update
@@ -192,7 +193,8 @@ def verify(
       check_verify_expected_token: when True, entries whose expected token is not -1 must match the stored
         token (bit 32); when False the expected-token array is not read and column 4 holds -1.
       backend: ``"reference"`` (jnp), ``"pallas"`` (compiled when the canary buffer lives on a GPU, interpreted
-        elsewhere), or None for ``$CANARY_JAX_BACKEND`` / the default of the canary buffer's platform.
+        elsewhere), ``"pallas_tpu"`` (the TPU kernel, compiled on a TPU, TPU interpret mode elsewhere), or None
+        for ``$CANARY_JAX_BACKEND`` / the default of the canary buffer's platform.
       buckets: the bucket policy for the plan capacity outside ``jit`` (default
         :func:`canary_jax.ops.buckets.default_buckets`); see :func:`canary_jax.ops.padding.pad_verify_plan`.
 

@@ -128,7 +128,8 @@ class CanaryGuard(GuardReports):
       groups: your own :class:`~canary_jax.runtime.groups.CanaryBufferGroup` s (e.g. a FULL and an SWA group)
         instead of the default one FULL group of ``num_slots`` slots.
       capacities: explicit :class:`CanaryCapacities` instead of :meth:`CanaryCapacities.from_pool`.
-      backend: ``"reference"`` / ``"pallas"`` / None (:func:`canary_jax.ops.backends.resolve_backend`).
+      backend: ``"reference"`` / ``"pallas"`` / ``"pallas_tpu"`` / None
+        (:func:`canary_jax.ops.backends.resolve_backend`; None picks ``pallas_tpu`` on a TPU host).
       buckets: the :class:`~canary_jax.ops.buckets.Buckets` policy (default: powers of two from 16).
       log: the logger for warnings and stats (default ``canary_jax``).
 

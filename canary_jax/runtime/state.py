@@ -51,7 +51,7 @@ class CanaryStepConfig:
       enable_verify_token_assert: verify checks tokens gathered from ``batch.req_to_verify_expected_tokens``.
       enable_v_half: also launch the V-half endpoints (SGLang's ``SGLANG_KV_CANARY_ENABLE_MHA_V``,
         default off there).
-      backend: ``reference`` / ``pallas`` / None (see :func:`canary_jax.ops.backends.resolve_backend`).
+      backend: ``reference`` / ``pallas`` / ``pallas_tpu`` / None (see :func:`canary_jax.ops.backends.resolve_backend`).
       buckets: the :class:`canary_jax.ops.buckets.Buckets` policy that eager calls pad the batch's token count to
         (and its rows, capped at ``write_req_capacity``), or None for :func:`canary_jax.ops.buckets.default_buckets`
         at call time.

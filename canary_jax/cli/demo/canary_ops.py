@@ -19,7 +19,7 @@ rows, verify entries), so the program compiles once per run; ``canary=False`` is
 Every ``sweep_interval`` steps :func:`canary_jax.runtime.step.canary_sweep` verifies every slot of the prefix
 cache against the TAIL buffer (:func:`canary_jax.runtime.sweep.build_sweep_plan_from_radix`, fixed capacity,
 SPEC 9 "Sweep"), its own jitted program. The backend is picked by :func:`canary_jax.ops.backends.resolve_backend`
-(Pallas on GPU, the jnp reference elsewhere).
+(Pallas on GPU, the Pallas TPU verify on a TPU, the jnp reference elsewhere).
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ class EngineConfig:
         (``enable_write_input_assert`` and ``check_verify_expected_token``).
       ring_capacity: violation ring rows.
       enable_v_half: also run the V-half endpoints (fingerprinting layer 0's V pool); SGLang's default is K only.
-      backend: ``None`` (auto: Pallas on GPU, reference elsewhere), ``"reference"`` or ``"pallas"``.
+      backend: ``None`` (auto: Pallas on GPU, ``pallas_tpu`` on a TPU, reference elsewhere), ``"reference"``,
+        ``"pallas"`` or ``"pallas_tpu"``.
     """
 
     page_size: int = 4

@@ -1,0 +1,338 @@
+"""The shared verify suites (``tests/helpers/verify_suite.py`` with its real-KV part) against the Pallas TPU
+(Mosaic) verify kernel, ``pallas_kernels.tpu.verify.verify_tpu``, and the registry's choice of it on a TPU.
+
+Without a TPU (CI) the kernel runs in Pallas's TPU interpret mode (``pltpu.InterpretParams``, reads out of bounds
+raise, uninitialised memory NaN-filled), with race detection on: the interpreter emulates the HBM / VMEM / SMEM
+memory spaces, the async copies and their semaphores, not the speed. Sizes pick the tiling edges (blocks of 16
+entries: several live blocks, a partial last block, blocks past ``num_valid`` that copy nothing), not large
+counts. ``TpuVerifyX64Test`` runs the same suites with ``jax_enable_x64`` on.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import jax
+import numpy as np
+from absl.testing import absltest
+
+import canary_jax
+from canary_jax.adapters import layouts as adapter_layouts
+from canary_jax.ops import backends, reference
+from helpers import public_suite, verify_suite
+from helpers.suite_base import ALL, B_RKV, PARTIAL, SrcSpec
+from pallas_kernels.tpu.config import TpuConfig
+from pallas_kernels.tpu.verify import verify_tpu
+
+
+def _races_found() -> bool:
+    """Whether the TPU interpreter's race detector reported a race since its state was last reset (jax keeps the
+    flag in a private module; False where this jax has none)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+
+    races = getattr(ipc, "races", None)
+    return bool(getattr(races, "races_found", False))
+
+
+def _race_checked(fn):
+    """``fn`` (a verify) that fails when the interpreter's race detector flagged its launch. jax resets the
+    detector's state at each ``pallas_call``, so this sees the launch's last call (every launch here but the
+    segmented one of ``test_tpu_block_not_a_power_of_two_and_segments`` makes one call)."""
+
+    def checked(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        jax.block_until_ready(out.log.write_index)
+        if _races_found():
+            raise AssertionError("the TPU interpreter reported a race (see the RACE DETECTED lines above)")
+        return out
+
+    return checked
+
+
+class TpuVerifyTest(verify_suite.VerifySuite, absltest.TestCase):
+    BACKEND = "pallas_tpu"
+    VERIFY_IMPL = staticmethod(_race_checked(backends.implementation("verify", "pallas_tpu")))
+    WRITE_IMPL = staticmethod(backends.implementation("write", "pallas_tpu"))
+    CONFIG = TpuConfig(verify_block=16, detect_races=True)
+    FUZZ_SEEDS = (0,)
+    LARGE_ENTRIES = 200  # interpreted copies cost ~ms each; see test_verify_more_than_65535_entries
+    X64 = False
+    X64_SUBSET: frozenset[str] | None = None  # tests this class runs (None: all)
+
+    def setUp(self):
+        super().setUp()
+        if self.X64_SUBSET is not None and self._testMethodName not in self.X64_SUBSET:
+            self.skipTest("x64 on: runs the subset in X64_SUBSET (interpret mode is slow; CI's time)")
+        self.enter_context(jax.enable_x64(self.X64))
+
+    def test_verify_more_than_65535_entries(self):
+        # The GPU suite's 70000 entries guard 16-bit grid limits; interpreted TPU copies make that minutes long.
+        # Here: a capacity past a prefix bucket (64) and 13 blocks, with failures in the first, a middle and
+        # the partial last block.
+        cap = self.LARGE_ENTRIES
+        h = self.harness()
+        h.lay_chain([1, 2], [10, 20], [0, 1])
+        ents = [(1, 0, -1), (2, 1, 1)] * (cap // 2)
+        bad = [3, 101, cap - 1]
+        for k in bad:
+            ents[k] = (ents[k][0], 500 + k, ents[k][2])
+        h.verify(ents, cap=cap)
+        self.assertEqual(h.slot_counter(), cap)
+        self.assertEqual([r[1] for r in h.rows()], [ents[k][0] for k in bad])
+        self.assertEqual(h.write_index, 3)
+
+    # --- tiling edges of the TPU kernel ---
+    def test_tpu_partial_last_block_and_dead_blocks(self):
+        # Capacity 70: prefix buckets (0, 64, 70); live counts on both sides of 64 and of each block edge.
+        h = self.harness()
+        h.lay_chain([1, 2], [10, 20], [0, 1])
+        for live in (1, 16, 17, 64, 65, 70):
+            ents = [(1, 0, -1), (2, 1, 1)] * 35
+            ents[live - 1] = (ents[live - 1][0], 777, ents[live - 1][2])  # the last live entry fails
+            h.verify(ents, cap=70, num_valid=live)
+        self.assertEqual([r[1] for r in h.rows()], [1, 2, 1, 2, 1, 2])
+
+    def test_tpu_block_not_a_power_of_two_and_segments(self):
+        # Blocks of 24 entries, calls of 40 entries (the SMEM bound): 64 entries run as calls of 40 and 24.
+        h = self.harness(config=TpuConfig(verify_block=24, verify_prefetch_entries=40, detect_races=True))
+        h.lay_chain([1, 2], [10, 20], [0, 1])
+        ents = [(1, 0, -1), (2, 1, 1)] * 32
+        for k in (0, 23, 24, 39, 40, 47, 63):
+            ents[k] = (ents[k][0], 900, ents[k][2])
+        h.verify(ents)
+        self.assertEqual(h.write_index, 7)
+        h.verify(ents, num_valid=39)  # the second call is skipped
+        self.assertEqual(h.write_index, 10)  # entries 0, 23, 24
+
+    def test_tpu_config_refusals(self):
+        for kw in ({"verify_block": 12}, {"verify_block": 0}, {"verify_prefetch_entries": 4}, {"verify_block": True}):
+            with self.assertRaisesRegex(
+                ValueError, r"^kv-canary: TpuConfig\.\w+ must be a positive multiple of 8, got"
+            ):
+                TpuConfig(**kw)
+
+    def test_tpu_long_source_rows_fold_in_a_loop(self):
+        # ALL over 256 bytes (64 words): past the straight-line fold, the kernel folds in a loop.
+        rng = np.random.default_rng(7)
+        data = rng.integers(0, 256, (self.NUM_SLOTS, 512), dtype=np.uint8)
+        for mode in (PARTIAL, ALL):
+            h = self.harness(sources=[SrcSpec(data, 2, 256, 256)], mode=mode)
+            h.lay_chain([5, 6, 9], [1, 2, 3], [0, 1, 2])
+            h.verify([(5, 0, -1), (6, 1, 5), (9, 2, 6)])
+            self.assertEqual(h.rows(), [])
+            bad = data.copy()
+            bad[9 // 2, (9 % 2) * 256 + 250] ^= 1  # a byte past the first 16: only ALL sees it
+            src = canary_jax.RealKvSource(tensor=bad, page_size=2, num_bytes_per_token=256, read_bytes=256)
+            h.ctx = h.ctx.replace(real_kv_sources=(src,))
+            h.osrcs = (verify_suite.oracle.Source.of(bad, 2, 256, 256),)
+            h.verify([(5, 0, -1), (6, 1, 5), (9, 2, 6)])
+            self.assertEqual([r[1] for r in h.rows()], [9] if mode == ALL else [])
+
+    # --- every layout the layout adapters describe (chunked sources, fp8 / fp4 / int4 data and scales) ---
+    def test_tpu_adapter_layouts(self):
+        import test_adapters_layouts as LT
+
+        lays = {lay.name: lay for lay in LT.layouts()}
+        groups = (  # at most 4 sources per launch; every layout once under ALL, small chunks under PARTIAL too
+            (("heads_major", "fused_k", "quant_fp8"), (ALL,)),
+            (("unified_layer1_k", "quant_fp4_heads_major"), (ALL,)),
+            (("fused_fp8_padded_v", "fused_v", "quant_int4"), (ALL,)),
+            (("token_major", "token_major_unpaged", "k_then_v_v", "fused_kv"), (ALL,)),
+            (("stacked_layer0", "stacked_layer2"), (ALL,)),
+        )
+        if self.X64:  # x64 on: the chunked layouts with sub-word heads and scales, PARTIAL and ALL
+            groups = ((groups[1][0], (PARTIAL,)), groups[2])
+        if not self.X64:
+            self.assertEqual({n for names, _ in groups for n in names}, set(lays))
+        n = LT.N
+        slots = [s for s in LT.SLOTS if 0 < s < n]
+        for names, modes in groups:
+            srcs = sum((lays[k].srcs for k in names), ())
+            for mode in modes:
+                want = [LT.want_hash(sum((lays[k].seq_of(s) for k in names), []), mode) for s in slots]
+                buf = np.zeros((n, 32), np.uint8)
+                for s, w in zip(slots, want, strict=True):
+                    verify_suite.oracle.write_record(buf, s, [0, 0, verify_suite.H, w])
+                bad = slots[2]
+                verify_suite.oracle.write_record(buf, bad, [0, 0, verify_suite.H, want[2] ^ 1])
+                ctx = canary_jax.VerifyOrWriteContext(
+                    canary_buf=jax.numpy.asarray(buf),
+                    kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+                    log=canary_jax.ViolationLog.allocate(ring_capacity=8),
+                    real_kv_sources=srcs,
+                    real_kv_hash_mode=mode,
+                )
+                ents = slots + [n, -1]  # past the pool and negative: zero records, zero fingerprints
+                plan = canary_jax.VerifyPlan.from_entries(
+                    slots=ents, positions=[0] * len(ents), prev_slots=[-1] * len(slots) + [0, 0]
+                )
+                with self.subTest(names=names, mode=mode.name):
+                    got = self.VERIFY_IMPL(ctx, plan, config=self.CONFIG).log
+                    h_s = verify_suite.s64(verify_suite.H)  # the oracle's row: only the flipped fingerprint fails
+                    self.assertEqual(got.ring_rows().tolist(), [[int(ctx.kernel_kind), bad, 0, 0, -1, h_s, h_s, B_RKV]])
+                    self.assertEqual(got.slot_run_counter(ctx.kernel_kind), len(ents))
+
+
+class TpuVerifyX64Test(TpuVerifyTest):
+    """The same kernel with ``jax_enable_x64`` on, over a subset that reaches every kernel path (hand rows,
+    boundary values and hashes, out-of-range slots, ring overflow, a fuzz seed, real KV dense and chunked,
+    the tiling edges)."""
+
+    X64 = True
+    FUZZ_SEEDS = (1,)
+    X64_SUBSET = frozenset(
+        {
+            "test_verify_token_and_position_bits_34",
+            "test_verify_boundary_values",
+            "test_verify_boundary_hashes",
+            "test_verify_out_of_range_slots_read_as_zero_records",
+            "test_verify_ring_full_keeps_counting",
+            "test_fuzz_random_verify",
+            "test_verify_two_sources_literal",
+            "test_tpu_partial_last_block_and_dead_blocks",
+            "test_tpu_long_source_rows_fold_in_a_loop",
+            "test_tpu_adapter_layouts",
+        }
+    )
+
+
+class TpuPublicEntryTest(public_suite.PublicEntrySuite, absltest.TestCase):
+    """``canary_jax.verify`` / ``write`` with ``backend="pallas_tpu"`` (the TPU verify with its default
+    configuration, interpreted here; the reference write): validation before tracing, donation, and a fuzzed
+    write/verify pipeline against the oracle."""
+
+    BACKEND = "pallas_tpu"
+    VERIFY_IMPL = staticmethod(backends.implementation("verify", "pallas_tpu"))
+    WRITE_IMPL = staticmethod(backends.implementation("write", "pallas_tpu"))
+
+
+class TpuRaceDetectorTest(absltest.TestCase):
+    """The race check above is live: the interpreter flags a kernel that reads a copy's target before waiting."""
+
+    def test_read_before_wait_is_a_race(self):
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import tpu as pltpu
+
+        def kernel(x_hbm, o_ref, buf, sem):
+            copy = pltpu.make_async_copy(x_hbm.at[pl.ds(0, 8)], buf, sem.at[0])
+            copy.start()
+            o_ref[...] = buf[...]  # before the wait
+            copy.wait()
+
+        f = pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), np.uint32),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((8, 128), np.uint32), pltpu.SemaphoreType.DMA((1,))],
+            interpret=pltpu.InterpretParams(detect_races=True),
+        )
+        jax.block_until_ready(f(np.ones((16, 128), np.uint32)))
+        self.assertTrue(_races_found())
+        pltpu.reset_tpu_interpret_mode_state()
+
+
+class TpuLoweringTest(absltest.TestCase):
+    """The kernel lowers to Mosaic for a TPU without one (``jax.export`` with ``platforms=["tpu"]``): block
+    shapes, scalar prefetch, the async copies and semaphores, and the uint32 hashing pass Pallas's TPU lowering.
+    (The Mosaic compiler's own layout passes run only on a TPU.)"""
+
+    def test_exports_for_tpu(self):
+        from pallas_kernels.tpu.verify import _verify_jit
+
+        n = 128
+        dense = canary_jax.RealKvSource(
+            tensor=np.zeros((n // 2, 512), np.uint8), page_size=2, num_bytes_per_token=256, read_bytes=256
+        )
+        chunked = adapter_layouts.sources_for_heads_major(np.zeros((2, n // 4, 4, 8), jax.numpy.bfloat16))
+        cases = ((), 0, True), ((dense, *chunked), ALL, False), ((dense,), PARTIAL, True)
+        slots = list(range(1, 100))
+        plan = canary_jax.VerifyPlan.from_entries(slots=slots, positions=[0] * len(slots), prev_slots=[-1] * len(slots))
+        for srcs, mode, check in cases:
+            ctx = canary_jax.VerifyOrWriteContext(
+                canary_buf=jax.numpy.zeros((n, 32), np.uint8),
+                kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+                log=canary_jax.ViolationLog.allocate(ring_capacity=8),
+                real_kv_sources=srcs,
+                real_kv_hash_mode=mode,
+            )
+
+            def f(c, p, check=check):
+                return _verify_jit(c, p, check=check, interpret=False, config=TpuConfig(verify_block=32))
+
+            with self.subTest(sources=len(srcs), mode=int(mode)):
+                text = jax.export.export(jax.jit(f), platforms=["tpu"])(ctx, plan).mlir_module()
+                self.assertIn("tpu_custom_call", text)
+
+
+class TpuRegistryTest(absltest.TestCase):
+    """The registry picks the TPU kernel where the data lives on a TPU (the platform faked on a CPU)."""
+
+    def test_tpu_platform_picks_tpu_verify(self):
+        self.assertEqual(backends.resolve_backend(platform="tpu"), "pallas_tpu")
+        self.assertEqual(backends.resolve_backend(platform="cpu"), "reference")
+        self.assertEqual(backends.resolve_backend(platform="gpu"), "pallas")
+        fn = backends.implementation("verify", "pallas_tpu", platform="tpu")
+        self.assertIs(fn.func, verify_tpu)
+        self.assertEqual(fn.keywords, {"interpret": False})  # compiled on a TPU
+        fn = backends.implementation("verify", "pallas_tpu", platform="cpu")
+        self.assertEqual(fn.keywords, {"interpret": True})  # TPU interpret mode elsewhere
+
+    def test_cpu_buffer_on_a_tpu_host(self):
+        # A TPU host keeps CPU arrays too: the backend and the interpret mode follow the buffer, not the host.
+        def ctx():  # fresh each launch: the public entry point donates the log
+            return canary_jax.VerifyOrWriteContext(
+                canary_buf=canary_jax.allocate_canary_buffer(num_slots=16),
+                kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+                log=canary_jax.ViolationLog.allocate(ring_capacity=4),
+            )
+
+        plan = canary_jax.VerifyPlan.from_entries(slots=[3, 4], positions=[1, 0], prev_slots=[0, -1])
+        want = canary_jax.verify(ctx(), plan, backend="reference").log
+        with mock.patch.object(jax, "default_backend", return_value="tpu"):
+            self.assertEqual(backends.resolve_backend(platform="cpu"), "reference")  # auto, CPU buffer
+            for got in (
+                canary_jax.verify(ctx(), plan, backend="pallas_tpu").log,  # interpreted: the buffer is on the CPU
+                verify_tpu(ctx(), plan).log,  # the wrapper called directly, on concrete CPU arrays
+            ):
+                for field in ("ring", "write_index", "slot_run_counters", "kernel_run_counters"):
+                    np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)))
+        self.assertEqual(int(np.asarray(want.write_index)[0]), 2)
+        bound = backends.implementation("verify", "pallas_tpu", platform="cpu")
+        self.assertIs(bound, backends.implementation("verify", "pallas_tpu", platform="cpu"))  # one cache key
+
+    def test_tpu_write_is_the_reference_by_name(self):
+        self.assertIn(("pallas_tpu", "write"), backends.REFERENCE_FALLBACKS)
+        self.assertIs(backends.implementation("write", "pallas_tpu", platform="tpu"), reference.write_reference)
+
+    def test_default_backend_tpu_reaches_the_tpu_kernel(self):
+        # CanaryGuard and the command line pass no backend: on a TPU host they resolve to pallas_tpu, and the
+        # public entry point then runs verify_tpu (interpreted here, because the buffer is on the CPU).
+        with (
+            mock.patch.object(jax, "default_backend", return_value="tpu"),
+            mock.patch.dict("os.environ", {backends.BACKEND_ENV: ""}),
+        ):
+            self.assertEqual(backends.resolve_backend(), "pallas_tpu")
+            self.assertTrue(backends.is_tpu_platform())
+            with mock.patch.object(backends, "array_platform", return_value="tpu"):
+                calls = []
+                real = backends.implementation
+
+                def spy(op, backend, *, platform=None):
+                    calls.append((op, backend, platform))
+                    return real(op, backend, platform="cpu")  # interpret: the data is really on the CPU
+
+                with mock.patch.object(backends, "implementation", spy):
+                    log = canary_jax.ViolationLog.allocate(ring_capacity=4)
+                    ctx = canary_jax.VerifyOrWriteContext(
+                        canary_buf=canary_jax.allocate_canary_buffer(num_slots=16),
+                        kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+                        log=log,
+                    )
+                    plan = canary_jax.VerifyPlan.from_entries(slots=[3], positions=[1], prev_slots=[0])
+                    ctx = canary_jax.verify(ctx, plan)
+        self.assertEqual(calls, [("verify", "pallas_tpu", "tpu")])
+        self.assertEqual(int(np.asarray(ctx.log.write_index)[0]), 1)  # stored position 0 != 1
+
+
+if __name__ == "__main__":
+    absltest.main()
