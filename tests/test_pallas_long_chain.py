@@ -35,6 +35,12 @@ class PallasLongChainTest(write_suite.WriteSuite, pipeline_suite.PipelineSuite, 
     CONFIG = LONG_CONFIG
     FUZZ_SEEDS = tuple(range(3))
 
+    # Not run here: its requests have 2 entries, under the threshold, so no entry walks the long role; the same
+    # lane-role launches (NONE, PARTIAL, ALL, short read_bytes) run byte for byte in tests/test_pallas_interpret.py,
+    # and real KV through the long role is checked by test_write_one_to_four_sources_and_pages (ALL, 20 entries)
+    # and test_fuzz_pipeline_real_kv (PARTIAL and ALL) below.
+    test_write_real_kv_modes = None
+
     def test_long_role_is_on_for_these_shapes(self):
         # The shapes below must really route requests to the long role, or the suite tests nothing new.
         t, cw = self.NUM_TOKENS, self.WRITE_REQ_CAPACITY
@@ -115,16 +121,17 @@ class PallasLongChainTest(write_suite.WriteSuite, pipeline_suite.PipelineSuite, 
 
     def test_token_counts_off_the_chunk_grid_and_other_chunks(self):
         """37 and 45 tokens (not multiples of the chunk: the padded loads and the last partial chunk) with
-        chunks of 2, 8 and 16 entries."""
-        for chunk in (2, 8, 16):
+        chunks of 2, 8 and 16 entries; one token count per chunk size, so each configuration compiles one write
+        program (37 % 2 = 1, 45 % 8 = 5, 37 % 16 = 5: every launch ends inside a chunk)."""
+        for chunk, num_tokens in ((2, 37), (8, 45), (16, 37)):
             h = self.harness(config=PallasConfig(write_long_threshold=3, write_long_chunk=chunk, write_prefetch=2))
             reqs = [
                 (-1, [(j + 1, 5 + j, j) for j in range(17)]),
                 (-1, [(30, 1, 0)]),
                 (-1, [(40 + j, 7, j) for j in range(12)]),
             ]
-            h.write(reqs, num_tokens=37)
-            h.write([(17, [(60 + j, 3, 17 + j + (j == 9)) for j in range(20)])], num_tokens=45)
+            h.write(reqs, num_tokens=num_tokens)
+            h.write([(17, [(60 + j, 3, 17 + j + (j == 9)) for j in range(20)])], num_tokens=num_tokens)
             self.assertEqual(h.write_index, 2)  # position 27 where 26 is due, then 27 where 28 is due
 
     def test_fuzz_long_requests(self):
