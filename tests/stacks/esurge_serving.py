@@ -191,7 +191,8 @@ class Server:
         groups = [CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=cfg.num_pages * ps, has_v_half=False)]
         self.state = CanaryState.create(groups, ring_capacity=256)
         self.it, self.seen, self.forwards = 0, 0, []
-        self.prefix_hits = self.chunked = self.preempted = self.finished = 0
+        self.prefix_hits = self.chunked = self.preempted = self.finished = self.reused_pages = 0
+        self.written_pages: set[int] = set()
         self.violations: list[tuple[int, ViolationRecord]] = []
         self.outputs: dict[str, list[int]] = {}
         self.workload = workload(cfg.seed)
@@ -285,6 +286,10 @@ class Server:
         self.seen += len(records)
         self.violations += [(self.it, rec) for rec in records]
         self.forwards.append((self.it, n, total))
+        sm = np.asarray(md.slot_mapping)  # (cache start, new start, length) per slice; length 0 is padding
+        new = {int(x) // cfg.page_size for x, ln in zip(sm[0], sm[2], strict=True) if ln > 0}
+        self.reused_pages += len(new & self.written_pages - self.pages_of_running(req_ids, sb))
+        self.written_pages |= new
         # the sync runner's sampling and token write-back (_finalize_sync_runner_state)
         ids, pos = np.asarray(md.input_ids_buf), np.asarray(md.position_ids_buf)
         qsl = np.asarray(md.query_start_loc)
@@ -312,6 +317,11 @@ class Server:
             logprobs=None,
             prompt_logprobs_dict={rid: None for rid in req_ids},
         )
+
+    def pages_of_running(self, req_ids, sb) -> set[int]:
+        """Pages the rows wrote before this step (their page-table entries below the computed tokens)."""
+        pt, ps = sb.page_table[0].get_cpu_tensor(), self.cfg.page_size
+        return {int(pt[r, j]) for r in range(len(req_ids)) for j in range(-(-int(sb.num_computed_tokens[r]) // ps))}
 
     # ---------------------------------------------------------------------------------------- the loop
     def run(self, *, until: int | None = None) -> Server:
