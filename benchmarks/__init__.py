@@ -11,6 +11,9 @@
 * ``python -m benchmarks.interop_bench``: torch-launched against JAX-launched calls (``benchmarks.interop_setup``).
 * ``python -m benchmarks.compile_probe``, ``python -m benchmarks.mosaic_probe``: offline compile and Mosaic GPU
   probes.
+* ``python -m benchmarks.tpu_bench``: the TPU run (bench.py's cases and the serving step, ``pallas_tpu`` against
+  ``reference``; refuses without a TPU). ``python -m benchmarks.tpu_launches``: a decode step's launches with
+  ``pallas_tpu``, lowered for a TPU on any host (``docs/tpu_cost_model.md``).
 * ``bash benchmarks/pallas_gpu_session.sh``, ``bash benchmarks/interop_gpu_session.sh``: one device call each.
 
 Figures live in ``benchmarks/results/`` (its ``README.md`` says which file holds what).

@@ -82,6 +82,13 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--merge", nargs="*", default=None, help="merge these JSON files (no run)")
+    ap.add_argument(
+        "--pool-for",
+        choices=("all", "chosen"),
+        default="all",
+        help="size the KV pool for every scenario (default: one pool, compiles shared) or only the chosen ones "
+        "(a device with less memory than the largest scenario's pool, e.g. a TPU)",
+    )
     a = ap.parse_args(argv)
     a.modes = [x.strip() for x in a.modes.split(",") if x.strip()]
     bad = [x for x in a.modes if x not in MODES]
@@ -131,7 +138,8 @@ def main(argv=None) -> dict:
         attn, info = choose_attention(args, on_gpu, t0)
         out["attention"] = {"decode": attn.decode, "prefill": attn.prefill, **info}
         all_scns = scenarios(args.small)
-        sh = shared_shapes(all_scns, args.page_size)
+        pool_scns = all_scns if args.pool_for == "all" else {k: all_scns[k] for k in model_scns}
+        sh = shared_shapes(pool_scns, args.page_size)
         num_pages = sh.num_pages
         params = init_params(m, args.seed)
         kv = allocate_pool(m, num_pages, args.page_size, args.seed)
