@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 from types import ModuleType
 
@@ -48,6 +49,9 @@ class _AliasLoader(importlib.abc.Loader):
         module = importlib.import_module(self._target)
         self._spec = module.__spec__
         return module
+
+    def get_code(self, fullname: str):  # ``python -m`` an old path (runpy asks the loader for the code)
+        return importlib.util.find_spec(self._target).loader.get_code(self._target)
 
     def exec_module(self, module: ModuleType) -> None:
         # Already executed under its new name; importlib has just set the alias spec on it: put its own back.
