@@ -44,6 +44,7 @@ from easydel.inference.esurge.runners.sequence_buffer import SequenceBuffer
 from easydel.inference.esurge.scheduler.scheduler import Scheduler
 from easydel.inference.sampling_params import SamplingParams
 from eformer.escale import PartitionAxis, PartitionManager
+from fake_model import VOCAB, fake_kv, next_token  # noqa: F401  (VOCAB, next_token: the tests read them here)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from canary_jax.adapters.block_tables import from_block_tables
@@ -53,7 +54,6 @@ from canary_jax.runtime import CanaryState, ExpectedInputs, RealKvHashMode, cana
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.state import CanaryStepConfig
 
-VOCAB = 1000
 for _name in ("easydel", "eformer"):
     logging.getLogger(_name).setLevel(logging.WARNING)
 
@@ -72,21 +72,6 @@ class ServeConfig:
     head_dim: int = 128
     real_kv_hash_mode: str = "ALL"
     seed: int = 0
-
-
-def fake_kv(layer: int, tokens: jax.Array, positions: jax.Array, heads: int, head_dim: int):
-    """K, V ``bf16[T, heads, head_dim]``: small integers of (layer, token, position), exact in bf16."""
-    t = tokens.astype(jnp.int32)[:, None, None]
-    p = positions.astype(jnp.int32)[:, None, None]
-    h = jnp.arange(heads, dtype=jnp.int32)[None, :, None]
-    d = jnp.arange(head_dim, dtype=jnp.int32)[None, None, :]
-    k = (t * 7 + p * 13 + layer * 29 + h * 31 + d) % 251 - 125
-    v = (t * 11 + p * 3 + layer * 17 + h * 19 + d * 5) % 241 - 120
-    return k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-
-
-def next_token(tok: int, pos: int) -> int:
-    return (tok * 1103 + pos * 12345 + 7) % (VOCAB - 1) + 1
 
 
 def workload(seed: int) -> list[tuple[int, str, list[int], int]]:

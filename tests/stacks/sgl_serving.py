@@ -33,6 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # jax[tpu] installs libtpu; keep 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from fake_model import VOCAB, fake_kv, next_token  # noqa: F401  (VOCAB, next_token: the tests read them here)
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.managers.schedule_policy import SchedulePolicy
 from sgl_jax.srt.managers.scheduler import Scheduler
@@ -56,7 +57,6 @@ from canary_jax.runtime import (
     canary_tail,
 )
 
-VOCAB = 1000
 logging.getLogger("sgl_jax").setLevel(logging.WARNING)  # its per-batch INFO lines
 
 
@@ -78,21 +78,6 @@ class ServeConfig:
     precompile_bs_paddings: tuple[int, ...] | None = (4,)
     real_kv_hash_mode: str = "ALL"  # NONE, PARTIAL or ALL
     seed: int = 0
-
-
-def fake_kv(layer: int, tokens: jax.Array, positions: jax.Array, heads: int, head_dim: int):
-    """K, V ``bf16[T, heads, head_dim]``: small integers of (layer, token, position), exact in bf16."""
-    t = tokens.astype(jnp.int32)[:, None, None]
-    p = positions.astype(jnp.int32)[:, None, None]
-    h = jnp.arange(heads, dtype=jnp.int32)[None, :, None]
-    d = jnp.arange(head_dim, dtype=jnp.int32)[None, None, :]
-    k = (t * 7 + p * 13 + layer * 29 + h * 31 + d) % 251 - 125
-    v = (t * 11 + p * 3 + layer * 17 + h * 19 + d * 5) % 241 - 120
-    return k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-
-
-def next_token(tok: int, pos: int) -> int:
-    return (tok * 1103 + pos * 12345 + 7) % (VOCAB - 1) + 1
 
 
 def workload(seed: int) -> list[tuple[int, str, list[int], int]]:
