@@ -335,6 +335,7 @@ class SuiteBase:
     FUZZ_SEEDS = tuple(range(6))
     FUZZ_LAUNCHES = 6
     LARGE_ENTRIES = 70_000  # > 65535: catches 16-bit grid / index limits
+    LARGE_BAD_ENTRIES = (65535, 65536)  # the large verify's failing entries (with the last), here the 16-bit edge
 
     def harness(
         self,

@@ -297,7 +297,7 @@ class VerifySuite(VerifyRealKvSuite):
         h = self.harness()
         h.lay_chain([1, 2], [10, 20], [0, 1])
         ents = [(1, 0, -1), (2, 1, 1)] * (cap // 2)
-        bad = [65535, 65536, cap - 1]
+        bad = [*self.LARGE_BAD_ENTRIES, cap - 1]
         for k in bad:
             ents[k] = (ents[k][0], 500 + k, ents[k][2])
         h.verify(ents, cap=cap)
