@@ -126,6 +126,7 @@ class TpuVerifyTest(verify_suite.VerifySuite, absltest.TestCase):
             (("fused_fp8_padded_v", "fused_v", "quant_int4"), (ALL,)),
             (("token_major", "token_major_unpaged", "k_then_v_v", "fused_kv"), (ALL,)),
             (("stacked_layer0", "stacked_layer2"), (ALL,)),
+            (("sglang_jax_fused3d_k", "sglang_jax_fused3d_v", "sglang_jax_fused3d_kv"), (ALL,)),
         )
         if self.X64:  # x64 on: the chunked layouts with sub-word heads and scales, PARTIAL and ALL
             groups = ((groups[1][0], (PARTIAL,)), groups[2])
