@@ -248,3 +248,7 @@ def _silence_stdout() -> None:
         os.close(devnull)
     except (OSError, ValueError):  # stdout is no file descriptor (captured in-process): nothing is left to flush
         pass
+
+
+if __name__ == "__main__":  # python -m canary_jax.cli.main [demo|verify-dump] ...
+    sys.exit(main())
