@@ -273,21 +273,14 @@ def test_module_entry_point_bad_kind_no_traceback():
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize(
-    "module, needle",
-    [
-        ("canary_jax.cli.main", "usage: canary-jax [-h] {demo,verify-dump}"),
-        ("canary_jax.cli.verify_dump", "usage: canary-jax verify-dump"),
-    ],
-)
-def test_cli_submodules_run_with_python_m(module, needle):
+def test_cli_main_runs_with_python_m():
     # a new user's `python -m canary_jax.cli.main --help` printed nothing: the module had no __main__ guard
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-m", "canary_jax.cli.main", "--help"], capture_output=True, text=True, timeout=120, env=env
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(needle)
+    assert proc.stdout.startswith("usage: canary-jax [-h] {demo,verify-dump}")
 
 
 def test_plot_without_matplotlib_is_one_line_exit_2(capsys, monkeypatch, tmp_path):

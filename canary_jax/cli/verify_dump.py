@@ -179,11 +179,3 @@ def _ring_report(
         collapsed=[dict(row=c.record.index, count=c.count, first_row=c.first, last_row=c.last) for c in collapsed],
         messages=messages,
     )
-
-
-if __name__ == "__main__":  # python -m canary_jax.cli.verify_dump FILE [flags]: canary-jax verify-dump FILE
-    import sys
-
-    from canary_jax.cli.main import main
-
-    sys.exit(main(["verify-dump", *sys.argv[1:]]))
