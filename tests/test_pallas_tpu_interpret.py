@@ -1,11 +1,13 @@
-"""The shared verify suites (``tests/helpers/verify_suite.py`` with its real-KV part) against the Pallas TPU
-(Mosaic) verify kernel, ``pallas_kernels.tpu.verify.verify_tpu``, and the registry's choice of it on a TPU.
+"""The shared verify suites (``tests/helpers/verify_suite.py`` with its real-KV part) and the write suite
+(``tests/helpers/write_suite.py``) against the Pallas TPU (Mosaic) kernels, ``pallas_kernels.tpu.verify.verify_tpu``
+and ``pallas_kernels.tpu.write.write_tpu``, and the registry's choice of them on a TPU.
 
 Without a TPU (CI) the kernel runs in Pallas's TPU interpret mode (``pltpu.InterpretParams``, reads out of bounds
 raise, uninitialised memory NaN-filled), with race detection on: the interpreter emulates the HBM / VMEM / SMEM
 memory spaces, the async copies and their semaphores, not the speed. Sizes pick the tiling edges (blocks of 16
 entries: several live blocks, a partial last block, blocks past ``num_valid`` that copy nothing), not large
-counts. ``TpuVerifyX64Test`` runs the same suites with ``jax_enable_x64`` on.
+counts. ``TpuVerifyX64Test`` runs the same suites with ``jax_enable_x64`` on; ``TpuWriteTest`` /
+``TpuWriteX64Test`` do the same for the write (blocks of 16 entries and 8 requests, store calls of 40 entries).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from absl.testing import absltest
 import canary_jax
 from canary_jax.adapters import layouts as adapter_layouts
 from canary_jax.ops import backends, reference
-from helpers import public_suite, verify_suite
-from helpers.suite_base import ALL, B_RKV, PARTIAL, SrcSpec
+from helpers import oracle, public_suite, verify_suite, write_suite
+from helpers.suite_base import ALL, B_RKV, B_WPOS, PARTIAL, H, SrcSpec, s64
 from pallas_kernels.tpu.config import TpuConfig
 from pallas_kernels.tpu.verify import verify_tpu
+from pallas_kernels.tpu.write import write_tpu
 
 
 def _races_found() -> bool:
@@ -43,6 +46,29 @@ def _race_checked(fn):
         out = fn(*args, **kwargs)
         jax.block_until_ready(out.log.write_index)
         if _races_found():
+            raise AssertionError("the TPU interpreter reported a race (see the RACE DETECTED lines above)")
+        return out
+
+    return checked
+
+
+def _all_calls_race_checked(fn):
+    """``fn`` (a write: several ``pallas_call`` s) that fails when the race detector flagged any of its calls: every
+    detector state the interpreter creates during the launch is kept and read afterwards."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+
+    def checked(*args, **kwargs):
+        made = []
+
+        class Recording(ipc.RaceDetectionState):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                made.append(self)
+
+        with mock.patch.object(ipc, "RaceDetectionState", Recording):
+            out = fn(*args, **kwargs)
+            jax.block_until_ready((out.canary_buf, out.log.write_index))
+        if any(r.races_found for r in made):
             raise AssertionError("the TPU interpreter reported a race (see the RACE DETECTED lines above)")
         return out
 
@@ -184,9 +210,90 @@ class TpuVerifyX64Test(TpuVerifyTest):
     )
 
 
+def _reference_verify(context, plan, *, config=None, **kwargs):
+    """The reference verify with the harness's ``config=`` dropped: the write classes check what a write stored with
+    it (the TPU verify has its own classes above, and interpret-mode time is CI's)."""
+    del config
+    return reference.verify_reference(context, plan, **kwargs)
+
+
+class TpuWriteTest(write_suite.WriteSuite, absltest.TestCase):
+    """The write suite against ``write_tpu`` in TPU interpret mode, race detection on for each of its calls. The
+    sizes pick the tiling edges: 32 tokens in chain blocks of 16 (a request's chain crosses blocks), 16 requests
+    in seed blocks of 8 (the seed copies double-buffered), stores in calls of 24 and 8 entries (the SMEM bound;
+    the first call ends in a partial block)."""
+
+    BACKEND = "pallas_tpu"
+    VERIFY_IMPL = staticmethod(_reference_verify)
+    WRITE_IMPL = staticmethod(_all_calls_race_checked(backends.implementation("write", "pallas_tpu")))
+    CONFIG = TpuConfig(write_block=16, write_req_block=8, write_prefetch_entries=24, detect_races=True)
+    WRITE_REQ_CAPACITY = 16
+    NUM_TOKENS = 32
+    X64 = False
+    X64_SUBSET: frozenset[str] | None = None  # tests this class runs (None: all)
+
+    def setUp(self):
+        super().setUp()
+        if self.X64_SUBSET is not None and self._testMethodName not in self.X64_SUBSET:
+            self.skipTest("x64 on: runs the subset in X64_SUBSET (interpret mode is slow; CI's time)")
+        self.enter_context(jax.enable_x64(self.X64))
+
+    # --- tiling edges of the TPU kernels ---
+    def test_tpu_long_chain_across_blocks_and_calls(self):
+        # Blocks of 24 entries (64 = 24 + 24 + 16: a partial last chain block), seed calls of 8 requests (16 rows:
+        # two calls), store calls of 8 entries. One long request from a seed crosses every block, with a skipped
+        # slot, a slot past the buffer, a duplicate slot (the later entry wins) and a position jump; then short
+        # requests, one seeded from a slot the long request rewrites (it sees the old record).
+        cfg = TpuConfig(write_block=24, write_req_block=8, write_prefetch_entries=8, detect_races=True)
+        h = self.harness(config=cfg)
+        h.poke(50, [7, 10, H, 0])
+        long_ents = [(60 + k, 1000 + k, 11 + k) for k in range(48)]
+        long_ents[5] = (-1, 5, 16)  # skipped: no advance
+        long_ents[30] = (self.NUM_SLOTS + 3, 5, 41)  # past the buffer: skipped
+        long_ents[40] = (62, 77, 51)  # slot 62 again: this entry wins
+        long_ents[44] = (104, 1044, 99)  # a jump: chain-position row, the chain continues on 99
+        reqs = [(50, long_ents), (-1, [(50, 1, 0), (51, 2, 1)]), (50, [(52, 3, 11)])]
+        reqs += [(-1, [(110 + r, r, 0)]) for r in range(6)]
+        h.write(reqs, num_tokens=64)  # the harness compares everything with the oracle
+        # A skipped entry does not move run_pos, so the entry after each skip (slots 66, 91) is a jump too; after
+        # the jump to 99 the next entry (position 56) is one as well.
+        self.assertEqual([(r[1], r[7]) for r in h.rows()], [(s, B_WPOS) for s in (66, 91, 104, 105)])
+        self.assertEqual(h.record(62)[:2], (77, 51))
+        self.assertEqual(h.record(52)[2], s64(oracle.mix3(H, 7, 10)))  # seed 50 read before request 1 rewrote it
+        self.assertEqual(h.slot_counter(), 46 + 2 + 1 + 6)
+
+    def test_tpu_config_write_refusals(self):
+        for kw in ({"write_block": 12}, {"write_req_block": 0}, {"write_prefetch_entries": 4}):
+            with self.assertRaisesRegex(
+                ValueError, r"^kv-canary: TpuConfig\.\w+ must be a positive multiple of 8, got"
+            ):
+                TpuConfig(**kw)
+
+
+class TpuWriteX64Test(TpuWriteTest):
+    """The same kernels with ``jax_enable_x64`` on, over a subset that reaches every kernel path (chains from
+    seeds, both asserts, skipped and out-of-range slots, duplicates, two real-KV sources, boundary values,
+    the tiling edges)."""
+
+    X64 = True
+    X64_SUBSET = frozenset(
+        {
+            "test_write_resume_from_seed",
+            "test_write_multi_request_row_order",
+            "test_write_negative_out_cache_loc_skipped",
+            "test_write_out_of_range_seed_reads_zero_record",
+            "test_write_seeds_read_before_launch",
+            "test_write_duplicate_slot_later_entry_wins",
+            "test_write_two_sources_literal",
+            "test_write_boundary_values",
+            "test_tpu_long_chain_across_blocks_and_calls",
+        }
+    )
+
+
 class TpuPublicEntryTest(public_suite.PublicEntrySuite, absltest.TestCase):
-    """``canary_jax.verify`` / ``write`` with ``backend="pallas_tpu"`` (the TPU verify with its default
-    configuration, interpreted here; the reference write): validation before tracing, donation, and a fuzzed
+    """``canary_jax.verify`` / ``write`` with ``backend="pallas_tpu"`` (the TPU verify and write with their default
+    configuration, interpreted here): validation before tracing, donation, and a fuzzed
     write/verify pipeline against the oracle."""
 
     BACKEND = "pallas_tpu"
@@ -288,9 +395,14 @@ class TpuRegistryTest(absltest.TestCase):
         bound = backends.implementation("verify", "pallas_tpu", platform="cpu")
         self.assertIs(bound, backends.implementation("verify", "pallas_tpu", platform="cpu"))  # one cache key
 
-    def test_tpu_write_is_the_reference_by_name(self):
-        self.assertIn(("pallas_tpu", "write"), backends.REFERENCE_FALLBACKS)
-        self.assertIs(backends.implementation("write", "pallas_tpu", platform="tpu"), reference.write_reference)
+    def test_tpu_write_is_the_tpu_kernel(self):
+        self.assertNotIn(("pallas_tpu", "write"), backends.REFERENCE_FALLBACKS)
+        self.assertEqual(backends.REFERENCE_FALLBACKS, frozenset())
+        fn = backends.implementation("write", "pallas_tpu", platform="tpu")
+        self.assertIs(fn.func, write_tpu)
+        self.assertEqual(fn.keywords, {"interpret": False})  # compiled on a TPU
+        self.assertEqual(backends.implementation("write", "pallas_tpu", platform="cpu").keywords, {"interpret": True})
+        self.assertIs(backends.implementation("write", "reference"), reference.write_reference)
 
     def test_default_backend_tpu_reaches_the_tpu_kernel(self):
         # CanaryGuard and the command line pass no backend: on a TPU host they resolve to pallas_tpu, and the
