@@ -358,6 +358,35 @@ class TpuLoweringTest(absltest.TestCase):
                 text = jax.export.export(jax.jit(f), platforms=["tpu"])(ctx, plan).mlir_module()
                 self.assertIn("tpu_custom_call", text)
 
+    def test_write_exports_for_tpu(self):
+        # The three write calls (seeds, chain, stores) lower to Mosaic: with and without sources, with the assert.
+        from pallas_kernels.tpu.write import _write_jit
+
+        n, t = 128, 48
+        dense = canary_jax.RealKvSource(
+            tensor=np.zeros((n // 2, 512), np.uint8), page_size=2, num_bytes_per_token=256, read_bytes=256
+        )
+        chunked = adapter_layouts.sources_for_heads_major(np.zeros((2, n // 4, 4, 8), jax.numpy.bfloat16))
+        plan = canary_jax.WritePlan.from_requests(counts=[30, 10, 8], seed_slots=[-1, 5, 7])
+        ids = jax.numpy.zeros((t, 2), np.uint32)
+        for srcs, mode, check in (((), 0, True), ((dense, *chunked), ALL, False), ((dense,), PARTIAL, True)):
+            ctx = canary_jax.VerifyOrWriteContext(
+                canary_buf=jax.numpy.zeros((n, 32), np.uint8),
+                kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+                log=canary_jax.ViolationLog.allocate(ring_capacity=8),
+                real_kv_sources=srcs,
+                real_kv_hash_mode=mode,
+            )
+
+            def f(c, p, a, check=check):
+                e = a if check else None
+                cfg = TpuConfig(write_block=16, write_req_block=8, write_prefetch_entries=32)
+                return _write_jit(c, p, a, a, a, e, e, assert_inputs=check, interpret=False, config=cfg)
+
+            with self.subTest(sources=len(srcs), mode=int(mode)):
+                text = jax.export.export(jax.jit(f), platforms=["tpu"])(ctx, plan, ids).mlir_module()
+                self.assertEqual(text.count("tpu_custom_call"), 4)  # seeds, chain, stores in 2 calls
+
 
 class TpuRegistryTest(absltest.TestCase):
     """The registry picks the TPU kernel where the data lives on a TPU (the platform faked on a CPU)."""
