@@ -262,6 +262,31 @@ class TpuWriteTest(write_suite.WriteSuite, absltest.TestCase):
         self.assertEqual(h.record(52)[2], s64(oracle.mix3(H, 7, 10)))  # seed 50 read before request 1 rewrote it
         self.assertEqual(h.slot_counter(), 46 + 2 + 1 + 6)
 
+    def test_tpu_fuzz_against_the_oracle(self):
+        # Seeded launches on one harness (state carried; the harness compares the whole state with the Python-int
+        # oracle after each): ragged requests, one of them long, random seeds (some just written, some past the
+        # buffer), duplicate, negative and out-of-range slots, positions that sometimes follow the seed.
+        rng = np.random.default_rng(11)
+        n = self.NUM_SLOTS
+        h = self.harness()
+        for launch in range(3):
+            reqs, left = [], self.NUM_TOKENS
+            for r in range(int(rng.integers(1, self.WRITE_REQ_CAPACITY + 1))):
+                count = min(left, int(rng.integers(12, 20)) if r == 0 else int(rng.integers(0, 5)))
+                left -= count
+                seed = int(rng.choice([-1, int(rng.integers(0, n)), n + 2]))
+                p0 = int(rng.integers(0, 4))
+                ents = []
+                for k in range(count):
+                    slot = int(
+                        rng.choice([int(rng.integers(0, 40)), -1, n + int(rng.integers(0, 3))], p=[0.8, 0.1, 0.1])
+                    )
+                    tok, pos = int(rng.integers(-5, 1 << 40)), p0 + k + int(rng.random() < 0.1)
+                    ents.append((slot, tok, pos, tok + int(rng.random() < 0.2), pos + int(rng.random() < 0.2)))
+                reqs.append((seed, ents))
+            h.write(reqs, input_assert=bool(launch % 2), num_valid_reqs=len(reqs) - int(rng.random() < 0.3))
+        self.assertGreater(h.write_index, 0)
+
     def test_tpu_config_write_refusals(self):
         for kw in ({"write_block": 12}, {"write_req_block": 0}, {"write_prefetch_entries": 4}):
             with self.assertRaisesRegex(
