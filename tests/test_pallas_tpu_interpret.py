@@ -297,8 +297,8 @@ class TpuWriteTest(write_suite.WriteSuite, absltest.TestCase):
 
 class TpuWriteX64Test(TpuWriteTest):
     """The same kernels with ``jax_enable_x64`` on, over a subset that reaches every kernel path (chains from
-    seeds, both asserts, skipped and out-of-range slots, duplicates, two real-KV sources, boundary values,
-    the tiling edges)."""
+    seeds, both asserts, skipped and out-of-range slots, duplicates, boundary values, the tiling edges; the real-KV
+    fold is the verify's, run with x64 on by ``TpuVerifyX64Test``)."""
 
     X64 = True
     X64_SUBSET = frozenset(
@@ -309,7 +309,6 @@ class TpuWriteX64Test(TpuWriteTest):
             "test_write_out_of_range_seed_reads_zero_record",
             "test_write_seeds_read_before_launch",
             "test_write_duplicate_slot_later_entry_wins",
-            "test_write_two_sources_literal",
             "test_write_boundary_values",
             "test_tpu_long_chain_across_blocks_and_calls",
         }
