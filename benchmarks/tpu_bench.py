@@ -8,9 +8,9 @@ the expected figures it should be checked against).
 * Kernel cases: ``benchmarks.kernel_cases.cases`` (the same ids and sizes as ``benchmarks.bench``: ``--entries``
   entries over a ``--pool``-slot pool, chains of 1024 tokens, 256-byte source rows; the writes 1 x
   ``--long-tokens`` and ``--decode-reqs`` x 1). Verify: ``pallas_kernels.tpu.verify.verify_tpu`` (compiled) and
-  ``verify_reference``, their rings compared. Write: the ``pallas_tpu`` backend's write *is*
-  ``write_reference`` (``canary_jax.ops.backends.REFERENCE_FALLBACKS``), so it is timed once, labelled so. The
-  canary is populated with the reference write (bench.py uses the GPU Pallas write, interpreted off a GPU).
+  ``verify_reference``, their rings compared. Write: ``pallas_kernels.tpu.write.write_tpu`` (compiled) and
+  ``write_reference``, their canary buffers and logs compared. The canary is populated with the reference write
+  (bench.py uses the GPU Pallas write, interpreted off a GPU).
   Timing: ``benchmarks.harness.time_jax``, bench.py's method (a jitted, donating ``fori_loop`` of ``n`` launches
   minus an empty program, median over repetitions, after ``block_until_ready``).
 * Serving step: ``python -m benchmarks.serving_step`` in process, once per backend (``pallas_tpu``,
@@ -220,20 +220,32 @@ def run_write(case, data, args, rec):
     plan = canary_jax.WritePlan.from_requests(counts=[length] * reqs, seed_slots=seeds)
     ids_np = data.rng.integers(0, 1 << 31, t)
     consts = (plan, harness.int64_pairs(ids_np), harness.int64_pairs(positions), harness.int64_pairs(slots), tensors)
-    write = backends.implementation("write", "pallas_tpu", platform="tpu")
-    assert write is reference.write_reference  # the pallas_tpu write is the reference write (no TPU kernel yet)
+    from pallas_kernels.tpu.write import write_tpu
 
-    def step(state, c):
-        ctx = harness.make_context(state[0], state[1], harness.with_tensors(srcs, c[4]), case.mode)
-        out = write(ctx, c[0], c[1], c[2], c[3])
-        return out.canary_buf, out.log
+    def step(fn):
+        def f(state, c):
+            ctx = harness.make_context(state[0], state[1], harness.with_tensors(srcs, c[4]), case.mode)
+            out = fn(ctx, c[0], c[1], c[2], c[3])
+            return out.canary_buf, out.log
 
-    state = (jnp.copy(buf0), canary_jax.ViolationLog.allocate(ring_capacity=1024))
-    # decode: 20x the launches (bench.py's count); the long write (a serial while loop of length steps): once
+        return f
+
+    # decode: 20x the launches (bench.py's count); the long write (a serial chain of length steps): once
     n, reps = (20 * args.n_write, args.reps) if length == 1 else (1, 1)
-    tp, state, info = harness.time_jax(step, state, consts, n=n, reps=reps)
-    rec["reference_write"] = {"us_per_call": tp * 1e6, **info, "write_index": int(state[1].write_index[0])}
-    rec["note"] = "backend pallas_tpu's write is write_reference (no TPU write kernel): one timing serves both"
+    states = {}
+    for name, fn in (
+        ("pallas_tpu", lambda ctx, *a: write_tpu(ctx, *a, interpret=INTERPRET)),
+        ("reference", reference.write_reference),
+    ):
+        state = (jnp.copy(buf0), canary_jax.ViolationLog.allocate(ring_capacity=1024))
+        tp, state, info = harness.time_jax(step(fn), state, consts, n=n, reps=reps)
+        rec[name] = {"us_per_call": tp * 1e6, **info, "write_index": int(state[1].write_index[0])}
+        states[name] = state
+    (buf_p, log_p), (buf_r, log_r) = states["pallas_tpu"], states["reference"]
+    rec["equal_to_reference"] = bool(np.array_equal(np.asarray(buf_p), np.asarray(buf_r))) and all(
+        np.array_equal(np.asarray(getattr(log_p, f)), np.asarray(getattr(log_r, f)))
+        for f in ("ring", "write_index", "slot_run_counters", "kernel_run_counters")
+    )
 
 
 def run_kernel_cases(a, results, dump, hbm):
@@ -246,7 +258,7 @@ def run_kernel_cases(a, results, dump, hbm):
         rec["entries"] = args.entries if case.op == "verify" else case.reqs * case.length
         try:
             (run_verify if case.op == "verify" else run_write)(case, data, args, rec)
-            key = "pallas_tpu" if case.op == "verify" else "reference_write"
+            key = "pallas_tpu"
             us = rec[key]["us_per_call"]
             rec["gb_s"] = rec["needed_bytes"] / (us * 1e-6) / 1e9 if us > 0 else None
             rec["hbm_frac"] = rec["gb_s"] * 1e9 / hbm if (hbm and rec["gb_s"]) else None
@@ -259,7 +271,7 @@ def run_kernel_cases(a, results, dump, hbm):
 
 def table(results) -> str:
     lines = [
-        "| case | pallas_tpu verify us | reference us | equal | GB/s needed | % of HBM | note |",
+        "| case | pallas_tpu us | reference us | equal | GB/s needed | % of HBM | note |",
         "|---|---|---|---|---|---|---|",
     ]
 
@@ -268,9 +280,9 @@ def table(results) -> str:
 
     for cid, r in results["cases"].items():
         p = r.get("pallas_tpu", {}).get("us_per_call")
-        ref = r.get("reference", r.get("reference_write", {})).get("us_per_call")
+        ref = r.get("reference", {}).get("us_per_call")
         frac = r.get("hbm_frac")
-        note = r.get("error") or ("write = reference (pallas_tpu binds it)" if "reference_write" in r else "")
+        note = r.get("error") or ""
         lines.append(
             f"| {cid} | {f(p)} | {f(ref)} | {r.get('equal_to_reference', '-')} | {f(r.get('gb_s'), '{:.0f}')} | "
             f"{f(None if frac is None else 100 * frac)} | {note} |"

@@ -18,7 +18,7 @@ Two counts per mode:
   the program, every switch branch included), ``stablehlo.case`` / ``while`` / ``gather`` / ``scatter`` / ``sort``.
   XLA:TPU's fusion runs only in the TPU compiler, so this is not the number of TPU programs' fused ops.
 
-The TPU kernel is forced compiled (``interpret=False``) for the trace: on a CPU the registry would pick the TPU
+The TPU kernels are forced compiled (``interpret=False``) for the trace: on a CPU the registry would pick the TPU
 interpret mode, whose trace is the interpreter's, not the kernel's.
 
 Usage: ``python -m benchmarks.tpu_launches [--batch 1,128] [--modes none,partial,all] [--json PATH]``.
@@ -53,10 +53,12 @@ HLO_OPS = ("tpu_custom_call", "stablehlo.case", "stablehlo.while", "stablehlo.ga
 
 
 def force_compiled_tpu_kernel() -> None:
-    """Traces the TPU verify kernel as compiled for a TPU (``interpret=False``) on any host."""
+    """Traces the TPU verify and write kernels as compiled for a TPU (``interpret=False``) on any host."""
     from pallas_kernels.tpu import verify as tpu_verify
+    from pallas_kernels.tpu import write as tpu_write
 
     tpu_verify.interpret_params = lambda interpret, context, config: False
+    tpu_write.interpret_params = lambda interpret, context, config: False
 
 
 def _subjaxprs(eqn):

@@ -1,11 +1,13 @@
-"""The shared verify suites (``tests/helpers/verify_suite.py`` with its real-KV part) against the Pallas TPU
-(Mosaic) verify kernel, ``pallas_kernels.tpu.verify.verify_tpu``, and the registry's choice of it on a TPU.
+"""The shared verify suites (``tests/helpers/verify_suite.py`` with its real-KV part) and the write suite
+(``tests/helpers/write_suite.py``) against the Pallas TPU (Mosaic) kernels, ``pallas_kernels.tpu.verify.verify_tpu``
+and ``pallas_kernels.tpu.write.write_tpu``, and the registry's choice of them on a TPU.
 
 Without a TPU (CI) the kernel runs in Pallas's TPU interpret mode (``pltpu.InterpretParams``, reads out of bounds
 raise, uninitialised memory NaN-filled), with race detection on: the interpreter emulates the HBM / VMEM / SMEM
 memory spaces, the async copies and their semaphores, not the speed. Sizes pick the tiling edges (blocks of 16
 entries: several live blocks, a partial last block, blocks past ``num_valid`` that copy nothing), not large
-counts. ``TpuVerifyX64Test`` runs the same suites with ``jax_enable_x64`` on.
+counts. ``TpuVerifyX64Test`` runs the same suites with ``jax_enable_x64`` on; ``TpuWriteTest`` /
+``TpuWriteX64Test`` do the same for the write (blocks of 16 entries and 8 requests, store calls of 40 entries).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from absl.testing import absltest
 import canary_jax
 from canary_jax.adapters import layouts as adapter_layouts
 from canary_jax.ops import backends, reference
-from helpers import public_suite, verify_suite
-from helpers.suite_base import ALL, B_RKV, PARTIAL, SrcSpec
+from helpers import oracle, public_suite, verify_suite, write_suite
+from helpers.suite_base import ALL, B_RKV, B_WPOS, PARTIAL, H, SrcSpec, s64
 from pallas_kernels.tpu.config import TpuConfig
 from pallas_kernels.tpu.verify import verify_tpu
+from pallas_kernels.tpu.write import write_tpu
 
 
 def _races_found() -> bool:
@@ -43,6 +46,29 @@ def _race_checked(fn):
         out = fn(*args, **kwargs)
         jax.block_until_ready(out.log.write_index)
         if _races_found():
+            raise AssertionError("the TPU interpreter reported a race (see the RACE DETECTED lines above)")
+        return out
+
+    return checked
+
+
+def _all_calls_race_checked(fn):
+    """``fn`` (a write: several ``pallas_call`` s) that fails when the race detector flagged any of its calls: every
+    detector state the interpreter creates during the launch is kept and read afterwards."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+
+    def checked(*args, **kwargs):
+        made = []
+
+        class Recording(ipc.RaceDetectionState):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                made.append(self)
+
+        with mock.patch.object(ipc, "RaceDetectionState", Recording):
+            out = fn(*args, **kwargs)
+            jax.block_until_ready((out.canary_buf, out.log.write_index))
+        if any(r.races_found for r in made):
             raise AssertionError("the TPU interpreter reported a race (see the RACE DETECTED lines above)")
         return out
 
@@ -184,9 +210,114 @@ class TpuVerifyX64Test(TpuVerifyTest):
     )
 
 
+def _reference_verify(context, plan, *, config=None, **kwargs):
+    """The reference verify with the harness's ``config=`` dropped: the write classes check what a write stored with
+    it (the TPU verify has its own classes above, and interpret-mode time is CI's)."""
+    del config
+    return reference.verify_reference(context, plan, **kwargs)
+
+
+class TpuWriteTest(write_suite.WriteSuite, absltest.TestCase):
+    """The write suite against ``write_tpu`` in TPU interpret mode, race detection on for each of its calls. The
+    sizes pick the tiling edges: 32 tokens in chain blocks of 16 (a request's chain crosses blocks), 16 requests
+    in seed blocks of 8 (the seed copies double-buffered), stores in calls of 24 and 8 entries (the SMEM bound;
+    the first call ends in a partial block)."""
+
+    BACKEND = "pallas_tpu"
+    VERIFY_IMPL = staticmethod(_reference_verify)
+    WRITE_IMPL = staticmethod(_all_calls_race_checked(backends.implementation("write", "pallas_tpu")))
+    CONFIG = TpuConfig(write_block=16, write_req_block=8, write_prefetch_entries=24, detect_races=True)
+    WRITE_REQ_CAPACITY = 16
+    NUM_TOKENS = 32
+    X64 = False
+    X64_SUBSET: frozenset[str] | None = None  # tests this class runs (None: all)
+
+    def setUp(self):
+        super().setUp()
+        if self.X64_SUBSET is not None and self._testMethodName not in self.X64_SUBSET:
+            self.skipTest("x64 on: runs the subset in X64_SUBSET (interpret mode is slow; CI's time)")
+        self.enter_context(jax.enable_x64(self.X64))
+
+    # --- tiling edges of the TPU kernels ---
+    def test_tpu_long_chain_across_blocks_and_calls(self):
+        # Blocks of 24 entries (64 = 24 + 24 + 16: a partial last chain block), seed calls of 8 requests (16 rows:
+        # two calls), store calls of 8 entries. One long request from a seed crosses every block, with a skipped
+        # slot, a slot past the buffer, a duplicate slot (the later entry wins) and a position jump; then short
+        # requests, one seeded from a slot the long request rewrites (it sees the old record).
+        cfg = TpuConfig(write_block=24, write_req_block=8, write_prefetch_entries=8, detect_races=True)
+        h = self.harness(config=cfg)
+        h.poke(50, [7, 10, H, 0])
+        long_ents = [(60 + k, 1000 + k, 11 + k) for k in range(48)]
+        long_ents[5] = (-1, 5, 16)  # skipped: no advance
+        long_ents[30] = (self.NUM_SLOTS + 3, 5, 41)  # past the buffer: skipped
+        long_ents[40] = (62, 77, 51)  # slot 62 again: this entry wins
+        long_ents[44] = (104, 1044, 99)  # a jump: chain-position row, the chain continues on 99
+        reqs = [(50, long_ents), (-1, [(50, 1, 0), (51, 2, 1)]), (50, [(52, 3, 11)])]
+        reqs += [(-1, [(110 + r, r, 0)]) for r in range(6)]
+        h.write(reqs, num_tokens=64)  # the harness compares everything with the oracle
+        # A skipped entry does not move run_pos, so the entry after each skip (slots 66, 91) is a jump too; after
+        # the jump to 99 the next entry (position 56) is one as well.
+        self.assertEqual([(r[1], r[7]) for r in h.rows()], [(s, B_WPOS) for s in (66, 91, 104, 105)])
+        self.assertEqual(h.record(62)[:2], (77, 51))
+        self.assertEqual(h.record(52)[2], s64(oracle.mix3(H, 7, 10)))  # seed 50 read before request 1 rewrote it
+        self.assertEqual(h.slot_counter(), 46 + 2 + 1 + 6)
+
+    def test_tpu_fuzz_against_the_oracle(self):
+        # Seeded launches on one harness (state carried; the harness compares the whole state with the Python-int
+        # oracle after each): ragged requests, one of them long, random seeds (some just written, some past the
+        # buffer), duplicate, negative and out-of-range slots, positions that sometimes follow the seed.
+        rng = np.random.default_rng(11)
+        n = self.NUM_SLOTS
+        h = self.harness()
+        for launch in range(3):
+            reqs, left = [], self.NUM_TOKENS
+            for r in range(int(rng.integers(1, self.WRITE_REQ_CAPACITY + 1))):
+                count = min(left, int(rng.integers(12, 20)) if r == 0 else int(rng.integers(0, 5)))
+                left -= count
+                seed = int(rng.choice([-1, int(rng.integers(0, n)), n + 2]))
+                p0 = int(rng.integers(0, 4))
+                ents = []
+                for k in range(count):
+                    slot = int(
+                        rng.choice([int(rng.integers(0, 40)), -1, n + int(rng.integers(0, 3))], p=[0.8, 0.1, 0.1])
+                    )
+                    tok, pos = int(rng.integers(-5, 1 << 40)), p0 + k + int(rng.random() < 0.1)
+                    ents.append((slot, tok, pos, tok + int(rng.random() < 0.2), pos + int(rng.random() < 0.2)))
+                reqs.append((seed, ents))
+            h.write(reqs, input_assert=bool(launch % 2), num_valid_reqs=len(reqs) - int(rng.random() < 0.3))
+        self.assertGreater(h.write_index, 0)
+
+    def test_tpu_config_write_refusals(self):
+        for kw in ({"write_block": 12}, {"write_req_block": 0}, {"write_prefetch_entries": 4}):
+            with self.assertRaisesRegex(
+                ValueError, r"^kv-canary: TpuConfig\.\w+ must be a positive multiple of 8, got"
+            ):
+                TpuConfig(**kw)
+
+
+class TpuWriteX64Test(TpuWriteTest):
+    """The same kernels with ``jax_enable_x64`` on, over a subset that reaches every kernel path (chains from
+    seeds, both asserts, skipped and out-of-range slots and seeds, duplicates, int64 boundary values, and
+    every call's int64 ``program_id`` in interpret mode; the real-KV fold is the verify's, run with x64 on by
+    ``TpuVerifyX64Test``). CI's time keeps it to this subset."""
+
+    X64 = True
+    X64_SUBSET = frozenset(
+        {
+            "test_write_resume_from_seed",
+            "test_write_input_assert_row_before_chain_row",
+            "test_write_negative_out_cache_loc_skipped",
+            "test_write_out_of_range_seed_reads_zero_record",
+            "test_write_seeds_read_before_launch",
+            "test_write_duplicate_slot_later_entry_wins",
+            "test_write_boundary_values",
+        }
+    )
+
+
 class TpuPublicEntryTest(public_suite.PublicEntrySuite, absltest.TestCase):
-    """``canary_jax.verify`` / ``write`` with ``backend="pallas_tpu"`` (the TPU verify with its default
-    configuration, interpreted here; the reference write): validation before tracing, donation, and a fuzzed
+    """``canary_jax.verify`` / ``write`` with ``backend="pallas_tpu"`` (the TPU verify and write with their default
+    configuration, interpreted here): validation before tracing, donation, and a fuzzed
     write/verify pipeline against the oracle."""
 
     BACKEND = "pallas_tpu"
@@ -251,6 +382,35 @@ class TpuLoweringTest(absltest.TestCase):
                 text = jax.export.export(jax.jit(f), platforms=["tpu"])(ctx, plan).mlir_module()
                 self.assertIn("tpu_custom_call", text)
 
+    def test_write_exports_for_tpu(self):
+        # The three write calls (seeds, chain, stores) lower to Mosaic: with and without sources, with the assert.
+        from pallas_kernels.tpu.write import _write_jit
+
+        n, t = 128, 48
+        dense = canary_jax.RealKvSource(
+            tensor=np.zeros((n // 2, 512), np.uint8), page_size=2, num_bytes_per_token=256, read_bytes=256
+        )
+        chunked = adapter_layouts.sources_for_heads_major(np.zeros((2, n // 4, 4, 8), jax.numpy.bfloat16))
+        plan = canary_jax.WritePlan.from_requests(counts=[30, 10, 8], seed_slots=[-1, 5, 7])
+        ids = jax.numpy.zeros((t, 2), np.uint32)
+        for srcs, mode, check in (((), 0, True), ((dense, *chunked), ALL, False), ((dense,), PARTIAL, True)):
+            ctx = canary_jax.VerifyOrWriteContext(
+                canary_buf=jax.numpy.zeros((n, 32), np.uint8),
+                kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+                log=canary_jax.ViolationLog.allocate(ring_capacity=8),
+                real_kv_sources=srcs,
+                real_kv_hash_mode=mode,
+            )
+
+            def f(c, p, a, check=check):
+                e = a if check else None
+                cfg = TpuConfig(write_block=16, write_req_block=8, write_prefetch_entries=32)
+                return _write_jit(c, p, a, a, a, e, e, assert_inputs=check, interpret=False, config=cfg)
+
+            with self.subTest(sources=len(srcs), mode=int(mode)):
+                text = jax.export.export(jax.jit(f), platforms=["tpu"])(ctx, plan, ids).mlir_module()
+                self.assertEqual(text.count("tpu_custom_call"), 4)  # seeds, chain, stores in 2 calls
+
 
 class TpuRegistryTest(absltest.TestCase):
     """The registry picks the TPU kernel where the data lives on a TPU (the platform faked on a CPU)."""
@@ -288,9 +448,14 @@ class TpuRegistryTest(absltest.TestCase):
         bound = backends.implementation("verify", "pallas_tpu", platform="cpu")
         self.assertIs(bound, backends.implementation("verify", "pallas_tpu", platform="cpu"))  # one cache key
 
-    def test_tpu_write_is_the_reference_by_name(self):
-        self.assertIn(("pallas_tpu", "write"), backends.REFERENCE_FALLBACKS)
-        self.assertIs(backends.implementation("write", "pallas_tpu", platform="tpu"), reference.write_reference)
+    def test_tpu_write_is_the_tpu_kernel(self):
+        self.assertNotIn(("pallas_tpu", "write"), backends.REFERENCE_FALLBACKS)
+        self.assertEqual(backends.REFERENCE_FALLBACKS, frozenset())
+        fn = backends.implementation("write", "pallas_tpu", platform="tpu")
+        self.assertIs(fn.func, write_tpu)
+        self.assertEqual(fn.keywords, {"interpret": False})  # compiled on a TPU
+        self.assertEqual(backends.implementation("write", "pallas_tpu", platform="cpu").keywords, {"interpret": True})
+        self.assertIs(backends.implementation("write", "reference"), reference.write_reference)
 
     def test_default_backend_tpu_reaches_the_tpu_kernel(self):
         # CanaryGuard and the command line pass no backend: on a TPU host they resolve to pallas_tpu, and the

@@ -54,10 +54,12 @@ class TpuBenchTest(absltest.TestCase):
 
 
 class TpuLaunchCountTest(absltest.TestCase):
-    def test_decode_b1_step_has_two_tpu_verify_kernels(self):
+    def test_decode_b1_step_has_the_tpu_verify_and_write_kernels(self):
         tpu_launches.force_compiled_tpu_kernel()
         r = tpu_launches.count_step(1, "partial", sweep=False)
-        self.assertEqual(r["path_kernels"], {"canary_verify_tpu": 2})  # HEAD and TAIL verify; write is jnp
+        write_kernels = ("canary_write_seeds_tpu", "canary_write_chain_tpu", "canary_write_store_tpu")
+        want = {"canary_verify_tpu": 2, **{k: 2 for k in write_kernels}}  # HEAD and TAIL: verify and write each
+        self.assertEqual(r["path_kernels"], want)
         self.assertEqual(r["path_per_part"]["plan"]["pallas_call"], 0)
         self.assertGreater(r["tpu_stablehlo"]["tpu_custom_call"], 2)  # every prefix bucket's branch
 

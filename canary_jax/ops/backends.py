@@ -9,10 +9,9 @@ Backends:
 * ``reference``: the pure-jnp references (:mod:`canary_jax.ops.reference`), any platform.
 * ``pallas``: the Pallas GPU (Triton) kernels (:mod:`pallas_kernels`), compiled on a GPU and interpreted elsewhere.
 * ``pallas_tpu``: the Pallas TPU (Mosaic) kernels (:mod:`pallas_kernels.tpu`), compiled on a TPU and run in
-  Pallas's TPU interpret mode elsewhere. Verify is the TPU kernel. Write has no TPU kernel yet: this backend's
-  write is, explicitly and by name in :data:`IMPLEMENTATIONS`, the reference write
-  (:func:`canary_jax.ops.reference.write_reference`, pure jnp, which XLA compiles for the TPU), so a TPU
-  launch's bytes are the reference's either way; :data:`REFERENCE_FALLBACKS` lists the ops so bound.
+  Pallas's TPU interpret mode elsewhere: verify and write (short and long requests alike) are TPU kernels.
+  :data:`REFERENCE_FALLBACKS` lists any ``(backend, op)`` bound by name to a pure-jnp reference instead (none
+  today).
 
 The choice: the ``backend`` argument if given, else ``$CANARY_JAX_BACKEND`` if set, else ``pallas`` on a GPU
 platform, ``pallas_tpu`` on a TPU platform and ``reference`` elsewhere (so the command line and ``CanaryGuard``,
@@ -50,7 +49,7 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("pallas", "verify"): "pallas_kernels.verify:verify_pallas",
     ("pallas", "write"): "pallas_kernels.write:write_pallas",
     ("pallas_tpu", "verify"): "pallas_kernels.tpu.verify:verify_tpu",
-    ("pallas_tpu", "write"): "canary_jax.ops.reference:write_reference",  # no TPU write kernel yet: see below
+    ("pallas_tpu", "write"): "pallas_kernels.tpu.write:write_tpu",
 }
 """Each ``(backend, op)``'s implementation by name, ``"module:function"``, imported on first use by
 :func:`implementation` (so this module imports neither the references nor the kernels)."""
@@ -58,8 +57,9 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
 REFERENCE_FALLBACKS: frozenset[tuple[str, str]] = frozenset(
     key for key, name in IMPLEMENTATIONS.items() if key[0] != "reference" and name.startswith("canary_jax.ops.")
 )
-"""``(backend, op)`` pairs whose implementation is the pure-jnp reference on purpose (today: the ``pallas_tpu``
-write). They take no ``interpret=`` / ``config=``; :func:`implementation` returns the reference itself."""
+"""``(backend, op)`` pairs whose implementation is the pure-jnp reference on purpose (empty today: every backend
+has its own kernel for every op). They take no ``interpret=`` / ``config=``; :func:`implementation` returns the
+reference itself."""
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 """Platform names (JAX's ``default_backend()`` or a torch ``device.type``) that count as a GPU."""

@@ -51,14 +51,17 @@ def _copy(piece: Piece, hbm_refs, bufs, sem_ref, buf_slot, j, row, col):
     return pltpu.make_async_copy(src, dst, sem_ref.at[buf_slot])
 
 
-def _for_entries(first, count, block: int, body) -> None:
-    """``body(j, i)`` for ``j < block`` with ``i = first + j < count`` (int32 scalars)."""
+def _for_entries(first, count, block: int, body, when=None) -> None:
+    """``body(j, i)`` for ``j < block`` with ``i = first + j < count`` (int32 scalars) and, if given, ``when(i)``."""
 
     def step(j, carry):
         j = jnp.asarray(j).astype(I32)
         i = first + j
+        go = i < count
+        if when is not None:
+            go = go & when(jnp.minimum(i, count - 1))
 
-        @pl.when(i < count)
+        @pl.when(go)
         def _():
             body(j, i)
 
@@ -68,11 +71,24 @@ def _for_entries(first, count, block: int, body) -> None:
 
 
 def start_block(
-    pieces: Sequence[Piece], hbm_refs, bufs, sem_ref, slot_row_ref, prev_row_ref, *, first, count, block, buf_slot
+    pieces: Sequence[Piece],
+    hbm_refs,
+    bufs,
+    sem_ref,
+    slot_row_ref,
+    prev_row_ref,
+    *,
+    first,
+    count,
+    block,
+    buf_slot,
+    when: Callable[[jax.Array], jax.Array] | None = None,
 ) -> None:
     """Starts every piece's copy for entries ``first + j < count`` (``j < block``) into buffer ``buf_slot``.
 
-    ``slot_row_ref`` / ``prev_row_ref``: ``int32[n]`` in SMEM (scalar prefetch), indexed by entry.
+    ``slot_row_ref`` / ``prev_row_ref``: ``int32[n]`` in SMEM (scalar prefetch), indexed by entry. ``when(i)``
+    (optional, a scalar bool of the entry index, e.g. an SMEM read) skips the entries it is False for; pass the
+    same ``when`` to :func:`wait_block`. Rows of skipped entries are left as they were (unspecified).
     """
 
     def body(j, i):
@@ -81,11 +97,12 @@ def start_block(
             row, col = piece.address(s, p)
             _copy(piece, hbm_refs, bufs, sem_ref, buf_slot, j, row, col).start()
 
-    _for_entries(first, count, block, body)
+    _for_entries(first, count, block, body, when)
 
 
-def wait_block(pieces: Sequence[Piece], hbm_refs, bufs, sem_ref, *, first, count, block, buf_slot) -> None:
-    """Waits for the copies :func:`start_block` started with the same ``first`` / ``count`` / ``buf_slot``."""
+def wait_block(pieces: Sequence[Piece], hbm_refs, bufs, sem_ref, *, first, count, block, buf_slot, when=None) -> None:
+    """Waits for the copies :func:`start_block` started with the same ``first`` / ``count`` / ``buf_slot`` /
+    ``when``."""
 
     def body(j, i):
         del i
@@ -93,4 +110,4 @@ def wait_block(pieces: Sequence[Piece], hbm_refs, bufs, sem_ref, *, first, count
         for piece in pieces:
             _copy(piece, hbm_refs, bufs, sem_ref, buf_slot, j, zero, zero).wait()
 
-    _for_entries(first, count, block, body)
+    _for_entries(first, count, block, body, when)
