@@ -1,7 +1,17 @@
 """Test-session settings shared by every test module."""
 
-import jax
-import pytest
+import os
+import shutil
+
+# Without a GPU, XLA:CPU compiles the suite's programs at LLVM optimisation level 0. Most of the suite's time is
+# compiling interpreted Pallas kernels, which run a few times each: on the 2-core CI machine the step-safety Pallas
+# cases took 188 s instead of 344 s in one back-to-back pair. Integer results do not depend on the optimisation
+# level. Set before jax starts its backend; child processes inherit it; a caller's own XLA_FLAGS are kept.
+if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -16,15 +26,19 @@ def _release_compiled_programs():
 # The files that take longest on a 2-core CI machine (interpreted Pallas compiles, subprocesses), started first:
 # pytest-xdist hands whole files to its two workers in collection order (`--dist loadfile`), so a long file
 # collected last would run alone at the end while the other worker idles.
-SLOW_FIRST = (
+SLOW_FIRST = (  # by their worker seconds in one full run (2 workers, 2 cores)
     "test_step_safety.py",
-    "test_pallas_long_chain.py",
-    "test_pallas_units.py",
-    "test_serving_step_smoke.py",
-    "test_demo.py",
-    "test_sharded.py",
-    "test_pallas_interpret.py",
     "test_pallas_tpu_interpret.py",
+    "test_pallas_interpret.py",
+    "test_pallas_long_chain.py",
+    "test_sharded.py",
+    "test_pallas_units.py",
+    "test_buckets.py",
+    "test_native_prims.py",
+    "test_adapters_batches.py",
+    "test_reference_backend.py",
+    "test_demo.py",
+    "test_serving_step_smoke.py",
 )
 
 
