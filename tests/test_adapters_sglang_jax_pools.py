@@ -5,10 +5,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import jax.numpy as jnp
+import numpy as np
 from absl.testing import absltest
 
 from canary_jax.adapters.sglang_jax_pools import sglang_jax_pools
+from canary_jax.contract.constants import FailReason
 from canary_jax.contract.sources import SlotChunks
+
+RKV = FailReason.VERIFY_REAL_KV_HASH_MISMATCH
 
 
 def pools(size=16, page=4, heads=2, dim=8, layers=2, shape=None):
@@ -41,6 +45,55 @@ class SglangJaxPoolsTest(absltest.TestCase):
         self.assertEqual(k.chunks, SlotChunks(chunk_bytes=16, num_chunks=2, chunk_stride_bytes=32, offset_bytes=0))
         self.assertEqual(v.chunks.offset_bytes, 16)
         self.assertEqual(c.sources(kv)[0][1], ())  # the pool object works too; no V half unless asked
+
+    def test_guard_sized_from_the_pools(self):
+        kv, r2t, alloc = pools()
+        c = sglang_jax_pools(kv, r2t, allocator=alloc)
+
+        def write(kv_buffer, inputs):
+            rows = jnp.ones((inputs.out_cache_loc.shape[0], 4, 8), jnp.bfloat16) * inputs.input_ids[:, None, None]
+            return [kv_buffer[0].at[inputs.out_cache_loc].set(rows), *kv_buffer[1:]]
+
+        g = c.guard(write, mode="none")
+        self.assertEqual(g.capacities, c.capacities)
+        self.assertEqual(int(g.state.groups[0].k_head.shape[0]), 20)
+        self.assertIs(c.guard(write)._step_fn, g._step_fn)  # guards of one runner share their step programs
+        r2t_rows = np.zeros((5, 36), np.int32)
+        r2t_rows[0, :3] = [4, 5, 6]
+        batch = c.batch(
+            SimpleNamespace(
+                forward_mode="EXTEND",
+                input_ids=np.array([7, 8, 9, 0], np.int32),
+                positions=np.array([0, 1, 2, 0], np.int32),
+                out_cache_loc=np.array([4, 5, 6, -1], np.int32),
+                req_pool_indices=np.array([0, -1], np.int32),
+                seq_lens=np.array([3, 0], np.int32),
+                cache_loc=np.array([4, 5, 6, 0, 0, 0, 0, 0], np.int32),
+                extend_prefix_lens=np.array([0, 0], np.int32),
+                extend_seq_lens=np.array([3, 0], np.int32),
+            )
+        )
+        kv.kv_buffer = g.step(kv.kv_buffer, batch)
+        self.assertEqual(np.asarray(kv.kv_buffer[0][5, 0]).astype(np.int32).tolist(), [8] * 8)  # write_fn ran
+        kv.kv_buffer[0] = kv.kv_buffer[0].at[5, 2, 3].add(1)  # K head 1 of slot 5 changes after its step
+        batch2 = c.batch(
+            SimpleNamespace(
+                forward_mode="DECODE",
+                input_ids=np.array([10, 0], np.int32),
+                positions=np.array([3, 0], np.int32),
+                out_cache_loc=np.array([7, -1], np.int32),
+                req_pool_indices=np.array([0, -1], np.int32),
+                seq_lens=np.array([4, 0], np.int32),
+                cache_loc=np.array([4, 5, 6, 7, 0, 0, 0, 0], np.int32),
+            )
+        )
+        kv.kv_buffer = g.step(kv.kv_buffer, batch2)
+        g.flush()
+        self.assertEqual({(r.slot_idx, r.fail_reason_bits) for r in g.violations()}, {(5, int(RKV))})
+        with self.assertRaisesRegex(TypeError, r"write_fn must be callable, got int"):
+            c.guard(3)
+        with self.assertRaisesRegex(TypeError, r"\['num_slots'\] come from the pools"):
+            c.guard(write, num_slots=8)
 
     def test_refusals(self):
         kv, r2t, alloc = pools()

@@ -33,10 +33,12 @@ from canary_jax.adapters.layouts import sources_for_fused_kv
 from canary_jax.adapters.sglang_jax import from_sglang_jax_batch
 from canary_jax.contract.constants import RealKvHashMode
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
+from canary_jax.runtime.guard import CanaryGuard
 from canary_jax.runtime.state import CanaryBatch, CanaryStepConfig
 from canary_jax.runtime.step_inputs import CanaryCapacities
 
 _WHO = "sglang_jax_pools"
+_GUARD_STEPS: dict = {}  # (pools, write_fn, v_half, read_bytes) -> step_fn: guards of one runner share programs
 
 
 def _attr(obj: Any, name: str, what: str) -> Any:
@@ -129,6 +131,56 @@ class SglangJaxPools:
         k = sources_for_fused_kv(layer, half="k", **kw)
         v = sources_for_fused_kv(layer, half="v", **kw) if v_half else ()
         return ((k, v),)
+
+    def guard(self, write_fn: Any, *, v_half: bool = False, read_bytes: int | None = None, **kw: Any) -> CanaryGuard:
+        """A :class:`~canary_jax.runtime.guard.CanaryGuard` sized from these pools, around your KV write.
+
+        ``write_fn(kv_buffer, inputs)`` is your model step: it gets the pool's ``kv_buffer`` list (traced) and
+        the guard's :class:`~canary_jax.runtime.step_inputs.StepInputs` (int32 ``input_ids`` / ``positions`` /
+        ``out_cache_loc``, padding tokens at slot 0), and returns the new ``kv_buffer`` list, or
+        ``(kv_buffer, outputs)``. The guard hashes :meth:`sources` of the returned list, so no source is built
+        by hand. Per forward: ``pool.kv_buffer = guard.step(pool.kv_buffer, canary.batch(forward_batch))``
+        (``kv_buffer`` is donated; with outputs, ``step`` returns ``(kv_buffer, outputs)``).
+
+        Args:
+          write_fn: the KV write; pass the same function object for every guard of this runner (the step
+            program is keyed on it).
+          v_half, read_bytes: as :meth:`sources` (``v_half=True`` also sets ``has_v_half`` / ``enable_v_half``).
+          **kw: the rest of :class:`CanaryGuard`'s keywords (``mode``, ``real_kv_hash_mode``, ``sweep_interval``,
+            ``on_violations``, the asserts, ...); ``num_slots``, ``max_batch_size``, ``max_seq_len`` and
+            ``capacities`` come from these pools.
+
+        Raises:
+          TypeError: ``write_fn`` not callable, or a sizing keyword given (the pools fix them).
+        """
+        if not callable(write_fn):
+            raise TypeError(
+                f"kv-canary: SglangJaxPools.guard: write_fn must be callable, got {type(write_fn).__name__}"
+            )
+        fixed = sorted({"num_slots", "max_batch_size", "max_seq_len", "capacities", "groups"} & set(kw))
+        if fixed:
+            raise TypeError(f"kv-canary: SglangJaxPools.guard: {fixed} come from the pools; do not pass them")
+        key = (self, write_fn, bool(v_half), read_bytes)
+        step_fn = _GUARD_STEPS.get(key)
+        if step_fn is None:
+
+            def step_fn(kv_buffer, inputs):
+                out = write_fn(kv_buffer, inputs)
+                kv, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+                return (kv, self.sources(kv, v_half=v_half, read_bytes=read_bytes), *rest)
+
+            _GUARD_STEPS[key] = step_fn
+        if v_half:
+            kw.setdefault("has_v_half", True)
+            kw.setdefault("enable_v_half", True)
+        return CanaryGuard(
+            step_fn,
+            num_slots=self.num_slots,
+            max_batch_size=self.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            capacities=self.capacities,
+            **kw,
+        )
 
     def batch(self, forward_batch: Any, **kw: Any) -> CanaryBatch:
         """:func:`~canary_jax.adapters.sglang_jax.from_sglang_jax_batch` with this runner's

@@ -77,6 +77,9 @@ class ServeConfig:
     # compiles once per page size (each compile costs tens of seconds of a loaded CI core); None = its defaults
     precompile_bs_paddings: tuple[int, ...] | None = (4,)
     real_kv_hash_mode: str = "ALL"  # NONE, PARTIAL or ALL
+    # "step": the step API around the write (canary_plan / canary_head / write / canary_tail); "guard": one
+    # CanaryGuard (SglangJaxPools.guard) runs plan, HEAD, the write and TAIL, reporting one step late
+    canary: str = "step"
     seed: int = 0
 
 
@@ -98,6 +101,28 @@ def workload(seed: int) -> list[tuple[int, str, list[int], int]]:
             out.append((at, f"r{len(out):02d}", prompt, 6 + (len(out) * 5) % 17))
     out.append((30, f"r{len(out):02d}", out[0][2], 10))
     return out
+
+
+def guard_write(kv_buffer, inputs):
+    """The guard's ``write_fn``: the pool's own write (``MHATokenToKVPool.set_kv_buffer_legacy``) on the traced
+    ``kv_buffer`` list, K/V from :func:`fake_kv`. Module-level, so every guard shares its programs."""
+    heads, dim = kv_buffer[0].shape[1] // 2, kv_buffer[0].shape[2]
+    view = SimpleNamespace(kv_buffer=list(kv_buffer), start_layer=0)  # the fields the write reads
+    for layer in range(len(kv_buffer)):
+        k, v = fake_kv(layer, inputs.input_ids, inputs.positions, heads, dim)
+        view.kv_buffer[layer] = MHATokenToKVPool.set_kv_buffer_legacy(view, layer, inputs.out_cache_loc, k, v)
+    return view.kv_buffer
+
+
+class _ListLogger(logging.Logger):
+    """The guard's logger: keeps its warnings (SGLang's violation text) in a list."""
+
+    def __init__(self, sink: list[str]):
+        super().__init__("canary_jax.sgl_serving")
+        self.sink = sink
+
+    def warning(self, msg, *args, **kw):
+        self.sink.append(msg % args if args else msg)
 
 
 class FakeWorker:
@@ -227,6 +252,21 @@ class Server:
             enable_verify_token_assert=True,
         )
         self.state = CanaryState.create(self.canary.groups(), ring_capacity=256)
+        self.guard = None
+        self.guard_logs: list[str] = []  # the guard's log-mode warnings (SGLang's text)
+        if cfg.canary == "guard":
+            self.guard = self.canary.guard(
+                guard_write,
+                real_kv_hash_mode=self.config.real_kv_hash_mode,
+                mode="log",
+                ring_capacity=256,
+                enable_write_input_assert=True,
+                enable_verify_token_assert=True,
+                on_violations=self._guard_records,
+                log=_ListLogger(self.guard_logs),
+            )
+        elif cfg.canary != "step":
+            raise ValueError(f"ServeConfig.canary must be 'step' or 'guard', got {cfg.canary!r}")
         self.it, self.forwards, self.seen = 0, [], 0
         self.prefix_hits = self.chunked = self.reused_slots = 0  # extend rows with a radix prefix, chunked rows
         self.written: set[int] = set()
@@ -259,6 +299,8 @@ class Server:
         if self.fault is not None:
             fb = self.fault(self, fb)
         batch = self.canary.batch(fb, expected_inputs=ex, expected_tokens=pool, expected_tokens_valid_lens=valid)
+        if self.guard is not None:
+            return self._guarded_forward(mwb, fb, batch)
         plans = canary_plan(self.state, batch, config=self.config)
         self.state, plans = canary_head(self.state, batch, config=self.config, plans=plans)
         with jax.set_mesh(self.mesh):  # as ModelRunner._forward_raw (jax 0.8 has no use_mesh)
@@ -270,6 +312,20 @@ class Server:
         records = decode_violations(self.state.log, start=self.seen)
         self.seen += len(records)
         self.violations += [(self.it, r) for r in records]
+        return self._account(mwb, fb)
+
+    def _guarded_forward(self, mwb, fb, batch):
+        """The guard's path: one program (plan, HEAD, :func:`guard_write`, TAIL); records arrive one step late
+        through ``on_violations``."""
+        with jax.set_mesh(self.mesh):
+            self.pool.kv_buffer = self.guard.step(self.pool.kv_buffer, batch)
+        return self._account(mwb, fb)
+
+    def _guard_records(self, records, *, step):
+        it = self.forwards[step][0]  # the iteration of guard step ``step`` (one forward per step)
+        self.violations += [(it, r) for r in records]
+
+    def _account(self, mwb, fb):
         self.forwards.append((self.it, fb.forward_mode.name, [r.rid for r in self.sched.cur_batch.reqs]))
         reqs = self.sched.cur_batch.reqs
         if not fb.forward_mode.is_decode():
