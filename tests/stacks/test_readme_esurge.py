@@ -7,11 +7,7 @@ Skipped when easydel is not importable, unless ``CANARY_REQUIRE_STACKS=1`` and `
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
-import pathlib
-import re
 import unittest
 
 try:
@@ -23,32 +19,19 @@ except ImportError as e:
 
 import jax
 import numpy as np
+import readme_blocks
 from absl.testing import absltest
 
 from canary_jax.runtime.report import CanaryViolationError
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-
-
-def section() -> tuple[int, str]:
-    text = README.read_text()
-    m = re.search(r"^## EasyDeL eSurge: turn it on in (\d+) lines\n(.*?)^## ", text, re.S | re.M)
-    assert m, "README has no '## EasyDeL eSurge: turn it on in N lines' section"
-    code = re.search(r"```python\n(.*?)```", m.group(2), re.S)
-    assert code, "the section has no python block"
-    return int(m.group(1)), code.group(1)
-
 
 class ReadmeEsurgeTest(absltest.TestCase):
     def test_block_runs_counts_its_lines_and_catches_a_flip(self):
-        n, code = section()
-        marked = [line for line in code.splitlines() if re.search(r"#\s*canary\b", line)]
+        n, code = readme_blocks.section("EasyDeL eSurge")
+        marked = readme_blocks.marked_lines(code)
         self.assertEqual(len(marked), n, marked)
-        ns = {"__name__": "__readme__"}
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            exec(compile(code, str(README), "exec"), ns)
-        self.assertEqual(out.getvalue().split(), ["0"])
+        ns, out = readme_blocks.run_block(code)
+        self.assertEqual(out.split(), ["0"])
         self.assertEqual(ns["canary"].num_slots, 16 * 4)
         # slot 4 (page 1, offset 0), layer 0, K head 1 (combined head 2): bytes 256.. of the K sequence
         cache = ns["cache"]
