@@ -29,7 +29,7 @@ from jax import lax
 from jax._src.lax import lax as lax_internal
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from interop.native import prims, prims_views
+from interop.native import jaxpr_compat, prims, prims_views
 
 INLINE = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat", "checkpoint")
 IN_PLACE = ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-max", "scatter-min")
@@ -111,6 +111,9 @@ class Evaluator:
             if isinstance(sub, jcore.ClosedJaxpr):
                 return self.jaxpr(sub.jaxpr, sub.consts, ins)
             return self.jaxpr(sub, (), ins)
+        if name == jaxpr_compat.HI_CALL:
+            sub = jaxpr_compat.expansion(e)
+            return self.jaxpr(sub.jaxpr, sub.consts, ins)
         if name == "scan":
             return self.scan(e, ins)
         if name == "while":
@@ -133,7 +136,7 @@ class Evaluator:
 
     def scan(self, e, ins):
         p = e.params
-        nc, nk, body = p["num_consts"], p["num_carry"], p["jaxpr"]
+        (nc, nk), body = jaxpr_compat.scan_counts(p), p["jaxpr"]
         consts, carry, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
         ys = []
         n_pinned = len(self.pinned)

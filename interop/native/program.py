@@ -33,7 +33,7 @@ import jax.extend.core as jcore
 import numpy as np
 import torch
 
-from interop.native import prims, prims_views
+from interop.native import jaxpr_compat, prims, prims_views
 
 INLINED = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat", "checkpoint")
 """Primitives whose body is inlined into the step list."""
@@ -123,6 +123,9 @@ class _Builder:
             if isinstance(sub, jcore.ClosedJaxpr):
                 return self.inline(sub.jaxpr, sub.consts, ins)
             return self.inline(sub, (), ins)
+        if name == jaxpr_compat.HI_CALL:  # jax 0.12's high-level primitives (jnp.searchsorted): their expansion
+            sub = jaxpr_compat.expansion(eqn)
+            return self.inline(sub.jaxpr, sub.consts, ins)
         if name == "scan":
             return self.scan(eqn, ins)
         if name == "cond":
@@ -149,7 +152,7 @@ class _Builder:
 
     def scan(self, eqn, ins: list[int]) -> list[int]:
         p = eqn.params
-        length, nc, nk = int(p["length"]), int(p["num_consts"]), int(p["num_carry"])
+        length, (nc, nk) = int(p["length"]), jaxpr_compat.scan_counts(p)
         if length > MAX_UNROLL:
             raise NotNative(f"a scan of length {length} (the native path unrolls at most {MAX_UNROLL} trips)")
         body: jcore.ClosedJaxpr = p["jaxpr"]

@@ -188,6 +188,30 @@ class _CompileProxy:
 
 
 @contextlib.contextmanager
+def _gpu_info_without_a_gpu():
+    """jax 0.12 refuses to lower a Triton ``pallas_call`` with no GPU present where earlier jax fell back to compute
+    capability 9.0; this restores that fallback (the H200's info) for the lowering when no GPU is found."""
+    try:
+        from jax._src.pallas.triton import gpu_info as gi
+    except ImportError:  # jax <= 0.11: the lowering falls back by itself
+        yield
+        return
+    real = gi.get_gpu_info
+
+    def with_fallback():
+        try:
+            return real()
+        except ValueError:  # no GPU device
+            return gi._get_gpu_info_impl(gi.GpuVersion.H200)
+
+    gi.get_gpu_info = with_fallback
+    try:
+        yield
+    finally:
+        gi.get_gpu_info = real
+
+
+@contextlib.contextmanager
 def _skip_jaxlib_compile():
     try:
         from jax._src.pallas.triton import pallas_call_registration as reg
@@ -216,7 +240,7 @@ def _lower_and_print(eqn: Any, params: dict, avals_in: tuple) -> str:
         return eqn.primitive.bind(*args, **bind_params)
 
     buf = io.StringIO()
-    with _LOWER_LOCK, _skip_jaxlib_compile(), contextlib.redirect_stdout(buf):
+    with _LOWER_LOCK, _skip_jaxlib_compile(), _gpu_info_without_a_gpu(), contextlib.redirect_stdout(buf):
         try:
             jax.jit(launch).trace(*avals_in).lower(lowering_platforms=("cuda",))
         except Exception:  # noqa: BLE001 - ours (possibly wrapped by jax) once the TTIR is out; anything else raises
