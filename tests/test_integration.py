@@ -622,8 +622,9 @@ def decode_fields(n):
     return f
 
 
-def test_pallas_backend_guard_matches_the_oracle():
-    guard = make_guard(backend="pallas", sweep_interval=0, sweep_source=None, mode="none")
+@pytest.mark.parametrize("backend", ["pallas", "pallas_tpu"])  # the GPU kernels and the TPU kernels, interpreted
+def test_pallas_backend_guard_matches_the_oracle(backend):
+    guard = make_guard(backend=backend, sweep_interval=0, sweep_source=None, mode="none")
     pool, _ = guard.step(new_pool(), **prefill_fields(5))  # tokens 100..104 at positions 0..4, slots 2..6
     pool, _ = guard.step(pool, **decode_fields(5))
     before = np.asarray(pool).copy()
