@@ -16,6 +16,8 @@ import unittest
 
 import numpy as np
 
+from helpers.child_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 120
 
@@ -28,9 +30,7 @@ def free_port() -> int:
 
 class MultiProcessTest(unittest.TestCase):
     def test_fault_in_one_process_is_reported_once_with_its_shard(self):
-        env = dict(os.environ)
-        env.pop("XLA_FLAGS", None)
-        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        env = child_env()
         port = str(free_port())
         with tempfile.TemporaryDirectory() as tmp:
             outs = [os.path.join(tmp, f"p{i}.npz") for i in range(2)]

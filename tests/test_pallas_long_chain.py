@@ -34,6 +34,9 @@ class PallasLongChainTest(write_suite.WriteSuite, pipeline_suite.PipelineSuite, 
     WRITE_IMPL = staticmethod(backends.implementation("write", "pallas"))
     CONFIG = LONG_CONFIG
     FUZZ_SEEDS = tuple(range(3))
+    # The long role's source loads at both ends (one source at page 1, four at page 64); the cases between run
+    # through the lane role in tests/test_pallas_interpret.py (CI time).
+    SOURCE_CASES = ((1, 1), (4, 64))
 
     # Not run here: its requests have 2 entries, under the threshold, so no entry walks the long role; the same
     # lane-role launches (NONE, PARTIAL, ALL, short read_bytes) run byte for byte in tests/test_pallas_interpret.py,

@@ -14,6 +14,8 @@ import sys
 
 from absl.testing import absltest
 
+from helpers.child_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 TIMEOUT_S = 180
@@ -41,9 +43,7 @@ class ReadmeShardedTest(absltest.TestCase):
         self.assertIn(f"k_pool.at[{FAULT[0]}, {FAULT[1]}, {FAULT[2]}, 0].add(1)", code)
         self.assertIn("ShardLayout.create(dp=2, tp=2)", code)
         self.assertIn(f"SLOTS, HEADS, DIM = 32, {HEADS}, 8", code)
-        env = dict(os.environ)
-        env.pop("XLA_FLAGS", None)
-        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        env = child_env()
         proc = subprocess.run(
             [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
         )

@@ -1,8 +1,9 @@
-"""Smoke test of ``benchmarks.serving_step`` (issue #17) on the CPU: the ``--small`` path, every scenario and mode.
+"""Smoke test of ``benchmarks.serving_step`` (issue #17) on the CPU: the ``--small`` path, decode and prefill, every
+mode.
 
 One subprocess runs ``python -m benchmarks.serving_step --small`` (reference backend, XLA attention) with XLA's
 CPU backend optimisation off, which halves the compile time of the canary programs and changes no result. The
-test checks that every scenario x mode reports positive times, that the clean run records no violation with
+test checks that each scenario x mode reports positive times, that the clean run records no violation with
 every plan enabled and complete, and that a byte flipped in layer 0's K between steps is reported as a real-KV
 hash mismatch in PARTIAL and ALL (and, as expected, not in NONE): the benchmark measures a canary that checks.
 The profile attribution and the Pallas decode-attention wrapper (interpret mode) get small checks of their own.
@@ -23,7 +24,8 @@ import pytest
 from benchmarks import serving_step as ss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCENARIOS = ("decode1", "decode128", "prefill")
+# decode128 (8 requests in --small) and prefill; decode1 is its one-request case, left to the GPU runs (CI time)
+SCENARIOS = ("decode128", "prefill")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def small_run(tmp_path_factory):
         "benchmarks.serving_step",
         "--small",
         "--scenario",
-        "all",
+        ",".join(SCENARIOS + ("write4096",)),
         "--modes",
         "off,none,partial,all",
         "--parts",
@@ -58,7 +60,7 @@ def small_run(tmp_path_factory):
         return json.load(fh), proc.stdout
 
 
-def test_every_scenario_and_mode_has_positive_times(small_run):
+def test_each_scenario_and_mode_has_positive_times(small_run):
     res, stdout = small_run
     assert res["attention"]["decode"] == "xla" and res["attention"]["prefill"] == "xla"
     for name in SCENARIOS:

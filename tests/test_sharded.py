@@ -23,6 +23,7 @@ import numpy as np
 from canary_jax.cli.demo.faults import FAULT_KINDS
 from canary_jax.runtime import sharded
 from canary_jax.runtime.state import CanaryStepConfig
+from helpers.child_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARDS = [(d, t) for d in range(2) for t in range(2)]
@@ -31,9 +32,7 @@ REAL_KV_FIELD = slice(24, 32)
 
 
 def run_child(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env()
     return subprocess.run(
         [sys.executable, "-m", "tests.helpers.sharded_child", *args],
         cwd=ROOT,
@@ -275,9 +274,7 @@ class DemoDevicesTest(unittest.TestCase):
     """``canary-jax demo --devices 4`` on forced CPU devices: the campaign passes and names each shard."""
 
     def test_demo_devices_4(self):
-        env = dict(os.environ)
-        env.pop("XLA_FLAGS", None)
-        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        env = child_env()
         proc = subprocess.run(
             [sys.executable, "-m", "canary_jax", "demo", "--devices", "4", "--trials", "1", "--no-progress"],
             cwd=ROOT,
@@ -301,9 +298,7 @@ class DemoDevicesTest(unittest.TestCase):
     def test_demo_pools_are_head_sharded(self):
         """The demo engine's K/V pools live head-sharded on the 4 devices, the model's forward keeps them so
         (compiled once, only its [tokens, d_model] all-reduces), and no step moves the pool with a device_put."""
-        env = dict(os.environ)
-        env.pop("XLA_FLAGS", None)
-        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        env = child_env()
         proc = subprocess.run(
             [sys.executable, "-c", _POOL_CHILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
         )
@@ -331,7 +326,7 @@ class DemoDevicesTest(unittest.TestCase):
 
 _POOL_CHILD = r"""
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 import json, re
 import jax
 from canary_jax.cli.demo import engine, faults, model, workload

@@ -40,6 +40,9 @@ from helpers.suite_base import (
 class WriteSuite(SuiteBase):
     """Write behaviour every implementation must reproduce byte for byte."""
 
+    SOURCE_CASES = ((1, 1), (2, 4), (3, 16), (4, 64))
+    """``(sources, page_size)`` of test_write_one_to_four_sources_and_pages (one kernel variant each)."""
+
     def test_write_seed_minus_one_five_step_chain(self):
         h = self.harness()
         slots = [3, 9, 4, 120, 66]
@@ -250,7 +253,7 @@ class WriteSuite(SuiteBase):
 
     def test_write_one_to_four_sources_and_pages(self):
         rng = np.random.default_rng(2)
-        for n, page_size in ((1, 1), (2, 4), (3, 16), (4, 64)):
+        for n, page_size in self.SOURCE_CASES:
             srcs = []
             for _ in range(n):
                 rows_ = -(-self.NUM_SLOTS // page_size)
