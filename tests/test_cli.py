@@ -293,6 +293,17 @@ def test_plot_without_matplotlib_is_one_line_exit_2(capsys, monkeypatch, tmp_pat
     assert not (tmp_path / "chart.png").exists()
 
 
+def test_bad_backend_in_environment_is_one_line_exit_2(capsys, monkeypatch):
+    monkeypatch.setenv("CANARY_JAX_BACKEND", "foo")  # the default --backend auto reads it
+    rc, out, err = _run(capsys, ["demo", "--requests", "2"])
+    assert rc == 2 and out == ""
+    assert err == (
+        "canary-jax: error: $CANARY_JAX_BACKEND='foo': backend must be one of ('reference', 'pallas', 'pallas_tpu')\n"
+    )
+    rc, _, err = _run(capsys, ["demo", "--backend", "reference", "--requests", "2", "--max-new-tokens", "2"])
+    assert rc == 2 and "$CANARY_JAX_BACKEND" not in err  # an explicit --backend does not read it
+
+
 def test_progress_without_tqdm_is_a_no_op_with_one_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)
     err = io.StringIO()

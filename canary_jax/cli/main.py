@@ -38,6 +38,7 @@ def _demo(args) -> int:
     from canary_jax.cli.demo.summary import summarize
     from canary_jax.cli.demo.workload import PromptFileError
     from canary_jax.contract import constants
+    from canary_jax.ops import backends
 
     try:
         kinds = faults.parse_kinds(args.inject)
@@ -51,6 +52,15 @@ def _demo(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError(f"--plot needs matplotlib, which is not installed: {DEMO_EXTRA_HINT}") from None
+    if args.backend == "auto":  # the default reads $CANARY_JAX_BACKEND: a bad name is a usage error, not a crash
+        env = os.environ.get(backends.BACKEND_ENV) or None
+        if env is not None:
+            try:
+                backends.check_backend_name(env)
+            except ValueError:
+                raise UsageError(
+                    f"${backends.BACKEND_ENV}={env!r}: backend must be one of {backends.BACKENDS}"
+                ) from None
     if args.prompts is not None and not os.path.isfile(args.prompts):
         raise UsageError(f"--prompts {args.prompts!r}: file not found")
     campaign_cls = campaign.Campaign
