@@ -75,7 +75,20 @@ def _all_calls_race_checked(fn):
     return checked
 
 
-class TpuVerifyTest(verify_suite.VerifySuite, absltest.TestCase):
+class _X64Mode:
+    """Runs the class's tests with x64 ``X64``; with ``X64_SUBSET`` set, only the tests it names (the others skip)."""
+
+    X64 = False
+    X64_SUBSET: frozenset[str] | None = None  # tests this class runs (None: all)
+
+    def setUp(self):
+        super().setUp()
+        if self.X64_SUBSET is not None and self._testMethodName not in self.X64_SUBSET:
+            self.skipTest("x64 on: runs the subset in X64_SUBSET (interpret mode is slow; CI's time)")
+        self.enter_context(jax.enable_x64(self.X64))
+
+
+class TpuVerifyTest(_X64Mode, verify_suite.VerifySuite, absltest.TestCase):
     BACKEND = "pallas_tpu"
     VERIFY_IMPL = staticmethod(_race_checked(backends.implementation("verify", "pallas_tpu")))
     WRITE_IMPL = staticmethod(backends.implementation("write", "pallas_tpu"))
@@ -85,14 +98,6 @@ class TpuVerifyTest(verify_suite.VerifySuite, absltest.TestCase):
     # a capacity past a prefix bucket (64) and 13 blocks, with failures in the first, a middle and the last block.
     LARGE_ENTRIES = 200
     LARGE_BAD_ENTRIES = (3, 101)
-    X64 = False
-    X64_SUBSET: frozenset[str] | None = None  # tests this class runs (None: all)
-
-    def setUp(self):
-        super().setUp()
-        if self.X64_SUBSET is not None and self._testMethodName not in self.X64_SUBSET:
-            self.skipTest("x64 on: runs the subset in X64_SUBSET (interpret mode is slow; CI's time)")
-        self.enter_context(jax.enable_x64(self.X64))
 
     # --- tiling edges of the TPU kernel ---
     def test_tpu_partial_last_block_and_dead_blocks(self):
@@ -217,7 +222,7 @@ def _reference_verify(context, plan, *, config=None, **kwargs):
     return reference.verify_reference(context, plan, **kwargs)
 
 
-class TpuWriteTest(write_suite.WriteSuite, absltest.TestCase):
+class TpuWriteTest(_X64Mode, write_suite.WriteSuite, absltest.TestCase):
     """The write suite against ``write_tpu`` in TPU interpret mode, race detection on for each of its calls. The
     sizes pick the tiling edges: 32 tokens in chain blocks of 16 (a request's chain crosses blocks), 16 requests
     in seed blocks of 8 (the seed copies double-buffered), stores in calls of 24 and 8 entries (the SMEM bound;
@@ -229,14 +234,6 @@ class TpuWriteTest(write_suite.WriteSuite, absltest.TestCase):
     CONFIG = TpuConfig(write_block=16, write_req_block=8, write_prefetch_entries=24, detect_races=True)
     WRITE_REQ_CAPACITY = 16
     NUM_TOKENS = 32
-    X64 = False
-    X64_SUBSET: frozenset[str] | None = None  # tests this class runs (None: all)
-
-    def setUp(self):
-        super().setUp()
-        if self.X64_SUBSET is not None and self._testMethodName not in self.X64_SUBSET:
-            self.skipTest("x64 on: runs the subset in X64_SUBSET (interpret mode is slow; CI's time)")
-        self.enter_context(jax.enable_x64(self.X64))
 
     # --- tiling edges of the TPU kernels ---
     def test_tpu_long_chain_across_blocks_and_calls(self):
