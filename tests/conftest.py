@@ -35,6 +35,7 @@ SLOW_FIRST = (  # by their worker seconds in one full run (2 workers, 2 cores)
     "test_pallas_units.py",
     "test_buckets.py",
     "test_native_prims.py",
+    "test_native_prims_compiled.py",
     "test_adapters_batches.py",
     "test_reference_backend.py",
     "test_demo.py",
