@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
@@ -17,7 +18,7 @@ from canary_jax.contract import constants, ints
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
-from canary_jax.runtime.step import canary_plan
+from canary_jax.runtime.step import canary_head, canary_plan
 from helpers import engines as E
 from helpers import plan_oracle
 
@@ -177,6 +178,17 @@ class ParityBase(absltest.TestCase):
         np.testing.assert_array_equal(I64(got.positions)[:n], d["positions"][:n], msg)
         np.testing.assert_array_equal(I64(got.out_cache_loc)[:n], d["out_cache_loc"][:n], msg)
         np.testing.assert_array_equal(I64(got.out_cache_loc)[n:], -1, msg)
+
+    def check_head_parity(self, batch: CanaryBatch, lb: E.LogicalBatch, *, state_seed: int) -> None:
+        """From random canary bytes (``fresh_state(seed=state_seed)``), HEAD (verify with the token assert, then
+        write with the input assert) on ``batch`` and on ``lb`` written SGLang's way leaves identical canary
+        buffers, ring, counters."""
+        self.assertGreater(len(lb.requests), 1)
+        want, _ = canary_head(fresh_state(seed=state_seed), sglang_batch(sglang_dict(lb)), config=config())
+        got, _ = canary_head(fresh_state(seed=state_seed), batch, config=config())
+        self.assertGreater(int(np.asarray(want.log.write_index)[0]), 0)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            self.assertEqual(np.asarray(a).tobytes(), np.asarray(b).tobytes())
 
     def check_parity(self, batch: CanaryBatch, lb: E.LogicalBatch, msg: str, cap: int = 128) -> None:
         d = sglang_dict(lb)
