@@ -352,6 +352,24 @@ class TpuRaceDetectorTest(absltest.TestCase):
             pltpu.reset_tpu_interpret_mode_state()
 
 
+def _export_contexts(n: int):
+    """``(sources, mode, check, context)`` of the export tests, on a canary of ``n`` slots: no sources, a dense
+    source with heads-major chunks under ALL, the dense source under PARTIAL."""
+    dense = canary_jax.RealKvSource(
+        tensor=np.zeros((n // 2, 512), np.uint8), page_size=2, num_bytes_per_token=256, read_bytes=256
+    )
+    chunked = adapter_layouts.sources_for_heads_major(np.zeros((2, n // 4, 4, 8), jax.numpy.bfloat16))
+    for srcs, mode, check in (((), 0, True), ((dense, *chunked), ALL, False), ((dense,), PARTIAL, True)):
+        ctx = canary_jax.VerifyOrWriteContext(
+            canary_buf=jax.numpy.zeros((n, 32), np.uint8),
+            kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+            log=canary_jax.ViolationLog.allocate(ring_capacity=8),
+            real_kv_sources=srcs,
+            real_kv_hash_mode=mode,
+        )
+        yield srcs, mode, check, ctx
+
+
 class TpuLoweringTest(absltest.TestCase):
     """The kernel lowers to Mosaic for a TPU without one (``jax.export`` with ``platforms=["tpu"]``): block
     shapes, scalar prefetch, the async copies and semaphores, and the uint32 hashing pass Pallas's TPU lowering.
@@ -360,22 +378,9 @@ class TpuLoweringTest(absltest.TestCase):
     def test_exports_for_tpu(self):
         from pallas_kernels.tpu.verify import _verify_jit
 
-        n = 128
-        dense = canary_jax.RealKvSource(
-            tensor=np.zeros((n // 2, 512), np.uint8), page_size=2, num_bytes_per_token=256, read_bytes=256
-        )
-        chunked = adapter_layouts.sources_for_heads_major(np.zeros((2, n // 4, 4, 8), jax.numpy.bfloat16))
-        cases = ((), 0, True), ((dense, *chunked), ALL, False), ((dense,), PARTIAL, True)
         slots = list(range(1, 100))
         plan = canary_jax.VerifyPlan.from_entries(slots=slots, positions=[0] * len(slots), prev_slots=[-1] * len(slots))
-        for srcs, mode, check in cases:
-            ctx = canary_jax.VerifyOrWriteContext(
-                canary_buf=jax.numpy.zeros((n, 32), np.uint8),
-                kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
-                log=canary_jax.ViolationLog.allocate(ring_capacity=8),
-                real_kv_sources=srcs,
-                real_kv_hash_mode=mode,
-            )
+        for srcs, mode, check, ctx in _export_contexts(128):
 
             def f(c, p, check=check):
                 return _verify_jit(c, p, check=check, interpret=False, config=TpuConfig(verify_block=32))
@@ -388,21 +393,9 @@ class TpuLoweringTest(absltest.TestCase):
         # The three write calls (seeds, chain, stores) lower to Mosaic: with and without sources, with the assert.
         from pallas_kernels.tpu.write import _write_jit
 
-        n, t = 128, 48
-        dense = canary_jax.RealKvSource(
-            tensor=np.zeros((n // 2, 512), np.uint8), page_size=2, num_bytes_per_token=256, read_bytes=256
-        )
-        chunked = adapter_layouts.sources_for_heads_major(np.zeros((2, n // 4, 4, 8), jax.numpy.bfloat16))
         plan = canary_jax.WritePlan.from_requests(counts=[30, 10, 8], seed_slots=[-1, 5, 7])
-        ids = jax.numpy.zeros((t, 2), np.uint32)
-        for srcs, mode, check in (((), 0, True), ((dense, *chunked), ALL, False), ((dense,), PARTIAL, True)):
-            ctx = canary_jax.VerifyOrWriteContext(
-                canary_buf=jax.numpy.zeros((n, 32), np.uint8),
-                kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
-                log=canary_jax.ViolationLog.allocate(ring_capacity=8),
-                real_kv_sources=srcs,
-                real_kv_hash_mode=mode,
-            )
+        ids = jax.numpy.zeros((48, 2), np.uint32)
+        for srcs, mode, check, ctx in _export_contexts(128):
 
             def f(c, p, a, check=check):
                 e = a if check else None
