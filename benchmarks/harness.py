@@ -312,23 +312,11 @@ def environment() -> dict:
             env[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             pass
-    try:
-        env["nvidia_smi"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        ).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        env["git"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
+    query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm", "--format=csv,noheader"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    for key, cmd, timeout, cwd in (("nvidia_smi", query, 20, None), ("git", ["git", "rev-parse", "HEAD"], 5, here)):
+        try:
+            env[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd).stdout.strip()
+        except Exception:  # noqa: BLE001
+            pass
     return env
