@@ -160,21 +160,7 @@ def main():
     base_config = json.loads(a.config)
     probe_variants = json.loads(a.probe_json) if a.probe_json else None
     probe_cases = tuple(a.probe_cases.split(",")) if a.probe_cases else None
-    args = harness.Args(
-        pool=a.pool,
-        entries=a.entries,
-        long_tokens=a.long_tokens,
-        decode_reqs=a.decode_reqs,
-        reps=3 if a.quick else 5,
-        n_verify=20,
-        n_write=10,
-        n_ref=3,
-        n_peer=20,
-        seed=a.seed,
-        only=a.only,
-        ref_x64_on=a.ref_x64_on,
-        skip_reference=a.skip_reference,
-    )
+    args = harness.args_from_cli(a, n_peer=20, ref_x64_on=a.ref_x64_on, skip_reference=a.skip_reference)
     os.makedirs(a.out, exist_ok=True)
     env = harness.environment()
     print(json.dumps(env), flush=True)

@@ -8,17 +8,8 @@ OUT=${OUT:-./gpu_tests_out}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 SKIP=${SKIP:-}
-step() {  # step NAME CAP_SECONDS COMMAND...
-  local name=$1 cap=$2
-  shift 2
-  case " $SKIP " in *" $name "*) echo "== $name: skipped"; return;; esac
-  echo "== $name (cap ${cap}s): $*"
-  local t0=$SECONDS
-  timeout -s INT -k 10 "$cap" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  tail -n 4 "$OUT/$name.log"
-  printf '%s\trc=%s\t%ss\n' "$name" "$rc" "$((SECONDS - t0))" >> "$OUT/steps.tsv"
-}
+STEP_DIR="$OUT" STEP_TAIL=4
+. "$(dirname "${BASH_SOURCE[0]}")/session_step.sh"
 python3 -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__)" \
   > "$OUT/00_env.log" 2>&1; cat "$OUT/00_env.log"
 step 01_shared_suites_compiled "${CAP1:-200}" python3 -m pytest -q -p no:cacheprovider -rf tests/test_pallas_interpret.py

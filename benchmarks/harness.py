@@ -28,6 +28,7 @@ import numpy as np
 
 import canary_jax
 from canary_jax.contract import constants, ints
+from canary_jax.ops import reference
 from pallas_kernels.write import write_pallas
 
 HBM_BYTES_PER_S = 4.8e12  # the H200's HBM peak
@@ -67,6 +68,26 @@ class Args:
     only: str
     ref_x64_on: bool
     skip_reference: bool
+
+
+def args_from_cli(a, *, n_peer: int, ref_x64_on: bool = False, skip_reference: bool = False) -> Args:
+    """The run's ``Args`` from parsed command-line arguments (``pool``, ``entries``, ``long_tokens``,
+    ``decode_reqs``, ``quick``, ``seed``, ``only``): 3 repetitions with ``--quick``, else 5."""
+    return Args(
+        pool=a.pool,
+        entries=a.entries,
+        long_tokens=a.long_tokens,
+        decode_reqs=a.decode_reqs,
+        reps=3 if a.quick else 5,
+        n_verify=20,
+        n_write=10,
+        n_ref=3,
+        n_peer=n_peer,
+        seed=a.seed,
+        only=a.only,
+        ref_x64_on=ref_x64_on,
+        skip_reference=skip_reference,
+    )
 
 
 # --- timing ------------------------------------------------------------------------------------------------
@@ -211,18 +232,61 @@ def needed_bytes(case: Case, args: Args) -> float:
     return t * (24 + 32 + case.num_sources * eff) + case.reqs * (16 + 8 + 24)
 
 
-def populate(data: Data, buf, srcs, mode, slots2d, positions2d, cfg):
-    """Writes clean chains (request-major) into ``buf`` with the Pallas write; returns ``(buffer, token ids)``."""
+def populate(data: Data, buf, srcs, mode, slots2d, positions2d, cfg=None, *, write=None):
+    """Writes clean chains (request-major) into ``buf`` with ``write`` (default the Pallas write); returns
+    ``(buffer, token ids)``."""
     reqs, length = slots2d.shape
     plan = canary_jax.WritePlan.from_requests(counts=[length] * reqs, seed_slots=[-1] * reqs)
     ids = data.rng.integers(0, 1 << 31, reqs * length)
     ctx = make_context(buf, canary_jax.ViolationLog.allocate(ring_capacity=64), srcs, mode)
     del cfg  # always the default config: one compile serves every case and probe variant
-    out = write_pallas(
+    out = (write or write_pallas)(
         ctx, plan, int64_pairs(ids), int64_pairs(positions2d.reshape(-1)), int64_pairs(slots2d.reshape(-1))
     )
     assert int(out.log.write_index[0]) == 0
     return out.canary_buf, ids
+
+
+def populate_reference(data: Data, buf, srcs, mode, slots2d, positions2d):
+    """``populate`` with the jnp reference write (needs no write kernel); returns the buffer."""
+    return populate(data, buf, srcs, mode, slots2d, positions2d, write=reference.write_reference)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteInputs:
+    """A write case's launch inputs: ``reqs`` requests of ``length`` tokens on distinct slots; a decode case
+    (``length == 1``) seeds each request with a slot populated one step earlier, a longer one starts at the
+    anchor."""
+
+    srcs: list
+    tensors: tuple
+    slots: np.ndarray  # int64[T]
+    buf0: jax.Array  # the populated canary buffer
+    seeds: np.ndarray  # int64[reqs]
+    positions: np.ndarray  # int64[T]
+    plan: canary_jax.WritePlan
+    ids_np: np.ndarray  # int64[T]
+
+
+def write_inputs(case: Case, data: Data, args: Args, fill) -> WriteInputs:
+    """The inputs of write ``case``; ``fill(buf, srcs, mode, slots2d, positions2d)`` populates the seeds."""
+    reqs, length = case.reqs, case.length
+    t = reqs * length
+    srcs = data.sources(case.num_sources)
+    tensors = tuple(s.tensor for s in srcs)
+    slots = data.perm[-t:]  # distinct from each other
+    buf0 = jnp.zeros((args.pool, 32), jnp.uint8)
+    if length == 1:  # decode: seeds are slots written one step earlier (positions 0 .. reqs-1 + 10)
+        seeds = data.perm[-t - reqs : -t]
+        seed_pos = np.arange(reqs, dtype=np.int64) + 10
+        buf0 = fill(buf0, srcs, case.mode, seeds.reshape(reqs, 1), seed_pos.reshape(reqs, 1))
+        positions = seed_pos + 1
+    else:
+        seeds = np.full((reqs,), -1, np.int64)
+        positions = np.arange(t, dtype=np.int64)
+    plan = canary_jax.WritePlan.from_requests(counts=[length] * reqs, seed_slots=seeds)
+    ids_np = data.rng.integers(0, 1 << 31, t)
+    return WriteInputs(srcs, tensors, slots, buf0, seeds, positions, plan, ids_np)
 
 
 # --- environment -------------------------------------------------------------------------------------------
@@ -248,23 +312,11 @@ def environment() -> dict:
             env[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             pass
-    try:
-        env["nvidia_smi"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        ).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        env["git"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
+    query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm", "--format=csv,noheader"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    for key, cmd, timeout, cwd in (("nvidia_smi", query, 20, None), ("git", ["git", "rev-parse", "HEAD"], 5, here)):
+        try:
+            env[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd).stdout.strip()
+        except Exception:  # noqa: BLE001
+            pass
     return env

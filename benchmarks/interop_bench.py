@@ -283,12 +283,7 @@ def main():
     args = ap.parse_args()
     start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
-    logf = open(os.path.join(args.out, "interop_gpu_log.txt"), "a")
-
-    def log(msg):
-        print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()
+    log = interop_setup.tee_log(os.path.join(args.out, "interop_gpu_log.txt"), "a")
 
     dev = torch.device(interop_setup.DEV)
     client = jax.devices()[0].client

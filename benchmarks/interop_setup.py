@@ -208,3 +208,16 @@ def program_twin(torch_launch):
 
     step.copies = copies  # lifetime
     return step, block
+
+
+def tee_log(path: str, mode: str):
+    """``log(msg)``: prints ``msg`` and appends it as a line to the file at ``path`` (opened with ``mode``,
+    flushed after each line)."""
+    logf = open(path, mode)
+
+    def log(msg):
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    return log

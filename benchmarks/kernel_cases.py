@@ -148,20 +148,9 @@ def run_verify(case: Case, data: Data, args, cfg, peer, results, x64_modes):
 def run_write(case: Case, data: Data, args, cfg, peer, results, x64_modes):
     reqs, length = case.reqs, case.length
     t = reqs * length
-    srcs = data.sources(case.num_sources)
-    tensors = tuple(s.tensor for s in srcs)
-    slots = data.perm[-t:]  # distinct from each other
-    buf0 = jnp.zeros((args.pool, 32), jnp.uint8)
-    if length == 1:  # decode: seeds are slots written one step earlier (positions 0 .. reqs-1 + 10)
-        seeds = data.perm[-t - reqs : -t]
-        seed_pos = np.arange(reqs, dtype=np.int64) + 10
-        buf0, _ = harness.populate(data, buf0, srcs, case.mode, seeds.reshape(reqs, 1), seed_pos.reshape(reqs, 1), cfg)
-        positions = seed_pos + 1
-    else:
-        seeds = np.full((reqs,), -1, np.int64)
-        positions = np.arange(t, dtype=np.int64)
-    plan = canary_jax.WritePlan.from_requests(counts=[length] * reqs, seed_slots=seeds)
-    ids_np = data.rng.integers(0, 1 << 31, t)
+    w = harness.write_inputs(case, data, args, lambda buf, *a: harness.populate(data, buf, *a, cfg)[0])
+    srcs, tensors, slots, buf0, seeds, positions = w.srcs, w.tensors, w.slots, w.buf0, w.seeds, w.positions
+    plan, ids_np = w.plan, w.ids_np
     ids, pos, loc = harness.int64_pairs(ids_np), harness.int64_pairs(positions), harness.int64_pairs(slots)
     rec = _record(case, results)
     rec["needed_bytes"] = harness.needed_bytes(case, args)

@@ -250,12 +250,7 @@ def main():
     ap.add_argument("--decode-ctx", type=int, default=256)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    logf = open(os.path.join(a.out, "native_bench_log.txt"), "w")
-
-    def log(msg):
-        print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()
+    log = interop_setup.tee_log(os.path.join(a.out, "native_bench_log.txt"), "w")
 
     try:
         import triton

@@ -21,17 +21,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jaxcache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 
-step() {  # step NAME CAP_SECONDS COMMAND...
-  local name=$1 cap=$2
-  shift 2
-  case " $SKIP " in *" $name "*) echo "== $name: skipped"; return;; esac
-  echo "== $name (cap ${cap}s): $*"
-  local t0=$SECONDS
-  timeout -s INT -k 10 "$cap" "$@" > "$WORK/$name.log" 2>&1
-  local rc=$?
-  tail -n 12 "$WORK/$name.log"
-  printf '%s\trc=%s\t%ss\n' "$name" "$rc" "$((SECONDS - t0))" >> "$WORK/steps.tsv"
-}
+STEP_DIR="$WORK" STEP_TAIL=12
+. "$(dirname "${BASH_SOURCE[0]}")/session_step.sh"
 
 # 1. Targeted writes with the peer and the reference check (the long request takes the long-request role).
 step 01_write_targets 150 python3 -m benchmarks.bench $EXTRA --long-tokens "$LONG" --decode-reqs "$DECODE" \

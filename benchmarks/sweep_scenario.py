@@ -74,7 +74,7 @@ def build(mode_name: str, data: harness.Data, bargs: harness.Args, *, populate: 
             print(f"  populate: {how}", flush=True)
             populate = "reference"
     if populate == "reference":
-        buf = populate_reference(data, buf, srcs, mode, slots2d, pos2d)
+        buf = harness.populate_reference(data, buf, srcs, mode, slots2d, pos2d)
     plan = canary_jax.VerifyPlan.from_entries(
         slots=slots2d.reshape(-1), positions=pos2d.reshape(-1), prev_slots=prev2d.reshape(-1)
     )
@@ -109,23 +109,6 @@ def build(mode_name: str, data: harness.Data, bargs: harness.Args, *, populate: 
         harness.needed_bytes(case, bargs),
         populated=how,
     )
-
-
-def populate_reference(data, buf, srcs, mode, slots2d, positions2d):
-    """``harness.populate`` with the jnp reference write (a fallback that does not need the write kernel)."""
-    reqs, length = slots2d.shape
-    plan = canary_jax.WritePlan.from_requests(counts=[length] * reqs, seed_slots=[-1] * reqs)
-    ids = data.rng.integers(0, 1 << 31, reqs * length)
-    ctx = harness.make_context(buf, canary_jax.ViolationLog.allocate(ring_capacity=64), srcs, mode)
-    out = jax.jit(reference.write_reference)(
-        ctx,
-        plan,
-        harness.int64_pairs(ids),
-        harness.int64_pairs(positions2d.reshape(-1)),
-        harness.int64_pairs(slots2d.reshape(-1)),
-    )
-    assert int(out.log.write_index[0]) == 0
-    return out.canary_buf
 
 
 def steps(sc: Scenario, cfg):

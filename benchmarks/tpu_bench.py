@@ -96,21 +96,7 @@ def parse_args(argv=None):
 
 
 def bench_args(a) -> harness.Args:
-    return harness.Args(
-        pool=a.pool,
-        entries=a.entries,
-        long_tokens=a.long_tokens,
-        decode_reqs=a.decode_reqs,
-        reps=3 if a.quick else 5,
-        n_verify=20,
-        n_write=10,
-        n_ref=3,
-        n_peer=0,
-        seed=a.seed,
-        only=a.only,
-        ref_x64_on=False,
-        skip_reference=False,
-    )
+    return harness.args_from_cli(a, n_peer=0)
 
 
 def kernel_case_list(a) -> list[harness.Case]:
@@ -157,24 +143,12 @@ def serving_plan(a, bytes_limit: int | None) -> tuple[list[list[str]], dict]:
 
 
 # --- kernel cases ------------------------------------------------------------------------------------------
-def populate_reference(data, buf, srcs, mode, slots2d, pos2d):
-    """Clean chains stamped with the reference write (``harness.populate`` uses the GPU Pallas write)."""
-    reqs, length = slots2d.shape
-    plan = canary_jax.WritePlan.from_requests(counts=[length] * reqs, seed_slots=[-1] * reqs)
-    ids = data.rng.integers(0, 1 << 31, reqs * length)
-    ctx = harness.make_context(buf, canary_jax.ViolationLog.allocate(ring_capacity=64), srcs, mode)
-    pairs = [harness.int64_pairs(x) for x in (ids, pos2d.reshape(-1), slots2d.reshape(-1))]
-    out = reference.write_reference(ctx, plan, *pairs)
-    assert int(out.log.write_index[0]) == 0
-    return out.canary_buf
-
-
 def run_verify(case, data, args, rec):
     from pallas_kernels.tpu.verify import verify_tpu
 
     slots2d, pos2d, prev2d = harness.verify_chains(data, args.entries)
     srcs = data.sources(case.num_sources)
-    buf = populate_reference(data, jnp.zeros((args.pool, 32), jnp.uint8), srcs, case.mode, slots2d, pos2d)
+    buf = harness.populate_reference(data, jnp.zeros((args.pool, 32), jnp.uint8), srcs, case.mode, slots2d, pos2d)
     plan = canary_jax.VerifyPlan.from_entries(
         slots=slots2d.reshape(-1), positions=pos2d.reshape(-1), prev_slots=prev2d.reshape(-1)
     )
@@ -203,23 +177,10 @@ def run_verify(case, data, args, rec):
 
 
 def run_write(case, data, args, rec):
-    reqs, length = case.reqs, case.length
-    t = reqs * length
-    srcs = data.sources(case.num_sources)
-    tensors = tuple(s.tensor for s in srcs)
-    slots = data.perm[-t:]
-    buf0 = jnp.zeros((args.pool, 32), jnp.uint8)
-    if length == 1:
-        seeds = data.perm[-t - reqs : -t]
-        seed_pos = np.arange(reqs, dtype=np.int64) + 10
-        buf0 = populate_reference(data, buf0, srcs, case.mode, seeds.reshape(reqs, 1), seed_pos.reshape(reqs, 1))
-        positions = seed_pos + 1
-    else:
-        seeds = np.full((reqs,), -1, np.int64)
-        positions = np.arange(t, dtype=np.int64)
-    plan = canary_jax.WritePlan.from_requests(counts=[length] * reqs, seed_slots=seeds)
-    ids_np = data.rng.integers(0, 1 << 31, t)
-    consts = (plan, harness.int64_pairs(ids_np), harness.int64_pairs(positions), harness.int64_pairs(slots), tensors)
+    length = case.length
+    w = harness.write_inputs(case, data, args, lambda buf, *a: harness.populate_reference(data, buf, *a))
+    srcs, tensors, plan, buf0 = w.srcs, w.tensors, w.plan, w.buf0
+    consts = (plan, *(harness.int64_pairs(x) for x in (w.ids_np, w.positions, w.slots)), tensors)
     from pallas_kernels.tpu.write import write_tpu
 
     def step(fn):

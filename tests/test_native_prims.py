@@ -1,25 +1,26 @@
 """interop.native.prims: every torch rule against XLA:CPU, bit for bit.
 
 Each case traces a small function with ``jax.make_jaxpr`` over edge-valued inputs (0, 1, -1, INT_MIN, INT_MAX,
-2**31, 2**32-1, shifts past the width, out-of-range and duplicate gather / scatter indices, NaN and -0), runs
-the jaxpr equation by equation (a small evaluator below, inlining calls and running ``scan`` / ``while`` /
-``cond`` on the host) three ways: through :data:`prims.RULES`; through :func:`prims.compile_rule` with only the
-literals constant; and through ``compile_rule`` with every input that is not donated passed as a constant (so
-gathers and scatters take their precomputed constant-index paths, out-of-range and duplicate indices included).
-Each way's outputs are compared byte for byte with the jitted jaxpr on XLA:CPU. The jaxprs run once more on
-torch's ``meta`` device (rules and compiled), which has no values: a rule that read one back to the host
-(``.item()``, ``nonzero``, boolean indexing) or made a shape from one would fail there. The strongest case runs
-whole plan / verify / write launch bodies captured from real SGLang-shaped launches, with x64 off and on.
+2**31, 2**32-1, shifts past the width, out-of-range and duplicate gather / scatter indices, NaN and -0), runs the
+jaxpr equation by equation (the evaluator of ``tests/helpers/native_prims_harness.py``, inlining calls and running
+``scan`` / ``while`` / ``cond`` on the host) three ways: through :data:`prims.RULES`; through
+:func:`prims.compile_rule` with only the literals constant; and through ``compile_rule`` with every input that is
+not donated passed as a constant (so gathers and scatters take their precomputed constant-index paths, out-of-range
+and duplicate indices included). Each way's outputs are compared byte for byte with the jitted jaxpr on XLA:CPU. The
+jaxprs run once more on torch's ``meta`` device (rules and compiled), which has no values: a rule that read one back
+to the host (``.item()``, ``nonzero``, boolean indexing) or made a shape from one would fail there. The strongest
+case runs whole plan / verify / write launch bodies captured from real SGLang-shaped launches, with x64 off and on.
+
+The compiled forms' own properties (every constant subset, op counts, view chains, in-place donation) are
+``tests/test_native_prims_compiled.py``'s.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import random
 
 import jax
-import jax.extend.core as jcore
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -27,269 +28,24 @@ import pytest
 import torch
 from jax import lax
 from jax._src.lax import lax as lax_internal
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from interop.native import jaxpr_compat, prims, prims_views
-
-INLINE = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat", "checkpoint")
-IN_PLACE = ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-max", "scatter-min")
-IN_PLACE += ("dynamic_update_slice",)
-COVERED: collections.Counter = collections.Counter()  # primitives run through the rules by this module
-
-
-# --- the evaluator --------------------------------------------------------------------------------------------
-def _ptr(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
-
-
-WAYS = ("rules", "compiled", "consts")
-"""How the evaluator runs an equation: ``RULES[name]``; ``compile_rule`` (literals constant); ``compile_rule``
-with every input not donated passed as a constant."""
-
-
-class Evaluator:
-    """Runs a closed jaxpr through the rules (``way``: one of :data:`WAYS`). Donates operand 0 of in-place
-    primitives when, as in the executor, the value dies at that equation and no other live value shares its
-    storage."""
-
-    def __init__(self, device: str = "cpu", way: str = "rules"):
-        self.device = torch.device(device)
-        self.way = way
-        self.frames: list[dict] = []
-        self.pinned: list[torch.Tensor] = []
-        self.counts: collections.Counter = collections.Counter()
-        self.donated = 0
-
-    def run(self, closed: jcore.ClosedJaxpr, args: list[torch.Tensor]) -> list[torch.Tensor]:
-        with torch.device(self.device):  # iota builds on the default device
-            return self.jaxpr(closed.jaxpr, closed.consts, args)
-
-    def read(self, env: dict, v) -> torch.Tensor:
-        if isinstance(v, jcore.Literal):
-            return prims.constant(v.val, v.aval.dtype, self.device)
-        return env[v]
-
-    def jaxpr(self, jaxpr, consts, args) -> list[torch.Tensor]:
-        env: dict = {}
-        self.frames.append(env)
-        try:
-            for v, c in zip(jaxpr.constvars, consts):
-                env[v] = prims.constant(np.asarray(c), v.aval.dtype, self.device)
-            for v, a in zip(jaxpr.invars, args):
-                env[v] = a
-            last = {v: k for k, e in enumerate(jaxpr.eqns) for v in e.invars if not isinstance(v, jcore.Literal)}
-            keep = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
-            for k, e in enumerate(jaxpr.eqns):
-                ins = [self.read(env, v) for v in e.invars]
-                for v, o in zip(e.outvars, self.eqn(e, ins, last, k, keep)):
-                    if not isinstance(v, jcore.DropVar):
-                        env[v] = o
-                for v in e.invars:
-                    if not isinstance(v, jcore.Literal) and last.get(v) == k and v not in keep:
-                        env.pop(v, None)
-            return [self.read(env, v) for v in jaxpr.outvars]
-        finally:
-            self.frames.pop()
-
-    def donate(self, e, ins, last, k, keep) -> tuple[bool, ...]:
-        flags = [False] * len(ins)
-        v = e.invars[0] if e.invars else None
-        if e.primitive.name not in IN_PLACE or isinstance(v, jcore.Literal) or e.invars.count(v) != 1:
-            return tuple(flags)
-        if last.get(v) != k or v in keep:
-            return tuple(flags)
-        others = [t for f in self.frames for var, t in f.items() if var is not v] + self.pinned + ins[1:]
-        flags[0] = all(_ptr(t) != _ptr(ins[0]) for t in others)
-        self.donated += flags[0]
-        return tuple(flags)
-
-    def eqn(self, e, ins, last, k, keep) -> list[torch.Tensor]:
-        name = e.primitive.name
-        self.counts[name] += 1
-        if name in INLINE:
-            sub = e.params.get("jaxpr") or e.params.get("call_jaxpr") or e.params.get("fun_jaxpr")
-            if isinstance(sub, jcore.ClosedJaxpr):
-                return self.jaxpr(sub.jaxpr, sub.consts, ins)
-            return self.jaxpr(sub, (), ins)
-        if name == jaxpr_compat.HI_CALL:
-            sub = jaxpr_compat.expansion(e)
-            return self.jaxpr(sub.jaxpr, sub.consts, ins)
-        if name == "scan":
-            return self.scan(e, ins)
-        if name == "while":
-            return self.while_loop(e, ins)
-        if name == "cond":
-            branches = e.params["branches"]
-            i = min(max(int(ins[0].item()), 0), len(branches) - 1)
-            return self.jaxpr(branches[i].jaxpr, branches[i].consts, ins[1:])
-        donate = self.donate(e, ins, last, k, keep)
-        if self.way == "rules":
-            outs = prims.rule_for(e)(e, ins, donate)
-        else:
-            consts = {i: t for i, t in enumerate(ins) if not donate[i]} if self.way == "consts" else {}
-            outs = prims.compile_rule(e, self.device, consts)(ins, donate)
-        assert len(outs) == len(e.outvars), name
-        for o, v in zip(outs, e.outvars):
-            want = (tuple(v.aval.shape), prims.storage_dtype(v.aval.dtype))
-            assert (tuple(o.shape), o.dtype) == want, (name, tuple(o.shape), o.dtype, want)
-        return outs
-
-    def scan(self, e, ins):
-        p = e.params
-        (nc, nk), body = jaxpr_compat.scan_counts(p), p["jaxpr"]
-        consts, carry, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
-        ys = []
-        n_pinned = len(self.pinned)
-        for t in range(p["length"] - 1, -1, -1) if p["reverse"] else range(p["length"]):
-            self.pinned.extend(carry)
-            out = self.jaxpr(body.jaxpr, body.consts, [*consts, *carry, *(x[t] for x in xs)])
-            carry, y = out[:nk], out[nk:]
-            ys.append(y)
-            self.pinned.extend(y)
-        del self.pinned[n_pinned:]
-        if p["reverse"]:
-            ys.reverse()
-        stacked = []
-        for j, v in enumerate(e.outvars[nk:]):
-            st = prims.storage_dtype(v.aval.dtype)
-            stacked.append(torch.stack([y[j] for y in ys]) if ys else torch.empty(v.aval.shape, dtype=st))
-        return [*carry, *stacked]
-
-    def while_loop(self, e, ins):
-        p = e.params
-        cn, bn, cj, bj = p["cond_nconsts"], p["body_nconsts"], p["cond_jaxpr"], p["body_jaxpr"]
-        cconsts, bconsts, carry = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
-        n_pinned = len(self.pinned)
-        while True:
-            self.pinned.extend(carry)
-            (pred,) = self.jaxpr(cj.jaxpr, cj.consts, [*cconsts, *carry])
-            if not bool(pred.item()):
-                break
-            carry = self.jaxpr(bj.jaxpr, bj.consts, [*bconsts, *carry])
-        del self.pinned[n_pinned:]
-        return carry
-
-
-# --- comparing with XLA ---------------------------------------------------------------------------------------
-def _bytes(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-
-
-def _host_control_flow(jaxpr) -> bool:
-    """Whether a ``while`` / ``cond`` (run on the host here, refused by the executor) is anywhere inside."""
-    if any(e.primitive.name in ("while", "cond") for e in jaxpr.eqns):
-        return True
-    return any(_host_control_flow(sub) for sub in jcore.subjaxprs(jaxpr))
-
-
-def run_ways(closed: jcore.ClosedJaxpr, args: list[np.ndarray], make_ev=None):
-    """(XLA outputs, {way: our outputs}, {way: evaluator}) with outputs as numpy arrays, ours run each of
-    :data:`WAYS` (``make_ev(way)`` makes the evaluator); also runs the rules and the compiled rules on the meta
-    device (shapes only) where there is no host control flow."""
-    ref = [np.asarray(o) for o in jax.jit(jcore.jaxpr_as_fun(closed))(*args)]
-    make_ev = make_ev or (lambda way: Evaluator(way=way))
-    ours, evs = {}, {}
-    for way in WAYS:
-        ev = evs[way] = make_ev(way)
-        outs = ev.run(closed, [prims.from_numpy(np.asarray(a), "cpu") for a in args])
-        ours[way] = [prims.to_numpy(o, v.aval.dtype) for o, v in zip(outs, closed.jaxpr.outvars)]
-    if not _host_control_flow(closed.jaxpr):
-        for way in WAYS[:2]:
-            meta = Evaluator("meta", way).run(
-                closed,
-                [torch.empty(np.shape(a), dtype=prims.storage_dtype(np.asarray(a).dtype), device="meta") for a in args],
-            )
-            assert [tuple(m.shape) for m in meta] == [o.shape for o in ours["rules"]], way
-    COVERED.update(evs["rules"].counts)
-    return ref, ours, evs
-
-
-def _diff(r: np.ndarray, o: np.ndarray, args) -> str:
-    """The first differing elements, as bits, with the inputs at the same flat position (where shapes match)."""
-    rb, ob = _bytes(r).reshape(r.size, -1), _bytes(o).reshape(o.size, -1)
-    bad = np.flatnonzero((rb != ob).any(1))[:6]
-    hexs = lambda a, k: a.reshape(-1)[k : k + 1].view(np.uint8).tobytes()[::-1].hex()  # noqa: E731
-    ins = lambda k: [np.asarray(a).reshape(-1)[k] for a in args if np.size(a) == r.size]  # noqa: E731
-    return "; ".join(f"[{k}] xla={hexs(r, k)} ours={hexs(o, k)} inputs={ins(k)}" for k in bad)
-
-
-def _same(r: np.ndarray, o: np.ndarray) -> bool:
-    """Same bytes, with any NaN for a NaN (which input NaN propagates is the hardware's choice)."""
-    if kind(r.dtype) == "f":
-        r, o = r.copy(), o.copy()
-        r[np.isnan(r) & np.isnan(o)] = o[np.isnan(r) & np.isnan(o)]
-    return np.array_equal(_bytes(r), _bytes(o))
-
-
-def check(fn, *args, exact=True, rtol=1e-6):
-    """Traces ``fn(*args)``, runs it every way and compares every output (bytes, or allclose for
-    ``exact=False``)."""
-    closed = jax.make_jaxpr(fn)(*args)
-    ref, ours, evs = run_ways(closed, list(args))
-    for way, outs in ours.items():
-        assert len(ref) == len(outs)
-        for i, (r, o) in enumerate(zip(ref, outs)):
-            assert r.dtype == o.dtype and r.shape == o.shape, (way, i, r.dtype, o.dtype, r.shape, o.shape)
-            if exact:
-                if not _same(r, o):
-                    raise AssertionError(f"{way}: output {i} differs: {_diff(r, o, args)}\nin {closed}")
-            else:
-                np.testing.assert_allclose(o.astype(np.float64), r.astype(np.float64), rtol=rtol, equal_nan=True)
-    return evs["rules"]
-
-
-# --- inputs ---------------------------------------------------------------------------------------------------
-INTS = ["int8", "uint8", "int16", "uint16", "int32", "uint32"]
-FLOATS = ["float32", "float16", "bfloat16"]
-
-
-def kind(dt) -> str:
-    return "f" if np.dtype(dt).name == "bfloat16" else np.dtype(dt).kind
-
-
-def edge_values(dtype) -> list:
-    dt = np.dtype(dtype)
-    if dt == np.bool_:
-        return [False, True]
-    if kind(dt) == "f":
-        return [0.0, -0.0, 1.0, -1.0, 0.5, -2.5, 3.0, np.inf, -np.inf, np.nan, -np.nan, 1e-3, 65504.0, 7.0]
-    info = np.iinfo(dt)
-    bits = dt.itemsize * 8
-    vals = [0, 1, 2, 3, 7, info.max, info.min, info.max - 1, info.min + 1, bits - 1, bits, bits + 1]
-    vals += [-1, -2, -7] if kind(dt) == "i" else [info.max // 2, info.max // 2 + 1]
-    return vals
-
-
-def _ints(values, dt) -> np.ndarray:
-    """Python ints as dtype ``dt``, wrapping."""
-    return np.array([int(v) % 2**64 for v in values], dtype=np.uint64).astype(dt)
-
-
-def sample(dtype, shape, rng: np.random.Generator) -> np.ndarray:
-    """Edge values first, then random bits."""
-    dt = np.dtype(dtype)
-    n = int(np.prod(shape))
-    edges = np.array(edge_values(dt), dtype=np.float64 if kind(dt) == "f" else object)
-    if kind(dt) == "f":
-        rest = rng.normal(0, 100, n).astype(dt)
-        vals = np.concatenate([edges.astype(dt), rest])
-    elif dt == np.bool_:
-        vals = rng.integers(0, 2, n + 2).astype(bool)
-    else:
-        rest = rng.integers(0, 256, n * dt.itemsize, dtype=np.uint8).view(dt)
-        vals = np.concatenate([_ints(edges, dt), rest])
-    perm = rng.permutation(n) % len(vals)
-    return vals[np.arange(n) % len(vals)][perm].reshape(shape) if n else np.zeros(shape, dt)
-
-
-def pair(dtype, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
-    """Two arrays holding every (edge, edge) combination, plus random ones."""
-    e = np.array(edge_values(dtype), dtype=np.float64 if kind(np.dtype(dtype)) == "f" else object)
-    a, b = np.meshgrid(np.arange(len(e)), np.arange(len(e)))
-    a, b = e[a.reshape(-1)], e[b.reshape(-1)]
-    dt = np.dtype(dtype)
-    cast = (lambda x: x.astype(dt)) if kind(dt) == "f" else (lambda x: _ints(x, dt))
-    return np.concatenate([cast(a), sample(dt, (n,), rng)]), np.concatenate([cast(b), sample(dt, (n,), rng)])
+from helpers.native_prims_harness import (
+    BAD_ROWS,
+    COVERED,
+    FLOATS,
+    INLINE,
+    INTS,
+    MODES,
+    WAYS,
+    Evaluator,
+    _bytes,
+    check,
+    kind,
+    pair,
+    run_ways,
+    sample,
+)
+from interop.native import prims
 
 
 # --- dtypes ---------------------------------------------------------------------------------------------------
@@ -518,8 +274,6 @@ def test_dynamic_slice_and_update_slice():
 
 
 # --- gather / scatter -----------------------------------------------------------------------------------------
-MODES = ["clip", "fill", "promise_in_bounds"]
-BAD_ROWS = [0, 3, 5, 6, -1, 2**31 - 1, -(2**31), 5, 0, 2]  # for a 6-row operand
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -609,265 +363,6 @@ def test_scatter_unsigned_indices_and_unique_promise():
     # x.at[...] forms from our bodies: a row set, a window update with a scalar index
     check(lambda x, u: [x.at[3].set(u[0]), x.at[jnp.array([1, 1, 9])].set(u[:3], mode="drop"),
                         x.at[jnp.array([1, 1, 9])].add(u[:3]), x.at[:, 1].max(u[:, 0].sum())], x, u)  # fmt: skip
-
-
-def test_scatter_writes_a_donated_operand_in_place_and_copies_otherwise():
-    x = np.arange(24, dtype=np.uint32).reshape(6, 4) * 3
-    upd = np.full((3, 4), 2**32 - 2, np.uint32)
-    rows = np.array([[1], [9], [1]], np.int32)
-    dn = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
-                                     scatter_dims_to_operand_dims=(0,))  # fmt: skip
-    fns = {
-        "scatter": lambda x, i, u: lax.scatter(x, i, u, dn, mode="drop"),
-        "scatter-add": lambda x, i, u: lax.scatter_add(x, i, u, dn, mode="drop"),
-        "scatter-max": lambda x, i, u: lax.scatter_max(x, i, u, dn, mode="drop"),
-        "scatter-min": lambda x, i, u: lax.scatter_min(x, i, u, dn, mode="clip"),
-        "scatter-mul": lambda x, i, u: lax.scatter_mul(x, i, u, dn, mode="drop"),
-        "dynamic_update_slice": lambda x, i, u: lax.dynamic_update_slice_p.bind(x, u, i, np.int32(0)),
-    }
-    for name, fn in fns.items():
-        args = (x, np.int32(1) if name == "dynamic_update_slice" else rows, upd)
-        closed = jax.make_jaxpr(fn)(*args)
-        (eqn,) = closed.jaxpr.eqns
-        assert eqn.primitive.name == name
-        (want,) = jax.jit(jcore.jaxpr_as_fun(closed))(*args)
-        by_var = dict(zip(closed.jaxpr.invars, args))
-        ins = [
-            prims.constant(v.val if isinstance(v, jcore.Literal) else by_var[v], v.aval.dtype, "cpu")
-            for v in eqn.invars
-        ]
-        for donate, consts in itertools.product((True, False), (None, (), (1, 2), tuple(range(1, len(ins))))):
-            operand, before = ins[0].clone(), ins[0].clone()
-            args, flags = [operand, *ins[1:]], (donate,) + (False,) * (len(ins) - 1)
-            if consts is None:  # the rule, else compile_rule with these inputs constant
-                (out,) = prims.rule_for(eqn)(eqn, args, flags)
-            else:
-                (out,) = prims.compile_rule(eqn, "cpu", {i: args[i] for i in consts})(args, flags)
-            assert np.array_equal(prims.to_numpy(out, np.uint32), np.asarray(want)), (name, consts)
-            assert (out.data_ptr() == operand.data_ptr()) == donate, (name, consts)
-            assert torch.equal(operand, out if donate else before), (name, consts)
-    # a donated operand that is a broadcast (stride-0) view is never written through
-    (eqn,) = jax.make_jaxpr(fns["scatter"])(x, rows, upd).jaxpr.eqns
-    base = torch.zeros(1, 4, dtype=torch.int32)
-    args = [base.expand(6, 4), prims.from_numpy(rows, "cpu"), prims.from_numpy(upd, "cpu")]
-    for run in (lambda a, d: prims.rule_for(eqn)(eqn, a, d), prims.compile_rule(eqn, "cpu"),
-                prims.compile_rule(eqn, "cpu", {1: args[1], 2: args[2]})):  # fmt: skip
-        (out,) = run(args, (True, False, False))
-        assert torch.equal(base, torch.zeros(1, 4, dtype=torch.int32)) and out.is_contiguous()
-        assert prims.to_numpy(out, np.uint32)[1].tolist() == [2**32 - 2] * 4
-
-
-SCATTER_DNS = {
-    "row": lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
-                                       scatter_dims_to_operand_dims=(0,)),
-    "elt": lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0, 1),
-                                       scatter_dims_to_operand_dims=(0, 1)),
-    "win": lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(),
-                                       scatter_dims_to_operand_dims=(1, 0)),
-}  # fmt: skip
-
-
-def _eqn_args(closed, args):
-    """Each equation of ``closed`` (all reading invars) with its input arrays."""
-    by_var = dict(zip(closed.jaxpr.invars, args))
-    for e in closed.jaxpr.eqns:
-        yield e, [v.val if isinstance(v, jcore.Literal) else by_var[v] for v in e.invars]
-
-
-def _every_constant_subset(closed, args):
-    """Runs every equation of ``closed`` (one output each, all reading invars) through ``compile_rule`` with every
-    subset of its inputs constant, donated and not, and compares the bytes with XLA's."""
-    want = jax.jit(jcore.jaxpr_as_fun(closed))(*args)
-    runs = 0
-    for (e, ins), w in zip(_eqn_args(closed, args), want):
-        w = np.asarray(w)
-        for consts in itertools.chain.from_iterable(itertools.combinations(range(len(ins)), k) for k in range(4)):
-            for donate in (False, True):
-                if donate and 0 in consts:
-                    continue  # the executor never donates a constant
-                ts = [prims.constant(a, v.aval.dtype, "cpu") for a, v in zip(ins, e.invars)]
-                dt0 = e.invars[0].aval.dtype
-                before = _bytes(prims.to_numpy(ts[0], dt0))
-                flags = (donate,) + (False,) * (len(ts) - 1)
-                (out,) = prims.compile_rule(e, "cpu", {i: ts[i] for i in consts})(ts, flags)
-                got = prims.to_numpy(out, e.outvars[0].aval.dtype)
-                assert _same(w, got), (e, consts, donate, _diff(w, got, ins))
-                if not donate:
-                    assert np.array_equal(_bytes(prims.to_numpy(ts[0], dt0)), before), (e.primitive.name, consts)
-                runs += 1
-    return runs
-
-
-@pytest.mark.parametrize("dtype", ["uint32", "int32", "float32", "bool"])
-def test_compiled_gather_scatter_with_every_constant_subset(dtype):
-    """Constant indices (out of range and duplicate ones included) and constant updates take precomputed paths;
-    unsigned max (min) with constant updates all below (at or above) 2**31 runs as a signed scatter."""
-    rng = np.random.default_rng(14)
-    x = sample(dtype, (6, 4), rng)
-    if dtype == "uint32":
-        x[:3] |= np.uint32(2**31)  # targets on both sides of the sign bit
-    rows = np.array(BAD_ROWS + [3, 3], np.int32)
-    idx = {
-        "row": rows[:, None],
-        "elt": np.stack([rows, (rows * 3) % 5], 1),
-        "win": np.stack([(rows * 3) % 5, rows], 1)[:6],
-    }
-    u = sample(dtype, (12, 4), rng)
-    upd_sets = [u]
-    if dtype == "uint32":
-        upd_sets += [u & np.uint32(2**31 - 1), u | np.uint32(2**31)]
-    fns = [lax.scatter, lax.scatter_max, lax.scatter_min]
-    if dtype != "bool":
-        fns += [lax.scatter_add, lax.scatter_mul, lax.scatter_sub]
-    runs = 0
-    for u in upd_sets:
-        upd = {"row": u, "elt": u[:, 0], "win": u[:6, :2].reshape(6, 2, 1)}
-
-        def f(x, ir, ie, iw, ur, ue, uw):
-            i, v = {"row": ir, "elt": ie, "win": iw}, {"row": ur, "elt": ue, "win": uw}
-            return [fn(x, i[k], v[k], dn, mode=m) for fn in fns for m in MODES for k, dn in SCATTER_DNS.items()]
-
-        args = [x, idx["row"], idx["elt"], idx["win"], upd["row"], upd["elt"], upd["win"]]
-        runs += _every_constant_subset(jax.make_jaxpr(f)(*args), args)
-    g_rows = rows.astype({"uint32": np.uint32, "float32": np.uint8, "bool": np.int16}.get(dtype, np.int32))
-    row_dn = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
-    win_dn = lax.GatherDimensionNumbers(offset_dims=(0, 2), collapsed_slice_dims=(), start_index_map=(1, 0))
-    g = lambda x, r, w: [lax.gather(x, i, dn, s, mode=m) for m in MODES  # noqa: E731
-                         for i, dn, s in ((r, row_dn, (1, 4)), (w, win_dn, (2, 3)), (r, row_dn, (1, 2)))]  # fmt: skip
-    gargs = [x, g_rows[:, None], np.stack([(rows * 3) % 5, rows], 1).reshape(6, 2, 2)]
-    runs += _every_constant_subset(jax.make_jaxpr(g)(*gargs), gargs)
-    assert runs > 300
-
-
-class _CountOps(TorchDispatchMode):
-    """The aten ops run inside it, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ != "detach":  # view(dtype) detaches under a dispatch mode only
-            self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-def _ops(fn, args, consts=(), donate=False):
-    """(torch ops one call of the compiled single equation of ``fn(*args)`` runs, its output as numpy), after
-    checking it against XLA."""
-    closed = jax.make_jaxpr(fn)(*args)
-    (e,) = closed.jaxpr.eqns
-    (want,) = jax.jit(jcore.jaxpr_as_fun(closed))(*args)
-    (_, ins), *_ = _eqn_args(closed, args)
-    ts = [prims.constant(a, v.aval.dtype, "cpu") for a, v in zip(ins, e.invars)]
-    run = prims.compile_rule(e, "cpu", {i: ts[i] for i in consts})
-    with _CountOps() as c:
-        (out,) = run(ts, (donate,) + (False,) * (len(ts) - 1))
-    got = prims.to_numpy(out, e.outvars[0].aval.dtype)
-    assert _same(np.asarray(want), got), e
-    return c.ops
-
-
-def test_compiled_steps_run_few_torch_ops():
-    """The glue of the write / verify launches: constant-index scatters and gathers are one op, views one call."""
-    assert _ops(lambda x, i, u: lax.scatter_add(x, i, u, SCATTER_DNS["row"]), (np.zeros((4, 2), np.int32),
-                np.zeros((0, 1), np.int32), np.zeros((0, 2), np.int32))) == ["clone"]  # fmt: skip
-    z, r = np.zeros((12, 2), np.uint32), np.array([[7, 2**32 - 1]], np.uint32)
-    row = lambda z, i, r: lax.scatter(z, i, r, SCATTER_DNS["row"], mode="drop", unique_indices=True)  # noqa: E731
-    for i in ([[2]], [[12]], [[-1]]):
-        i = np.array(i, np.int32)
-        want = ["where"] if i[0, 0] == 2 else ["clone"]  # a row broadcasts into place; dropped: a copy
-        assert _ops(row, (z, i, r), consts=(0, 1)) == want
-        assert _ops(row, (z, i, r), consts=(1,), donate=True) == (["index_put_"] if i[0, 0] == 2 else [])
-    x = sample("uint32", (6, 4), np.random.default_rng(15))
-    dn = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
-    rows = np.array([[0], [5], [3], [3]], np.int32)
-    for mode in MODES:
-        assert _ops(lambda x, i, m=mode: lax.gather(x, i, dn, (1, 4), mode=m), (x, rows), consts=(1,)) == ["take"]
-    bad = np.array([[0], [6], [-1]], np.int32)
-    assert _ops(lambda x, i: lax.gather(x, i, dn, (1, 4), mode="fill"), (x, bad), consts=(1,)) == ["take", "where"]
-    assert len(_ops(lambda x, i: lax.gather(x, i, dn, (1, 4), mode="clip"), (x, bad))) <= 4  # clamp, index_select
-    b = sample("uint8", (61, 48), np.random.default_rng(16))
-    assert len(_ops(lambda b: b.reshape(61, 12, 4), (b,))) == 1
-    assert len(_ops(lambda b: lax.bitcast_convert_type(b, jnp.uint32), (b.reshape(61, 12, 4),))) <= 2
-    assert len(_ops(lambda u: lax.bitcast_convert_type(u, jnp.uint8), (x,))) <= 2
-    assert len(_ops(lambda u: lax.slice(u, (2, 0), (3, 4)), (x,))) == 1
-    assert len(_ops(lambda u: lax.squeeze(u, (0,)), (x[2:3],))) == 1
-    assert len(_ops(lambda v: lax.broadcast_in_dim(v, (1, 4), (1,)), (x[2],))) == 1
-    assert _ops(lambda u: u.astype(jnp.int32), (x,)) == []
-    assert len(_ops(lambda u: lax.lt(u, np.uint32(5)), (x,))) == 2  # the literal keyed once
-    assert len(_ops(lambda u: lax.shift_right_logical(u, np.uint32(3)), (x,))) == 2
-    # the write's claim scatter-max: dynamic (row, col) indices, constant updates below 2**31, donated
-    words = sample("uint32", (61, 12), np.random.default_rng(17))
-    words[::2] |= np.uint32(2**31)
-    dest = np.array([[r % 63, 3] for r in range(0, 64, 4)], np.int32)  # rows 61, 62 dropped
-    upd = np.arange(1, 17, dtype=np.uint32)
-    smax = lambda w, d, u: lax.scatter_max(w, d, u, SCATTER_DNS["elt"], mode="drop")  # noqa: E731
-    assert len(_ops(smax, (words, dest, upd), consts=(2,), donate=True)) <= 11
-
-
-def test_compile_rule_builds_on_its_device_and_refuses_as_rule_for():
-    closed = jax.make_jaxpr(lambda: lax.broadcasted_iota(jnp.int32, (2, 3), 1))()
-    (e,) = closed.jaxpr.eqns
-    (out,) = prims.compile_rule(e, "meta", {})([], ())
-    assert out.device.type == "meta" and tuple(out.shape) == (2, 3)
-    (out,) = prims.compile_rule(e, torch.device("cpu"))([], ())
-    assert out.tolist() == [[0, 1, 2]] * 2
-    mm = jax.make_jaxpr(lambda a, b: a @ b)(np.ones((2, 2), np.float32), np.ones((2, 2), np.float32))
-    with pytest.raises(prims.UnsupportedPrimitive, match="no torch rule for primitive 'dot_general'"):
-        prims.compile_rule(mm.jaxpr.eqns[0], "cpu", {})
-
-
-VIEW_CHAINS = [  # (chain, input dtype, shape): the write / verify launches' view runs, and harder ones
-    (lambda b: lax.bitcast_convert_type(b.reshape(61, 12, 4), jnp.uint32), "uint8", (61, 48)),
-    (lambda w: lax.bitcast_convert_type(w, jnp.uint8).reshape(61, 48), "uint32", (61, 12)),
-    (lambda w: lax.broadcast_in_dim(lax.squeeze(lax.slice(w, (2, 0), (3, 2)), (0,)), (1, 2), (1,)), "uint32", (12, 2)),
-    (lambda w: lax.convert_element_type(w, jnp.int32).reshape(24), "uint32", (12, 2)),
-    (lambda w: lax.broadcast_in_dim(lax.slice(w, (0, 1), (12, 2)), (3, 12, 1), (1, 2)), "uint32", (12, 2)),
-    (lambda w: lax.transpose(lax.slice(w, (1, 0), (5, 2)), (1, 0)).reshape(8), "uint32", (12, 2)),  # copies
-    (lambda w: lax.bitcast_convert_type(lax.slice(w, (1, 0), (5, 2)), jnp.uint16).reshape(4, 4), "uint32", (12, 2)),
-    (lambda h: lax.bitcast_convert_type(h.reshape(3, 4, 2), jnp.float32), "bfloat16", (3, 8)),
-]
-
-
-@pytest.mark.parametrize("case", range(len(VIEW_CHAINS)))
-def test_view_chains_in_one_call(case):
-    """``compile_view_chain``: XLA's bytes on contiguous, offset and strided inputs; one or two calls (and shared
-    memory) on a contiguous input; the step-by-step path otherwise."""
-    fn, dtype, shape = VIEW_CHAINS[case]
-    x = sample(dtype, shape, np.random.default_rng(18 + case))
-    closed = jax.make_jaxpr(fn)(x)
-    eqns = closed.jaxpr.eqns
-    assert all(prims_views.is_view(e) for e in eqns), [e.primitive.name for e in eqns]
-    (want,) = jax.jit(jcore.jaxpr_as_fun(closed))(x)
-    run = prims_views.compile_view_chain(eqns, "cpu")
-    t = prims.from_numpy(x, "cpu")
-    big = prims.from_numpy(np.concatenate([x, x, x]), "cpu")
-    holders = {"contiguous": t, "offset": big[len(x) : 2 * len(x)], "strided": torch.stack([t, t], -1)[..., 1]}
-    for how, arg in holders.items():
-        assert arg.is_contiguous() == (how != "strided")
-        with _CountOps() as c:
-            (out,) = run([arg], (False,))
-        assert _same(np.asarray(want), prims.to_numpy(out, closed.jaxpr.outvars[0].aval.dtype)), how
-        if how != "strided" and case != 5:
-            assert len(c.ops) <= 2 and out.untyped_storage().data_ptr() == arg.untyped_storage().data_ptr(), c.ops
-    b = prims.from_numpy(sample("uint8", (1, 61 * 48 + 1), np.random.default_rng(1)), "cpu")[0, 1:].reshape(61, 48)
-    if case == 0:  # an offset the word size does not divide: the dtype view refuses, the rules copy
-        (out,) = run([b], (False,))
-        assert prims.to_numpy(out, np.uint32).tobytes() == prims.to_numpy(b, np.uint8).tobytes()
-
-
-def test_view_chain_refusals():
-    u = np.zeros((4, 6), np.uint32)
-    closed = jax.make_jaxpr(lambda u: [lax.reshape(u, (24,), dimensions=(1, 0)), u.astype(jnp.float32), u + 1,
-                                       u.reshape(6, 4), u.astype(jnp.int32)])(u)  # fmt: skip
-    views = [prims_views.is_view(e) for e in closed.jaxpr.eqns]
-    assert views == [False, False, False, True, True], closed
-    with pytest.raises(ValueError, match="not a chain of views"):
-        prims_views.compile_view_chain(closed.jaxpr.eqns[:2], "cpu")
-    reshape, convert = closed.jaxpr.eqns[-2:]
-    with pytest.raises(ValueError, match="cannot read reshape's output"):
-        prims_views.compile_view_chain([reshape, convert], "cpu")
 
 
 # --- sort / reductions ----------------------------------------------------------------------------------------

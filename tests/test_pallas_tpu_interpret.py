@@ -75,7 +75,20 @@ def _all_calls_race_checked(fn):
     return checked
 
 
-class TpuVerifyTest(verify_suite.VerifySuite, absltest.TestCase):
+class _X64Mode:
+    """Runs the class's tests with x64 ``X64``; with ``X64_SUBSET`` set, only the tests it names (the others skip)."""
+
+    X64 = False
+    X64_SUBSET: frozenset[str] | None = None  # tests this class runs (None: all)
+
+    def setUp(self):
+        super().setUp()
+        if self.X64_SUBSET is not None and self._testMethodName not in self.X64_SUBSET:
+            self.skipTest("x64 on: runs the subset in X64_SUBSET (interpret mode is slow; CI's time)")
+        self.enter_context(jax.enable_x64(self.X64))
+
+
+class TpuVerifyTest(_X64Mode, verify_suite.VerifySuite, absltest.TestCase):
     BACKEND = "pallas_tpu"
     VERIFY_IMPL = staticmethod(_race_checked(backends.implementation("verify", "pallas_tpu")))
     WRITE_IMPL = staticmethod(backends.implementation("write", "pallas_tpu"))
@@ -85,14 +98,6 @@ class TpuVerifyTest(verify_suite.VerifySuite, absltest.TestCase):
     # a capacity past a prefix bucket (64) and 13 blocks, with failures in the first, a middle and the last block.
     LARGE_ENTRIES = 200
     LARGE_BAD_ENTRIES = (3, 101)
-    X64 = False
-    X64_SUBSET: frozenset[str] | None = None  # tests this class runs (None: all)
-
-    def setUp(self):
-        super().setUp()
-        if self.X64_SUBSET is not None and self._testMethodName not in self.X64_SUBSET:
-            self.skipTest("x64 on: runs the subset in X64_SUBSET (interpret mode is slow; CI's time)")
-        self.enter_context(jax.enable_x64(self.X64))
 
     # --- tiling edges of the TPU kernel ---
     def test_tpu_partial_last_block_and_dead_blocks(self):
@@ -217,7 +222,7 @@ def _reference_verify(context, plan, *, config=None, **kwargs):
     return reference.verify_reference(context, plan, **kwargs)
 
 
-class TpuWriteTest(write_suite.WriteSuite, absltest.TestCase):
+class TpuWriteTest(_X64Mode, write_suite.WriteSuite, absltest.TestCase):
     """The write suite against ``write_tpu`` in TPU interpret mode, race detection on for each of its calls. The
     sizes pick the tiling edges: 32 tokens in chain blocks of 16 (a request's chain crosses blocks), 16 requests
     in seed blocks of 8 (the seed copies double-buffered), stores in calls of 24 and 8 entries (the SMEM bound;
@@ -229,14 +234,6 @@ class TpuWriteTest(write_suite.WriteSuite, absltest.TestCase):
     CONFIG = TpuConfig(write_block=16, write_req_block=8, write_prefetch_entries=24, detect_races=True)
     WRITE_REQ_CAPACITY = 16
     NUM_TOKENS = 32
-    X64 = False
-    X64_SUBSET: frozenset[str] | None = None  # tests this class runs (None: all)
-
-    def setUp(self):
-        super().setUp()
-        if self.X64_SUBSET is not None and self._testMethodName not in self.X64_SUBSET:
-            self.skipTest("x64 on: runs the subset in X64_SUBSET (interpret mode is slow; CI's time)")
-        self.enter_context(jax.enable_x64(self.X64))
 
     # --- tiling edges of the TPU kernels ---
     def test_tpu_long_chain_across_blocks_and_calls(self):
@@ -355,6 +352,24 @@ class TpuRaceDetectorTest(absltest.TestCase):
             pltpu.reset_tpu_interpret_mode_state()
 
 
+def _export_contexts(n: int):
+    """``(sources, mode, check, context)`` of the export tests, on a canary of ``n`` slots: no sources, a dense
+    source with heads-major chunks under ALL, the dense source under PARTIAL."""
+    dense = canary_jax.RealKvSource(
+        tensor=np.zeros((n // 2, 512), np.uint8), page_size=2, num_bytes_per_token=256, read_bytes=256
+    )
+    chunked = adapter_layouts.sources_for_heads_major(np.zeros((2, n // 4, 4, 8), jax.numpy.bfloat16))
+    for srcs, mode, check in (((), 0, True), ((dense, *chunked), ALL, False), ((dense,), PARTIAL, True)):
+        ctx = canary_jax.VerifyOrWriteContext(
+            canary_buf=jax.numpy.zeros((n, 32), np.uint8),
+            kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
+            log=canary_jax.ViolationLog.allocate(ring_capacity=8),
+            real_kv_sources=srcs,
+            real_kv_hash_mode=mode,
+        )
+        yield srcs, mode, check, ctx
+
+
 class TpuLoweringTest(absltest.TestCase):
     """The kernel lowers to Mosaic for a TPU without one (``jax.export`` with ``platforms=["tpu"]``): block
     shapes, scalar prefetch, the async copies and semaphores, and the uint32 hashing pass Pallas's TPU lowering.
@@ -363,22 +378,9 @@ class TpuLoweringTest(absltest.TestCase):
     def test_exports_for_tpu(self):
         from pallas_kernels.tpu.verify import _verify_jit
 
-        n = 128
-        dense = canary_jax.RealKvSource(
-            tensor=np.zeros((n // 2, 512), np.uint8), page_size=2, num_bytes_per_token=256, read_bytes=256
-        )
-        chunked = adapter_layouts.sources_for_heads_major(np.zeros((2, n // 4, 4, 8), jax.numpy.bfloat16))
-        cases = ((), 0, True), ((dense, *chunked), ALL, False), ((dense,), PARTIAL, True)
         slots = list(range(1, 100))
         plan = canary_jax.VerifyPlan.from_entries(slots=slots, positions=[0] * len(slots), prev_slots=[-1] * len(slots))
-        for srcs, mode, check in cases:
-            ctx = canary_jax.VerifyOrWriteContext(
-                canary_buf=jax.numpy.zeros((n, 32), np.uint8),
-                kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
-                log=canary_jax.ViolationLog.allocate(ring_capacity=8),
-                real_kv_sources=srcs,
-                real_kv_hash_mode=mode,
-            )
+        for srcs, mode, check, ctx in _export_contexts(128):
 
             def f(c, p, check=check):
                 return _verify_jit(c, p, check=check, interpret=False, config=TpuConfig(verify_block=32))
@@ -391,21 +393,9 @@ class TpuLoweringTest(absltest.TestCase):
         # The three write calls (seeds, chain, stores) lower to Mosaic: with and without sources, with the assert.
         from pallas_kernels.tpu.write import _write_jit
 
-        n, t = 128, 48
-        dense = canary_jax.RealKvSource(
-            tensor=np.zeros((n // 2, 512), np.uint8), page_size=2, num_bytes_per_token=256, read_bytes=256
-        )
-        chunked = adapter_layouts.sources_for_heads_major(np.zeros((2, n // 4, 4, 8), jax.numpy.bfloat16))
         plan = canary_jax.WritePlan.from_requests(counts=[30, 10, 8], seed_slots=[-1, 5, 7])
-        ids = jax.numpy.zeros((t, 2), np.uint32)
-        for srcs, mode, check in (((), 0, True), ((dense, *chunked), ALL, False), ((dense,), PARTIAL, True)):
-            ctx = canary_jax.VerifyOrWriteContext(
-                canary_buf=jax.numpy.zeros((n, 32), np.uint8),
-                kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL,
-                log=canary_jax.ViolationLog.allocate(ring_capacity=8),
-                real_kv_sources=srcs,
-                real_kv_hash_mode=mode,
-            )
+        ids = jax.numpy.zeros((48, 2), np.uint32)
+        for srcs, mode, check, ctx in _export_contexts(128):
 
             def f(c, p, a, check=check):
                 e = a if check else None

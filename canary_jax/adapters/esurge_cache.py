@@ -27,7 +27,6 @@ from typing import Any
 
 from canary_jax.adapters.block_tables import from_block_tables
 from canary_jax.adapters.layouts import sources_for_fused_kv
-from canary_jax.contract.constants import RealKvHashMode
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryStepConfig
 from canary_jax.runtime.step_inputs import CanaryCapacities
@@ -70,9 +69,7 @@ class EsurgeCache:
 
     def step_config(self, **kw: Any) -> CanaryStepConfig:
         """A :class:`CanaryStepConfig` with these capacities (``real_kv_hash_mode`` ALL unless given)."""
-        kw.setdefault("real_kv_hash_mode", RealKvHashMode.ALL)
-        caps = self.capacities
-        return CanaryStepConfig(verify_capacity=caps.verify_capacity, write_req_capacity=caps.write_req_capacity, **kw)
+        return self.capacities.step_config(**kw)
 
     def groups(self) -> list[CanaryBufferGroup]:
         """One FULL group of ``num_slots`` slots (K half only)."""

@@ -31,7 +31,6 @@ from typing import Any
 
 from canary_jax.adapters.layouts import sources_for_fused_kv
 from canary_jax.adapters.sglang_jax import from_sglang_jax_batch
-from canary_jax.contract.constants import RealKvHashMode
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.guard import CanaryGuard
 from canary_jax.runtime.state import CanaryBatch, CanaryStepConfig
@@ -95,9 +94,7 @@ class SglangJaxPools:
     def step_config(self, **kw: Any) -> CanaryStepConfig:
         """A :class:`CanaryStepConfig` with these capacities; keywords add the rest (``real_kv_hash_mode``: ALL
         unless given, as :class:`~canary_jax.runtime.guard.CanaryGuard`; the asserts, ``backend``)."""
-        kw.setdefault("real_kv_hash_mode", RealKvHashMode.ALL)
-        caps = self.capacities
-        return CanaryStepConfig(verify_capacity=caps.verify_capacity, write_req_capacity=caps.write_req_capacity, **kw)
+        return self.capacities.step_config(**kw)
 
     def groups(self, *, has_v_half: bool = False) -> list[CanaryBufferGroup]:
         """One FULL group of ``num_slots`` slots (sglang-jax 0.0.2 has no SWA pool)."""

@@ -213,6 +213,17 @@ class ViolationReporter:
         return log_or_raise_messages(self.mode, self._logger, msgs, self.last_records, step=step)
 
 
+def _take_pending(monitor, log: layout.ViolationLog, step: int):
+    """What a monitor's pump reads (clearing ``monitor.last_records``): ``(log, write index, recorded step)`` of
+    the previous call when ``monitor.delayed`` (keeping this call's log and a snapshot of its write index for the
+    next; None on the first call), else of this call."""
+    monitor.last_records = []
+    if monitor.delayed:
+        prev, monitor._pending = monitor._pending, (log, _snapshot(log.write_index), int(step))
+        return prev
+    return log, log.write_index, int(step)
+
+
 class ViolationMonitor:
     """SGLang's violation pump: each step, check the write index as snapshotted one step earlier and, when it
     grew, let the reporter log or raise the rows recorded since.
@@ -251,16 +262,11 @@ class ViolationMonitor:
         Raises:
           CanaryViolationError: in raise mode, on the first pump that sees violations (``recorded_step`` set).
         """
-        self.last_records = []
-        if self.delayed:
-            prev, self._pending = self._pending, (log, _snapshot(log.write_index), int(step))
-            if prev is None:
-                return []
-            log, wi, recorded = prev
-            n = _first(wi)
-        else:
-            n, recorded = _first(log.write_index), int(step)
-        return self._report(log, n, step=step, recorded=recorded)
+        taken = _take_pending(self, log, step)
+        if taken is None:
+            return []
+        log, wi, recorded = taken
+        return self._report(log, _first(wi), step=step, recorded=recorded)
 
     def _report(self, log: layout.ViolationLog, n: int, *, step: int, recorded: int) -> list[str]:
         if n == self._seen_index or self.reporter.is_raised:

@@ -24,7 +24,8 @@ from canary_jax.contract import decode, layout
 from canary_jax.runtime.report import (
     CanaryViolationError,
     ViolationReporter,
-    _snapshot,
+    _snapshot,  # noqa: F401  (importable from here, as before)
+    _take_pending,
     log_or_raise_messages,
     validate_mode,
 )
@@ -216,14 +217,10 @@ class ShardedViolationMonitor:
         Raises:
           CanaryViolationError: raise mode, on the first pump that sees violations (``recorded_step`` set).
         """
-        self.last_records = []
-        if self.delayed:
-            prev, self._pending = self._pending, (log, _snapshot(log.write_index), int(step))
-            if prev is None:
-                return []
-            log, wi, recorded = prev
-        else:
-            wi, recorded = log.write_index, int(step)
+        taken = _take_pending(self, log, step)
+        if taken is None:
+            return []
+        log, wi, recorded = taken
         return self._report(log, wi, step=step, recorded=recorded)
 
     def flush(self, log: layout.ViolationLog, *, step: int) -> list[str]:

@@ -34,7 +34,7 @@ import numpy as np
 
 from canary_jax.contract import constants, ints
 from canary_jax.contract.sources import RealKvSource
-from canary_jax.runtime.state import _INDEX_FIELDS, CanaryBatch
+from canary_jax.runtime.state import _INDEX_FIELDS, CanaryBatch, CanaryStepConfig
 
 __all__ = [
     "VERIFY_CAPACITY_POOL_FACTOR",
@@ -108,6 +108,13 @@ class CanaryCapacities:
             write_req_capacity=int(max_batch_size),
             sweep_capacity=int(num_slots),
         )
+
+    def step_config(self, **kw: Any) -> CanaryStepConfig:
+        """A :class:`~canary_jax.runtime.state.CanaryStepConfig` with these verify and write capacities; keywords
+        add the rest (``real_kv_hash_mode``: ALL unless given, as :class:`~canary_jax.runtime.guard.CanaryGuard`;
+        the asserts, ``backend``)."""
+        kw.setdefault("real_kv_hash_mode", constants.RealKvHashMode.ALL)
+        return CanaryStepConfig(verify_capacity=self.verify_capacity, write_req_capacity=self.write_req_capacity, **kw)
 
 
 # --- what the step function sees -------------------------------------------------------------------------

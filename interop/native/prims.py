@@ -23,7 +23,8 @@ an input's memory. ``RULES["iota"]`` has no input to take a device from and buil
 the compiled ``iota`` builds on the ``device`` it was compiled for.
 
 The rules live by job: :mod:`interop.native.prims_dtypes` (storage dtypes, shared helpers, the compile
-context), :mod:`interop.native.prims_elementwise`, :mod:`interop.native.prims_convert` (convert / bitcast),
+context), :mod:`interop.native.prims_elementwise` (compiled in :mod:`interop.native.prims_elementwise_compiled`),
+:mod:`interop.native.prims_convert` (convert / bitcast),
 :mod:`interop.native.prims_shape` (views, concatenation, pad, iota, sort, reductions),
 :mod:`interop.native.prims_index` (gather, scatter family, dynamic slices) with the compiled gather / scatter in
 :mod:`interop.native.prims_index_compiled`; each registers into :data:`RULES` and :data:`COMPILERS` when this
@@ -161,9 +162,15 @@ def compile_rule(eqn, device, consts: dict[int, torch.Tensor] | None = None) -> 
 
 
 # --- registration ---------------------------------------------------------------------------------------------
-from interop.native import prims_convert, prims_elementwise, prims_index, prims_shape  # noqa: E402
+from interop.native import (  # noqa: E402
+    prims_convert,
+    prims_elementwise,
+    prims_elementwise_compiled,
+    prims_index,
+    prims_shape,
+)
 
-for _mod in (prims_elementwise, prims_convert, prims_shape, prims_index):
+for _mod in (prims_elementwise, prims_elementwise_compiled, prims_convert, prims_shape, prims_index):
     _mod.register(_reg, _comp, _CHECKS)
 FRESH: frozenset[str] = frozenset(_FRESH)
 """Primitives whose outputs never share memory with any input (the rest may return views or write in place)."""

@@ -12,7 +12,8 @@
    share memory with (a view shares its input's; a fresh result gets its own). A step may overwrite an input in
    place (a ``pallas_call`` operand it aliases to an output, a scatter's operand) only when nothing read later
    shares that memory, the memory is not a constant, and it is not a read-only argument of the launch;
-   otherwise the step works on a copy, as XLA would.
+   otherwise the step works on a copy, as XLA would. (This pass, the rules compiled with their constants and
+   the fused views are :mod:`interop.native.program_passes`'.)
 4. **Run.** Each primitive runs through its torch rule (:mod:`interop.native.prims`); each compiled
    ``pallas_call`` through its Triton kernel (:mod:`interop.native.triton_kernels`) on torch's current stream;
    an interpreted ``pallas_call`` (CPU launches) through JAX's interpreter on host copies. No step reads a value
@@ -33,7 +34,15 @@ import jax.extend.core as jcore
 import numpy as np
 import torch
 
-from interop.native import jaxpr_compat, prims, prims_views
+from interop.native import jaxpr_compat, prims
+from interop.native.program_passes import (  # noqa: F401  (re-exported: their first home is here)
+    IN_PLACE,
+    VIEW_OF_FIRST,
+    Step,
+    _compile,
+    _fuse_views,
+    _plan_memory,
+)
 
 INLINED = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat", "checkpoint")
 """Primitives whose body is inlined into the step list."""
@@ -42,40 +51,12 @@ REFUSED = ("while",)
 """Control flow the native path refuses: its trip count would need a host read per launch. (A ``cond`` without
 kernels runs every branch and selects the results on the device; one with a ``pallas_call`` is refused.)"""
 
-IN_PLACE = frozenset(
-    {"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min"}
-    | {"scatter-max", "scatter_max", "dynamic_update_slice"}
-)
-"""Primitives whose rule updates operand 0 in place when it is donated (and works on a copy otherwise)."""
-
-VIEW_OF_FIRST = frozenset(
-    {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "bitcast_convert_type", "convert_element_type"}
-    | {"slice", "dynamic_slice", "transpose", "rev", "reduce_precision", "copy", "copy_p"}
-)
-"""Primitives whose result may be a view of operand 0 only (never of their other operands)."""
-
 MAX_UNROLL = 64
 """Largest ``scan`` trip count unrolled (ours are a ``searchsorted``'s log2 steps)."""
 
 
 class NotNative(NotImplementedError):
     """A launch body the native path cannot run (names the primitive and why)."""
-
-
-@dataclasses.dataclass
-class Step:
-    """One step: ``run(args, donate) -> outputs`` on the values ``ins``, defining ``outs``."""
-
-    name: str
-    run: Callable[[list[torch.Tensor], tuple[bool, ...]], list[torch.Tensor]]
-    ins: tuple[int, ...]
-    outs: tuple[int, ...]
-    fresh: bool  # outputs never share memory with inputs
-    inplace: tuple[int, ...] = ()  # input positions the step may overwrite when allowed (else it copies)
-    donate: tuple[bool, ...] = ()  # per input: may be overwritten (decided by the memory plan)
-    drop: tuple[int, ...] = ()  # values dead after this step (released for the allocator)
-    kernel: Any = None  # the pallas_call's kernel object, for reports
-    eqns: tuple = ()  # the equations a primitive step runs (compiled once constants are folded)
 
 
 class _Builder:
@@ -227,110 +208,6 @@ def _fold_constants(b: _Builder) -> list[Step]:
         else:
             rest.append(s)
     return rest
-
-
-def _compile(steps: list[Step], consts: dict[int, torch.Tensor], device: torch.device) -> None:
-    """Each primitive step's rule compiled for ``device`` with every constant operand (literal, closed-over or
-    folded) baked in (:func:`interop.native.prims.compile_rule`)."""
-    for s in steps:
-        if len(s.eqns) == 1:
-            known = {k: consts[i] for k, i in enumerate(s.ins) if i in consts}
-            s.run = prims.compile_rule(s.eqns[0], device, known)
-
-
-def _fuse_views(steps: list[Step], out_ids, device: torch.device) -> list[Step]:
-    """Runs of view steps (each the only reader of the one before, which is no program output) as one step
-    (:func:`interop.native.prims_views.compile_view_chain`: one or two torch calls on a contiguous input)."""
-    readers: dict[int, int] = {}
-    for s in steps:
-        for i in s.ins:
-            readers[i] = readers.get(i, 0) + 1
-    outs = set(out_ids)
-    fused: list[Step] = []
-    chain: list[Step] = []
-
-    def flush():
-        if len(chain) == 1:
-            fused.append(chain[0])
-        elif chain:
-            eqns = tuple(e for c in chain for e in c.eqns)
-            run = prims_views.compile_view_chain(eqns, device)
-            fused.append(Step("view_chain", run, chain[0].ins, chain[-1].outs, False, eqns=eqns))
-        chain.clear()
-
-    for s in steps:
-        view = len(s.eqns) == 1 and len(s.ins) == 1 and prims_views.is_view(s.eqns[0])
-        if view and chain and s.ins[0] == chain[-1].outs[0]:
-            chain.append(s)
-        else:
-            flush()
-            if view:
-                chain.append(s)
-            else:
-                fused.append(s)
-        if chain and (readers.get(chain[-1].outs[0], 0) != 1 or chain[-1].outs[0] in outs):
-            flush()  # the chain's value is read elsewhere too: it ends here
-    flush()
-    return fused
-
-
-def _plan_memory(steps: list[Step], in_ids, out_ids, mutable: Sequence[bool], consts: dict) -> tuple[bool, ...]:
-    """Sets each step's ``donate`` and ``drop`` (see the module docstring, item 3); returns, per output, whether
-    it may share memory with another *mutable* input than its own (then the launch copies it before writing
-    results back, so one write-back cannot change another's value)."""
-    n_steps = len(steps)
-    last: dict[int, int] = {}
-    for k, s in enumerate(steps):
-        for i in s.ins:
-            last[i] = k
-    for i in out_ids:
-        last[i] = n_steps
-    roots: dict[int, frozenset] = {}
-    for j, i in enumerate(in_ids):
-        roots[i] = frozenset({("in", j)})
-    for i in consts:
-        roots[i] = frozenset({("const", i)})
-    holders: dict[Any, list[int]] = {}
-    for i, r in roots.items():
-        for root in r:
-            holders.setdefault(root, []).append(i)
-    read_only = {("in", j) for j, m in enumerate(mutable) if not m}
-    for k, s in enumerate(steps):
-        donate = []
-        for pos, i in enumerate(s.ins):
-            ok = pos in s.inplace
-            # memory this step also reads through another operand must not change under it
-            others = frozenset().union(*(roots.get(j, frozenset()) for q, j in enumerate(s.ins) if q != pos))
-            for root in roots.get(i, ()):
-                if root[0] == "const" or root in read_only or root in others:
-                    ok = False
-                elif any(last.get(h, -1) > k for h in holders[root]):
-                    ok = False
-            donate.append(ok)
-        s.donate = tuple(donate)
-        own = [frozenset({("step", k, q)}) for q in range(len(s.outs))]
-        if s.fresh or (s.name in IN_PLACE and not s.donate[0]):
-            out_roots = own  # a fresh result, or the copy an in-place rule made of an operand it could not take
-        elif s.name in IN_PLACE or s.name in VIEW_OF_FIRST:
-            out_roots = [roots.get(s.ins[0], frozenset()) | o for o in own]
-        elif s.name == "pallas_call":
-            # an aliased result is its operand's memory when donated, the launch's own copy otherwise
-            back = {o: i for i, o in s.kernel.aliases if s.donate[i]}
-            out_roots = [roots.get(s.ins[back[q]], frozenset()) | o if q in back else o for q, o in enumerate(own)]
-        else:
-            shared = frozenset().union(*(roots.get(i, frozenset()) for i in s.ins)) if s.ins else frozenset()
-            out_roots = [shared | frozenset({("step", k, q)}) for q in range(len(s.outs))]
-        for i, r in zip(s.outs, out_roots):
-            roots[i] = r
-            for root in r:
-                holders.setdefault(root, []).append(i)
-    for k, s in enumerate(steps):
-        s.drop = tuple(sorted({i for i in s.ins if last.get(i) == k}))
-    own_input = [j for j, m in enumerate(mutable) if m]  # output q writes back to mutable input own_input[q]
-    return tuple(
-        any(r[0] == "in" and r[1] != j and mutable[r[1]] for r in roots.get(i, ()))
-        for i, j in zip(out_ids, own_input + [None] * (len(out_ids) - len(own_input)))
-    )
 
 
 @dataclasses.dataclass

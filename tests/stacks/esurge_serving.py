@@ -30,6 +30,7 @@ from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import fake_model
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,21 +78,7 @@ class ServeConfig:
 def workload(seed: int) -> list[tuple[int, str, list[int], int]]:
     """``(arrival_step, rid, prompt, max_tokens)``: two shared system prefixes (page-aligned 20 and unaligned 13
     tokens, for eSurge's prefix cache), long prompts (chunked at the 32-token budget), an exact repeat of r00."""
-    rng = np.random.default_rng(seed)
-    sys_a, sys_b = rng.integers(1, VOCAB, 20).tolist(), rng.integers(1, VOCAB, 13).tolist()
-    out = []
-    for w, at in enumerate((0, 6, 14, 25, 38, 52)):
-        for j in range(3):
-            kind = (w + j) % 3
-            if kind == 0:
-                prompt = sys_a + rng.integers(1, VOCAB, 3 + j).tolist()
-            elif kind == 1:
-                prompt = sys_b + rng.integers(1, VOCAB, 5 + 2 * j).tolist()
-            else:
-                prompt = rng.integers(1, VOCAB, 30 + 4 * j).tolist()
-            out.append((at, f"r{len(out):02d}", prompt, 6 + (len(out) * 5) % 17))
-    out.append((30, f"r{len(out):02d}", out[0][2], 10))
-    return out
+    return fake_model.workload(seed, prefix_tokens=(20, 13))
 
 
 class Runner:

@@ -32,3 +32,12 @@ def run_block(code: str) -> tuple[dict, str]:
     with contextlib.redirect_stdout(out):
         exec(compile(code, str(README), "exec"), ns)
     return ns, out.getvalue()
+
+
+def run_section(test, title: str) -> tuple[dict, str]:
+    """Checks (``test.assertEqual``) that section ``title``'s N counts its ``# canary`` lines, then runs its block
+    as pasted: ``(its namespace, what it printed)``."""
+    n, code = section(title)
+    marked = marked_lines(code)
+    test.assertEqual(len(marked), n, marked)
+    return run_block(code)

@@ -30,6 +30,7 @@ from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # jax[tpu] installs libtpu; keep it quiet on a CPU
 
+import fake_model
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,21 +87,7 @@ class ServeConfig:
 def workload(seed: int) -> list[tuple[int, str, list[int], int]]:
     """``(arrival_iteration, rid, prompt, max_new_tokens)``: two shared system prefixes (21 and 12 tokens, not
     page-aligned), long prompts (chunked at 16), and an exact repeat of r00 (a full-prefix radix hit)."""
-    rng = np.random.default_rng(seed)
-    sys_a, sys_b = rng.integers(1, VOCAB, 21).tolist(), rng.integers(1, VOCAB, 12).tolist()
-    out = []
-    for w, at in enumerate((0, 6, 14, 25, 38, 52)):
-        for j in range(3):
-            kind = (w + j) % 3
-            if kind == 0:
-                prompt = sys_a + rng.integers(1, VOCAB, 3 + j).tolist()
-            elif kind == 1:
-                prompt = sys_b + rng.integers(1, VOCAB, 5 + 2 * j).tolist()
-            else:
-                prompt = rng.integers(1, VOCAB, 30 + 4 * j).tolist()
-            out.append((at, f"r{len(out):02d}", prompt, 6 + (len(out) * 5) % 17))
-    out.append((30, f"r{len(out):02d}", out[0][2], 10))
-    return out
+    return fake_model.workload(seed, prefix_tokens=(21, 12))
 
 
 def guard_write(kv_buffer, inputs):

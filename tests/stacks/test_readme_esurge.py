@@ -27,10 +27,7 @@ from canary_jax.runtime.report import CanaryViolationError
 
 class ReadmeEsurgeTest(absltest.TestCase):
     def test_block_runs_counts_its_lines_and_catches_a_flip(self):
-        n, code = readme_blocks.section("EasyDeL eSurge")
-        marked = readme_blocks.marked_lines(code)
-        self.assertEqual(len(marked), n, marked)
-        ns, out = readme_blocks.run_block(code)
+        ns, out = readme_blocks.run_section(self, "EasyDeL eSurge")
         self.assertEqual(out.split(), ["0"])
         self.assertEqual(ns["canary"].num_slots, 16 * 4)
         # slot 4 (page 1, offset 0), layer 0, K head 1 (combined head 2): bytes 256.. of the K sequence

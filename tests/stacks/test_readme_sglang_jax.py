@@ -18,10 +18,7 @@ from absl.testing import absltest
 
 class ReadmeSglangJaxTest(absltest.TestCase):
     def test_block_runs_and_counts_its_lines(self):
-        n, code = readme_blocks.section("sglang-jax")
-        marked = readme_blocks.marked_lines(code)
-        self.assertEqual(len(marked), n, marked)
-        _, out = readme_blocks.run_block(code)
+        _, out = readme_blocks.run_section(self, "sglang-jax")
         self.assertEqual(out.split(), ["0"])
 
 
