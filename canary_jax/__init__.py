@@ -12,6 +12,7 @@ flat paths (``canary_jax.hashing``, ...) still import, as aliases (:mod:`canary_
 """
 
 from canary_jax import _aliases  # noqa: F401  (installs the old paths' finder)
+from canary_jax._compat import jax_version  # noqa: F401  (refuses a jax below the floor, by name)
 from canary_jax.contract import constants
 from canary_jax.contract.constants import (
     CANARY_CHAIN_ANCHOR,

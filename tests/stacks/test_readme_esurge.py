@@ -39,7 +39,7 @@ class ReadmeEsurgeTest(absltest.TestCase):
         token_ids = ns["token_ids"]
         token_ids[0, 7] = 18
         with self.assertRaises(CanaryViolationError) as cm:
-            ns["execute"](token_ids, np.array([7, 0], np.int32), np.array([1, 0], np.int32), ns["page_table"])
+            ns["execute"](token_ids, np.array([7, 0], np.int32), np.array([1, 0], np.int32), ns["page_table"], 2)
         first = str(cm.exception).splitlines()[0]
         self.assertIn("fail_reason=verify_real_kv_hash ", first)
         self.assertIn(" slot_idx=4 ", first)
