@@ -264,6 +264,40 @@ class LayoutErrorsTest(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, r"layout must be a ShardLayout, got int"):
             sharded.ShardedCanary(1, cfg)
 
+    def test_shard_batch_checks_host_values_as_the_step_api(self):
+        from canary_jax.runtime import CanaryBatch, CanaryBufferGroup, CanaryState, PoolKind, canary_plan
+
+        lay = sharded.ShardLayout.create(dp=1, tp=1)
+        cfg = CanaryStepConfig(verify_capacity=8, write_req_capacity=2)
+        group = CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=16, has_v_half=False)
+        state = CanaryState.create([group], ring_capacity=4)
+        r2t = np.zeros((4, 8), np.int32)
+
+        def batch(rpi, loc):
+            return CanaryBatch(
+                req_pool_indices=np.array(rpi),
+                prefix_lens=np.array([0, 0]),
+                extend_seq_lens=np.array([1, 0]),
+                input_ids=np.array([7]),
+                positions=np.array([0]),
+                out_cache_loc=np.array([loc]),
+                req_to_token=r2t,
+            )
+
+        cases = (  # the single-device step API's refusal of each, word for word
+            (batch([-3, 0], 1), r"req_pool_indices\[0\] = -3 is negative"),
+            (batch([9, 0], 1), r"req_pool_indices\[0\] = 9 is outside req_to_token's 4 rows"),
+            (batch([1, 0], 99), r"out_cache_loc\[0\] = 99 is outside \[0, 16\)"),
+        )
+        for b, msg in cases:
+            with self.assertRaisesRegex(ValueError, msg):
+                canary_plan(state, b, config=cfg)
+            with self.assertRaisesRegex(ValueError, msg):
+                lay.shard_batch([b], cfg, state=state)
+        lay.shard_batch([cases[2][0]], cfg)  # out_cache_loc's bound needs the state: without it, not checked
+        sb, n = lay.shard_batch([batch([1, 0], 15)], cfg, state=state)
+        self.assertEqual(np.asarray(n).tolist(), [1])
+
     def test_health_checker_refuses_delayed(self):
         with self.assertRaisesRegex(ValueError, r"ShardedHealthChecker does not support delayed=True"):
             sharded.ShardedHealthChecker([0], delayed=True)

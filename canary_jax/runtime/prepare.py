@@ -179,8 +179,9 @@ def _slot_limit(state: CanaryState) -> tuple[int, str]:
     return min(limits, key=lambda e: e[0])
 
 
-def check_batch_values(state: CanaryState, batch: CanaryBatch) -> None:
-    """Checks the *values* of a batch's host (numpy) fields against SGLang's contract and the state.
+def check_batch_values(state: CanaryState | None, batch: CanaryBatch) -> None:
+    """Checks the *values* of a batch's host (numpy) fields against SGLang's contract and the state (None: every
+    check but ``out_cache_loc``'s bound, which needs the state's groups).
 
     Runs on host data only, before anything is traced or changed (eager calls of the step API and
     :class:`~canary_jax.runtime.guard.CanaryGuard`); a field held as a JAX array or tracer is not read (no host
@@ -248,7 +249,7 @@ def check_batch_values(state: CanaryState, batch: CanaryBatch) -> None:
             "(input_ids, positions, out_cache_loc)"
         )
     loc = _host_int64(batch.out_cache_loc)
-    if loc is None or total == 0:
+    if loc is None or total == 0 or state is None:
         return
     limit, what = _slot_limit(state)
     bad = np.flatnonzero(loc[:total] >= limit)

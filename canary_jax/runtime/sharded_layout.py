@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from canary_jax.contract import ints
 from canary_jax.runtime import phases, shapes
-from canary_jax.runtime.prepare import check_batch
+from canary_jax.runtime.prepare import check_batch, check_batch_values
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
 from canary_jax.runtime.step import _check_config, _check_state
 
@@ -178,6 +178,7 @@ class ShardLayout:
         *,
         num_tokens: int | None = None,
         num_rows: int | None = None,
+        state: CanaryState | None = None,
     ) -> tuple[CanaryBatch, jax.Array]:
         """One batch per dp shard, padded to one shape and laid out ``[dp, ...]`` (``PartitionSpec(dp)``).
 
@@ -188,6 +189,8 @@ class ShardLayout:
           config: the step config (its buckets pick the padded shapes).
           num_tokens, num_rows: the padded token count T and row count bs; default: the buckets of the largest
             given batch. In a multi-process run pass them, so that every process builds the same global shape.
+          state: the single-device :class:`CanaryState` every shard holds (the one given to
+            :meth:`shard_state`), to bound ``out_cache_loc`` by its slots; None skips that one bound.
 
         Returns:
           ``(batch, live_tokens)``: the stacked batch (leaves ``[dp, ...]``) and ``int32[dp]`` live token counts
@@ -195,15 +198,15 @@ class ShardLayout:
 
         Raises:
           ValueError: not one entry per dp shard, no batch at all, None for a dp shard this process holds, a
-            batch larger than ``num_tokens`` / ``num_rows``, or tables of different shapes.
+            batch larger than ``num_tokens`` / ``num_rows``, tables of different shapes, or a host value the
+            canary cannot honour (:func:`~canary_jax.runtime.prepare.check_batch_values`, naming the field and index).
           TypeError: an entry that is not a CanaryBatch or None.
 
-        Each batch gets :func:`canary_jax.runtime.prepare.check_batch` (the static checks of
-        :func:`~canary_jax.runtime.prepare.prepare_batch`) and the bucket padding of
-        :mod:`canary_jax.runtime.shapes`, but to one shape shared by every dp shard (the largest bucket, or
-        ``num_tokens`` / ``num_rows``), not each batch's own. The host values
-        (:func:`~canary_jax.runtime.prepare.check_batch_values`) are not checked: there is no state here to bound
-        them by.
+        Each batch gets :func:`canary_jax.runtime.prepare.check_batch` and
+        :func:`~canary_jax.runtime.prepare.check_batch_values` (the checks of
+        :func:`~canary_jax.runtime.prepare.prepare_batch`, ``out_cache_loc``'s bound only with ``state``) and the
+        bucket padding of :mod:`canary_jax.runtime.shapes`, but to one shape shared by every dp shard (the largest
+        bucket, or ``num_tokens`` / ``num_rows``), not each batch's own.
         """
         config = _check_config(config)
         batches = list(batches)
@@ -216,7 +219,8 @@ class ShardLayout:
             raise ValueError("kv-canary: shard_batch got no batch")
         self._check_held(batches, "shard_batch")
         for b in given:
-            check_batch(b, config)  # the step API's static batch checks (prepare_batch's step 2)
+            check_batch(b, config)  # prepare_batch's checks: static, then the host values
+            check_batch_values(state, b)
         shapes_ = [shapes.padded_batch_shape(b, config) for b in given]
         t = max(s[0] for s in shapes_) if num_tokens is None else int(num_tokens)
         rows = max(s[1] for s in shapes_) if num_rows is None else int(num_rows)
