@@ -7,7 +7,7 @@ points, and violation decoding. Importing this package never imports torch or th
 The package's rooms: :mod:`canary_jax.contract` (bytes and hashes), :mod:`canary_jax.planning` (plans and slot
 tables), :mod:`canary_jax.ops` (verify / write, references, backends, padding), :mod:`canary_jax.runtime` (the
 serving-step API and ``CanaryGuard``), :mod:`canary_jax.adapters` (stacks' layouts and batches),
-:mod:`canary_jax.tools` (faults, dumps, decoding), :mod:`canary_jax.cli` (the command line). The modules' old
+:mod:`canary_jax.tools` (fault injection), :mod:`canary_jax.cli` (the command line). The modules' old
 flat paths (``canary_jax.hashing``, ...) still import, as aliases (:mod:`canary_jax._aliases`).
 """
 

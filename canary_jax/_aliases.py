@@ -4,7 +4,8 @@ Until 0.1 the contract's modules sat flat in ``canary_jax/`` (``canary_jax.hashi
 They now live in rooms by job (:mod:`canary_jax.contract`, :mod:`canary_jax.planning`, :mod:`canary_jax.ops`,
 :mod:`canary_jax.tools`). Importing an old path returns the *same module object* as the new one (so
 ``unittest.mock.patch("canary_jax.hashing.fold_words", ...)`` patches what the library calls), and imports
-nothing until the old path is asked for. ``canary_jax.integration`` and ``canary_jax.step_inputs`` (the guard's
+nothing until the old path is asked for. Each old path is deprecated: its first import warns
+(``DeprecationWarning``, naming the new path). ``canary_jax.integration`` and ``canary_jax.step_inputs`` (the guard's
 first homes, now in :mod:`canary_jax.runtime`) are re-exporting modules in :mod:`canary_jax._compat`.
 
 The finder sits on ``sys.meta_path`` and answers only for the names in :data:`OLD_PATHS` and their submodules
@@ -18,18 +19,21 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+import warnings
 from types import ModuleType
 
 ROOMS = {
     "contract": ("constants", "pairs", "ints", "hashing", "layout", "sources", "coverage", "validation", "decode"),
     "planning": ("plans", "plan_builder", "slot_tables", "slot_reads", "expected_tokens"),
     "ops": ("launch", "reference", "backends", "padding", "buckets"),
-    "tools": ("faults", "dump"),
+    "runtime": ("dump",),
+    "tools": ("faults",),
     "_compat": ("integration", "step_inputs"),
 }
 
 #: ``{old dotted path: new dotted path}`` for every module that moved.
 OLD_PATHS = {f"canary_jax.{m}": f"canary_jax.{room}.{m}" for room, mods in ROOMS.items() for m in mods}
+OLD_PATHS["canary_jax.tools.dump"] = "canary_jax.runtime.dump"  # the dump's home until CanaryGuard.dump used it
 
 
 def new_path(fullname: str) -> str | None:
@@ -63,6 +67,8 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         new = new_path(fullname)
         if new is None:
             return None
+        home = "canary_jax.runtime" if new.startswith("canary_jax._compat.") else f"{new} (the same module)"
+        warnings.warn(f"{fullname} is deprecated: import {home}", DeprecationWarning, stacklevel=2)
         loader = _AliasLoader(new)
         spec = importlib.machinery.ModuleSpec(fullname, loader)
         real = sys.modules.get(new)

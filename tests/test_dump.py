@@ -1,4 +1,4 @@
-"""The public dump API (``canary_jax.tools.dump``) and ``canary-jax verify-dump`` on it.
+"""The public dump API (``canary_jax.runtime.dump``) and ``canary-jax verify-dump`` on it.
 
 A guarded toy stack (``test_integration``) runs with a KV flip; its dump is read back byte for byte, decoded by
 verify-dump with SGLang's text plus the detail a debugger needs (the expected position, the stored and the
@@ -20,7 +20,8 @@ from canary_jax.cli import main as cli
 from canary_jax.cli import verify_dump
 from canary_jax.contract import constants, decode
 from canary_jax.contract.layout import ViolationLog
-from canary_jax.tools import dump, faults
+from canary_jax.runtime import dump
+from canary_jax.tools import faults
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -646,7 +646,7 @@ def test_pallas_backend_guard_matches_the_oracle(backend):
 # --- a block-table stack (the batch's slot table instead of req_to_token) ---------------------------------
 def test_block_table_batches_give_the_same_canary_state_and_dump(tmp_path):
     from canary_jax.planning.plan_builder import BlockTable
-    from canary_jax.tools import dump
+    from canary_jax.runtime import dump
 
     runs = {}
     for kind in ("dense", "blocks"):

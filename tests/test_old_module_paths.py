@@ -66,6 +66,35 @@ class OldPathsTest(parameterized.TestCase):
         self.assertIs(CanaryGuard, new_guard)
         self.assertIs(CanaryCapacities, new_caps)
 
+    def test_old_paths_warn_that_they_are_deprecated(self):
+        cases = (
+            ("canary_jax.hashing", "import canary_jax.contract.hashing (the same module)"),
+            ("canary_jax.tools.dump", "import canary_jax.runtime.dump (the same module)"),
+            ("canary_jax.integration", "import canary_jax.runtime"),
+        )
+        for old, hint in cases:
+            p = subprocess.run(
+                [sys.executable, "-W", "error::DeprecationWarning", "-c", f"import {old}"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            self.assertNotEqual(p.returncode, 0, old)
+            self.assertEqual(p.stderr.strip().splitlines()[-1], f"DeprecationWarning: {old} is deprecated: {hint}")
+        p = subprocess.run(  # the new homes import without a warning
+            [
+                sys.executable,
+                "-W",
+                "error::DeprecationWarning",
+                "-c",
+                "import canary_jax.runtime.dump, canary_jax.tools",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        self.assertEqual(p.returncode, 0, p.stderr)
+
     def test_old_path_in_a_fresh_interpreter(self):
         # Nothing imported yet: the old path alone must be enough (the finder comes with the package).
         code = "import canary_jax.hashing as h, canary_jax.contract.hashing as n; assert h is n; print(h.__name__)"

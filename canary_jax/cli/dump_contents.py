@@ -1,9 +1,9 @@
 """What a dump holds (``canary-jax verify-dump``): its canary buffers, violation ring and live requests.
 
-The one job here is recognising the arrays of a dump (:mod:`canary_jax.tools.dump`, or the older forms that
+The one job here is recognising the arrays of a dump (:mod:`canary_jax.runtime.dump`, or the older forms that
 :mod:`canary_jax.cli.verify_dump` lists): the canary buffers with their group kind, half, phase, SWA LUT and
 window and real-KV sources, a violation ring and its write index, and the batch metadata (``req_to_token``,
-``req_pool_indices``, ``seq_lens``). Nothing here hashes or verifies; :class:`~canary_jax.tools.dump.DumpError` for
+``req_pool_indices``, ``seq_lens``). Nothing here hashes or verifies; :class:`~canary_jax.runtime.dump.DumpError` for
 metadata that does not fit together.
 """
 
@@ -15,9 +15,9 @@ import numpy as np
 
 from canary_jax.contract import constants, ints
 from canary_jax.contract import sources as sources_lib
+from canary_jax.runtime import dump as dump_lib
+from canary_jax.runtime.dump import DumpError
 from canary_jax.runtime.groups import PoolKind
-from canary_jax.tools import dump as dump_lib
-from canary_jax.tools.dump import DumpError
 
 _RING_KEYS = ("ring", "violation_ring")
 _INDEX_KEYS = ("write_index", "violation_write_index")

@@ -2,8 +2,8 @@
 
 A dump is a ``.npy`` array or an ``.npz`` archive. Recognised contents:
 
-* a canary-jax dump (:mod:`canary_jax.tools.dump`, written by ``canary-jax demo --dump``,
-  :meth:`canary_jax.integration.CanaryGuard.dump` or :func:`canary_jax.tools.dump.save_dump`): the ring and its write
+* a canary-jax dump (:mod:`canary_jax.runtime.dump`, written by ``canary-jax demo --dump``,
+  :meth:`canary_jax.integration.CanaryGuard.dump` or :func:`canary_jax.runtime.dump.save_dump`): the ring and its write
   index, every group's HEAD / TAIL canary buffers (``g{i}_{k,v}_{head,tail}``), their SWA LUT and window, the
   real KV as bytes (``g{i}_{k,v}_src{j}``) and the live requests.
 * a violation ring: ``int64[R, 8]`` (SGLang's layout, e.g. ``state.violation_log.ring.cpu().numpy()``) or
@@ -51,8 +51,8 @@ from canary_jax.cli.dump_details import _ring_details, _verify_buffer
 from canary_jax.cli.dump_hashes import chain_census
 from canary_jax.contract import constants, decode, ints
 from canary_jax.contract.decode import decode_violations, recorded_rows
-from canary_jax.tools import dump as dump_lib
-from canary_jax.tools.dump import DumpError
+from canary_jax.runtime import dump as dump_lib
+from canary_jax.runtime.dump import DumpError
 
 __all__ = ["DumpError", "chain_census", "load_and_report"]
 

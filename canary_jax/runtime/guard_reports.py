@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from canary_jax.contract import decode, ints
+from canary_jax.runtime import dump
 from canary_jax.runtime.report import CanaryStats, CanaryViolationError, canary_stats
 from canary_jax.runtime.state import StepSummary
 from canary_jax.runtime.step_inputs import _dense_req_to_token, normalize_sources
@@ -95,7 +96,7 @@ class GuardReports:
 
     def dump(self, path: str, *, real_kv_sources: Any = None) -> str:
         """Saves the canary state, the last batch's request metadata and (optionally) the real KV to ``path``
-        (:func:`canary_jax.tools.dump.save_dump`; ``canary-jax verify-dump`` reads it). A host sync.
+        (:func:`canary_jax.runtime.dump.save_dump`; ``canary-jax verify-dump`` reads it). A host sync.
 
         Args:
           path: the ``.npz`` file to write.
@@ -108,8 +109,6 @@ class GuardReports:
         Raises:
           OSError: the file cannot be written.
         """
-        from canary_jax.tools import dump
-
         b = self._last_batch
         meta = {}
         if b is not None:

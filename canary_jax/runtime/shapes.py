@@ -102,6 +102,11 @@ def pad_verify_plan(plan: VerifyPlan, capacity: int) -> VerifyPlan:
 
     ``verify_num_valid`` is first clamped to the plan's own capacity, so the padded plan reads exactly the
     entries the unpadded one would.
+
+    The launch-side twin, :func:`canary_jax.ops.padding.pad_verify_plan`, pads on the host and places the result
+    on the launch's device (reading device fields back first), so that the public ``verify`` never compiles a
+    pad; this one keeps device fields on the device (``jnp.pad``): the step API's plans come out of its own
+    programs and must not be waited for.
     """
     cap = plan.verify_capacity
     if capacity == cap:

@@ -1,7 +1,8 @@
-"""Tools around the canary: fault injection and dumps (they build on :mod:`canary_jax.runtime`).
+"""Tools around the canary: fault injection (it builds on :mod:`canary_jax.runtime`).
 
-- :mod:`~canary_jax.tools.faults`: inject the faults the canary exists to catch (into pools, tables, buffers);
-- :mod:`~canary_jax.tools.dump`: save and load a canary state with its real KV for offline checks.
+- :mod:`~canary_jax.tools.faults`: inject the faults the canary exists to catch (into pools, tables, buffers).
 
-Decoding the violation ring is the contract's (:mod:`canary_jax.contract.decode`).
+Dumps (save and load a canary state with its real KV for offline checks) are the runtime's
+(:mod:`canary_jax.runtime.dump`, which ``CanaryGuard.dump`` calls; ``canary_jax.tools.dump`` is its deprecated
+alias); decoding the violation ring is the contract's (:mod:`canary_jax.contract.decode`).
 """

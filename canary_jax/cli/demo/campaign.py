@@ -32,7 +32,7 @@ from canary_jax.cli.demo.faults import FAULT_KINDS
 from canary_jax.cli.demo.model import PAD_TOKEN, ModelConfig, init_params
 from canary_jax.cli.demo.scheduler import Request, Scheduler
 from canary_jax.contract.decode import format_violation
-from canary_jax.tools import dump as dump_lib
+from canary_jax.runtime import dump as dump_lib
 from canary_jax.tools import faults as faults_lib
 
 # jax.random.PRNGKey keeps 32 bits of a seed with x64 off (2**32 would silently equal seed 0).
@@ -309,7 +309,7 @@ class Campaign:
 
     def _dump(self, eng: Engine, label: str) -> None:
         """Saves the episode's canary state, layer 0 of the pools it fingerprints and the live requests
-        (:func:`canary_jax.tools.dump.save_dump`; ``canary-jax verify-dump`` reads it)."""
+        (:func:`canary_jax.runtime.dump.save_dump`; ``canary-jax verify-dump`` reads it)."""
         running = eng.scheduler.running
         rt = eng.canary
         try:
