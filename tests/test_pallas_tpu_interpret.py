@@ -1,5 +1,6 @@
-"""The shared verify suites (``tests/helpers/verify_suite.py`` with its real-KV part) and the write suite
-(``tests/helpers/write_suite.py``) against the Pallas TPU (Mosaic) kernels, ``pallas_kernels.tpu.verify.verify_tpu``
+"""The shared verify suites (``tests/helpers/verify_suite.py`` with its real-KV part), the write suite
+(``tests/helpers/write_suite.py``), the pipeline suite and the public entry suite (every suite the GPU kernels run
+in ``tests/test_pallas_interpret.py``) against the Pallas TPU (Mosaic) kernels, ``pallas_kernels.tpu.verify.verify_tpu``
 and ``pallas_kernels.tpu.write.write_tpu``, and the registry's choice of them on a TPU.
 
 Without a TPU (CI) the kernel runs in Pallas's TPU interpret mode (``pltpu.InterpretParams``, reads out of bounds
@@ -21,7 +22,7 @@ from absl.testing import absltest
 import canary_jax
 from canary_jax.adapters import layouts as adapter_layouts
 from canary_jax.ops import backends, reference
-from helpers import oracle, public_suite, verify_suite, write_suite
+from helpers import oracle, pipeline_suite, public_suite, verify_suite, write_suite
 from helpers.suite_base import ALL, B_RKV, B_WPOS, PARTIAL, H, SrcSpec, s64
 from pallas_kernels.tpu.config import TpuConfig
 from pallas_kernels.tpu.verify import verify_tpu
@@ -310,6 +311,17 @@ class TpuWriteX64Test(TpuWriteTest):
             "test_write_boundary_values",
         }
     )
+
+
+class TpuPipelineTest(pipeline_suite.PipelineSuite, absltest.TestCase):
+    """Write and verify launches together (the pipeline suite the GPU kernels run: a prefill / decode pipeline,
+    counters carried past 32 bits, fuzzed growing chains with ring overflow and real KV) on the TPU verify and
+    write, both in TPU interpret mode with the verify's and the write's small tiling edges."""
+
+    BACKEND = "pallas_tpu"
+    VERIFY_IMPL = staticmethod(backends.implementation("verify", "pallas_tpu"))
+    WRITE_IMPL = staticmethod(backends.implementation("write", "pallas_tpu"))
+    CONFIG = TpuConfig(verify_block=16, write_block=16, write_req_block=8, write_prefetch_entries=24)
 
 
 class TpuPublicEntryTest(public_suite.PublicEntrySuite, absltest.TestCase):
