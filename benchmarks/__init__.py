@@ -4,7 +4,8 @@
   peer (``benchmarks.harness`` holds the cases' data, timing and environment record; ``benchmarks.kernel_cases``
   the verify / write cases and the knob probe; ``benchmarks.cuda_peer`` the peer).
 * ``python -m benchmarks.sweep_verify``: PallasConfig variants of the verify kernel (``benchmarks.sweep_variants``
-  the presets, ``benchmarks.sweep_scenario`` the data and reference logs, ``benchmarks.ptx_inspect`` PTX / ptxas).
+  the presets, ``benchmarks.sweep_scenario`` the data and reference logs, ``benchmarks.sweep_measure`` one variant,
+  ``benchmarks.sweep_report`` the table and page, ``benchmarks.ptx_inspect`` PTX / ptxas).
 * ``python -m benchmarks.serving_step``: a Qwen3-0.6B-shaped engine with the canary inside its jitted step (decode b1 /
   b128, chunked prefill, the 4096 x 1 decode write): canary off / NONE / PARTIAL / ALL, and the canary's parts.
 * ``python -m benchmarks.demo_probe``: the demo's served step split into host batch build, dispatch and device wait.

@@ -42,6 +42,10 @@ ncu command for it.
 The persistent compile cache is used when ``JAX_COMPILATION_CACHE_DIR`` is set (compile times then reflect
 cache hits; the JSON records the directory's presence).
 
+This module is the command line and the run over modes and variants; one variant is measured in
+``benchmarks.sweep_measure`` and the table, best-of and page are ``benchmarks.sweep_report``'s (their names stay
+importable from here).
+
 Usage (GPU, from the repository root): ``python -m benchmarks.sweep_verify --budget-s 150 --ptx ptx_scratch
 --out $OUT``.
 Dry run (CPU, interpret mode): ``python -m benchmarks.sweep_verify --pool 16384 --entries 4096 --n 2
@@ -55,9 +59,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse
-import dataclasses
 import json
-import re
 import shutil
 import time
 import traceback
@@ -65,143 +67,21 @@ import traceback
 import jax
 import numpy as np
 
-import canary_jax
 from benchmarks import harness, ptx_inspect, sweep_scenario, sweep_variants
-from pallas_kernels.config import PallasConfig
+from benchmarks.sweep_measure import HBM, measure, measure_single
+from benchmarks.sweep_report import NCU_SECTIONS, _f, best_of, markdown, ncu_command, table
 
-HBM = harness.HBM_BYTES_PER_S
-
-
-# --- one variant ------------------------------------------------------------------------------------------------
-def measure(sc: sweep_scenario.Scenario, name: str, kw: dict, a, cap: ptx_inspect.PtxCapture) -> dict:
-    rec: dict = {"variant": name, "mode": sc.name, "overrides": kw}
-    t_var = time.perf_counter()
-    try:
-        cfg = PallasConfig(**kw)
-        rec["config"] = dataclasses.asdict(cfg)
-        step_pallas, _ = sweep_scenario.steps(sc, cfg)
-        captured: list = []
-        cap.sink = captured
-        try:
-            t0 = time.perf_counter()
-            bad_log = canary_jax.ViolationLog.allocate(ring_capacity=sweep_scenario.CORRUPT_RING)
-            out = jax.block_until_ready(step_pallas(bad_log, (sc.bad_buf, sc.plan, sc.bad_tensors)))
-            rec["first_call_s"] = time.perf_counter() - t0
-        finally:
-            cap.sink = None
-        bad = sweep_scenario.log_arrays(out)
-        rec["violations_corrupt"] = int(bad["write_index"][0])
-        if sc.ref_bad is not None:
-            d = sweep_scenario.log_diff(bad, sc.ref_bad)
-            rec["equal_corrupt"], rec["diff_corrupt"] = not d, d
-        t, log, info = harness.time_jax(
-            step_pallas,
-            canary_jax.ViolationLog.allocate(ring_capacity=1024),
-            (sc.buf, sc.plan, sc.tensors),
-            n=a.n,
-            reps=a.reps,
-        )
-        launches = info["n"] * (2 + len(info["wall_s"]))
-        rec.update(
-            us_per_call=t * 1e6,
-            loop_compile_s=info["compile_s"],
-            launches=launches,
-            wall_s=info["wall_s"],
-            empty_s=info["empty_s"],
-            n=info["n"],
-        )
-        rec["ns_per_entry"] = t * 1e9 / a.entries
-        rec["gb_s"] = sc.needed_bytes / t / 1e9 if t > 0 else float("inf")
-        rec["hbm_pct"] = 100 * rec["gb_s"] * 1e9 / HBM
-        clean = sweep_scenario.log_arrays(log)
-        rec["violations_clean"] = int(clean["write_index"][0])
-        if sc.ref_clean is not None and sc.ref_clean_launches == launches:
-            d = sweep_scenario.log_diff(clean, sc.ref_clean)
-            rec["equal_clean"], rec["diff_clean"] = not d, d
-        elif sc.ref_clean is not None:
-            rec["diff_clean"] = [f"launch count {launches} != reference's {sc.ref_clean_launches}"]
-        if a.ptx:
-            t0 = time.perf_counter()
-            rec["ptx"] = ptx_inspect.ptx_report(captured, a.ptx, f"{sc.name}_{name}")
-            if cap.error:
-                rec["ptx_capture_error"] = cap.error
-            rec["ptx_s"] = time.perf_counter() - t0
-    except Exception as e:  # noqa: BLE001
-        rec["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
-        rec["traceback"] = traceback.format_exc()[-3000:]
-        print(f"  {name} [{sc.name}] FAILED: {rec['error'][:400]}", flush=True)
-    rec["elapsed_s"] = time.perf_counter() - t_var
-    return rec
-
-
-# --- report -----------------------------------------------------------------------------------------------------
-def _f(x, fmt="{:.1f}"):
-    return "-" if x is None else fmt.format(x)
-
-
-def table(records: list[dict]) -> str:
-    base = {r["mode"]: r.get("us_per_call") for r in records if r["variant"] == "default"}
-    lines = [
-        "| mode | variant | us/call | GB/s | % HBM | default/this | first call s | loop compile s | regs | "
-        "spill st/ld B | stack B | occ (limit) | ld.global v2/v4/all | shared st/ld, bar | equal clean/corrupt "
-        "| note |",
-        "|" + "---|" * 16,
-    ]
-    for r in records:
-        k = (r.get("ptx") or {}).get("canary_verify", {})
-        b = base.get(r["mode"])
-        us = r.get("us_per_call")
-        eq = f"{r.get('equal_clean', '-')}/{r.get('equal_corrupt', '-')}"
-        note = r.get("error") or r.get("skipped") or (r.get("ptx") or {}).get("error") or k.get("ptxas_error") or ""
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r["mode"],
-                    r["variant"],
-                    _f(us),
-                    _f(r.get("gb_s"), "{:.0f}"),
-                    _f(r.get("hbm_pct")),
-                    _f(b / us if b and us else None, "{:.2f}x"),
-                    _f(r.get("first_call_s")),
-                    _f(r.get("loop_compile_s")),
-                    _f(k.get("registers"), "{}"),
-                    f"{k['spill_store_bytes']}/{k['spill_load_bytes']}" if "spill_store_bytes" in k else "-",
-                    _f(k.get("stack_bytes"), "{}"),
-                    f"{k['occupancy']:.2f} ({k['limit']})" if "occupancy" in k else "-",
-                    f"{k['ld_global_v2']}/{k['ld_global_v4']}/{k['ld_global']}" if "ld_global" in k else "-",
-                    f"{k['st_shared']}/{k['ld_shared']}, {k['bar_sync']}" if "st_shared" in k else "-",
-                    eq,
-                    note.replace("|", "/").replace("\n", " ")[:120],
-                ]
-            )
-            + " |"
-        )
-    return "\n".join(lines)
-
-
-def best_of(records: list[dict]) -> dict:
-    out = {}
-    for r in records:
-        if r.get("us_per_call") is None or r.get("equal_clean") is False or r.get("equal_corrupt") is False:
-            continue
-        if r["mode"] not in out or r["us_per_call"] < out[r["mode"]]["us_per_call"]:
-            out[r["mode"]] = {"variant": r["variant"], "us_per_call": r["us_per_call"], "overrides": r["overrides"]}
-    return out
-
-
-NCU_SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis")
-
-
-def ncu_command(variant: str, out: str = "$OUT") -> str:
-    rep = f"{out}/ncu_{variant}"
-    sec = " ".join(f"--section {s}" for s in NCU_SECTIONS)
-    return (
-        f"ncu --target-processes all --kernel-name regex:'^canary_verify$' --launch-skip 1 --launch-count 1 "
-        f"--clock-control none {sec} --export {rep} --force-overwrite "
-        f"python -m benchmarks.sweep_verify --single {variant} --launches 3 --populate none --out {out}/single "
-        f"&& ncu --import {rep}.ncu-rep --page details > {rep}.txt"
-    )
+__all__ = [  # the measuring and the report live in sweep_measure / sweep_report; importable from here as before
+    "HBM",
+    "NCU_SECTIONS",
+    "best_of",
+    "main",
+    "markdown",
+    "measure",
+    "measure_single",
+    "ncu_command",
+    "table",
+]
 
 
 # --- main -------------------------------------------------------------------------------------------------------
@@ -338,36 +218,11 @@ def main():
         print(f"{stamp()} {mode_name}: scenario + reference ready ({time.perf_counter() - t0:.1f}s)", flush=True)
         if single:
             for name, kw in variants:
-                cfg = PallasConfig(**kw)
-                step_pallas, _ = sweep_scenario.steps(sc, cfg)
-                captured: list = []
-                cap.sink = captured
-                log = canary_jax.ViolationLog.allocate(ring_capacity=1024)
-                walls = []
-                for _ in range(a.launches):
-                    t = time.perf_counter()
-                    log = jax.block_until_ready(step_pallas(log, (sc.buf, sc.plan, sc.tensors)))
-                    walls.append(time.perf_counter() - t)
-                    cap.sink = None
-                entries = sorted({(re.search(r"\.entry\s+(\w+)", c["asm"]) or [None, "?"])[1] for c in captured})
-                rec = {
-                    "variant": name,
-                    "mode": mode_name,
-                    "overrides": kw,
-                    "single_wall_s": walls,
-                    "kernels": entries,
-                    "violations_clean": int(np.asarray(log.write_index)[0]),
-                }
-                if a.check:
-                    bad = step_pallas(
-                        canary_jax.ViolationLog.allocate(ring_capacity=sweep_scenario.CORRUPT_RING),
-                        (sc.bad_buf, sc.plan, sc.bad_tensors),
-                    )
-                    rec["diff_corrupt"] = sweep_scenario.log_diff(sweep_scenario.log_arrays(bad), sc.ref_bad)
-                    rec["equal_corrupt"] = not rec["diff_corrupt"]
+                rec = measure_single(sc, name, kw, a, cap)
                 records.append(rec)
+                walls = rec["single_wall_s"]
                 print(
-                    f"{stamp()} single {name} [{mode_name}]: kernels {entries}, wall per launch "
+                    f"{stamp()} single {name} [{mode_name}]: kernels {rec['kernels']}, wall per launch "
                     f"{', '.join(f'{w * 1e3:.2f} ms' for w in walls)}",
                     flush=True,
                 )
@@ -412,21 +267,7 @@ def main():
         dump()
     tab = table(records)
     best = best_of(records)
-    md = [
-        f"# Pallas verify config sweep ({env['date']})",
-        "",
-        "```",
-        json.dumps(env, indent=1),
-        "```",
-        "",
-        f"pool {a.pool}, entries {a.entries}, n {a.n}, reps {a.reps}, budget {a.budget_s:.0f}s; total "
-        f"{time.perf_counter() - t_start:.1f}s. `default/this` > 1 means faster than the default. Registers, "
-        "spills, occupancy and PTX counts are for `canary_verify` (ptxas -v on the captured PTX).",
-        "",
-        tab,
-        "",
-        "best: " + json.dumps(best),
-    ]
+    md = markdown(env, a, time.perf_counter() - t_start, tab, best)
     with open(os.path.join(a.out, "sweep_verify.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print(f"total {time.perf_counter() - t_start:.1f}s")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from canary_jax.contract import ints
 from canary_jax.ops.buckets import Buckets, bucket_size
 from interop import dlpack
 from interop.native import replay
@@ -77,7 +78,7 @@ def pad_rows(
 
 
 def _min(t: torch.Tensor, cap: int) -> torch.Tensor:
-    return pad_rows(t, int(t.shape[0]), clamp=(-(2**31), cap))
+    return pad_rows(t, int(t.shape[0]), clamp=(ints.INT32_MIN, cap))
 
 
 def verify_plan(pl: dict[str, torch.Tensor], buckets: Buckets | None = None) -> dict[str, torch.Tensor]:

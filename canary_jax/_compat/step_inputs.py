@@ -6,8 +6,9 @@ Kept so ``canary_jax.step_inputs.CanaryCapacities`` and the rest keep importing;
 
 from __future__ import annotations
 
+from canary_jax.contract.ints import INT32_MAX as _INT32_MAX  # noqa: F401  (old name)
+from canary_jax.contract.ints import INT32_MIN as _INT32_MIN  # noqa: F401  (old name)
 from canary_jax.runtime import step_inputs as _moved
-from canary_jax.runtime.prepare import _INT32_MAX, _INT32_MIN  # noqa: F401  (old names)
 from canary_jax.runtime.prepare import check_host_int32 as _check_host_int32  # noqa: F401  (old name)
 from canary_jax.runtime.step_inputs import (  # noqa: F401  (re-exported)
     _STEP_INPUT_INT32_FIELDS,

@@ -27,6 +27,7 @@ from typing import Any
 
 from canary_jax.adapters.block_tables import from_block_tables
 from canary_jax.adapters.layouts import sources_for_fused_kv
+from canary_jax.adapters.slot_pieces import _check_pos_int
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryStepConfig
 from canary_jax.runtime.step_inputs import CanaryCapacities
@@ -40,10 +41,7 @@ def _pos_int(obj: Any, name: str) -> int:
             f"kv-canary: {_WHO}: {type(obj).__name__} has no attribute {name!r}; expected easydel 0.3.0's "
             "RaggedPagesCache or RaggedPagesCacheConfig (easydel/caching/ragged_page/cache.py)"
         )
-    v = getattr(obj, name)
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"kv-canary: {_WHO}: cache config {name} must be a positive int, got {v!r}")
-    return int(v)
+    return _check_pos_int(_WHO, f"cache config {name}", getattr(obj, name))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,8 +135,7 @@ def esurge_cache(cache: Any, *, max_num_seqs: int) -> EsurgeCache:
     if version not in ("v2", "v3"):
         raise ValueError(f"kv-canary: {_WHO}: cache version must be 'v2' or 'v3', got {version!r}")
     ctx = _pos_int(cfg, "max_model_length")
-    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs <= 0:
-        raise ValueError(f"kv-canary: {_WHO}: max_num_seqs must be a positive int, got {max_num_seqs!r}")
+    max_num_seqs = _check_pos_int(_WHO, "max_num_seqs", max_num_seqs)
     num_slots, bs = pages * ps, max_num_seqs + 1
     return EsurgeCache(
         num_slots=num_slots,

@@ -25,7 +25,7 @@ from canary_jax.adapters.batch_fields import (
     _where_pairs,
 )
 from canary_jax.contract import ints, pairs
-from canary_jax.planning.slot_reads import _INT32_MAX, _unchecked
+from canary_jax.planning.slot_reads import _unchecked
 from canary_jax.planning.slot_tables import RaggedSlotTable
 from canary_jax.runtime.endpoints import ExpectedInputs
 from canary_jax.runtime.state import CanaryBatch
@@ -91,7 +91,7 @@ def _sglang_jax_rows(rpi, seq_lens, prefix, extend, *, decode: bool, page_size: 
     # cache_loc holds each row's seq_lens slots, the span padded up to a multiple of the page size
     # (get_model_worker_batch). A length that does not fit int32 saturates: its span could not fit cache_loc
     # (< 2**31 entries) anyway, so every read of it is out of range either way.
-    n = jnp.where(pairs.is_negative(seq), 0, pairs.clamp(seq, _INT32_MAX - page_size))
+    n = jnp.where(pairs.is_negative(seq), 0, pairs.clamp(seq, ints.INT32_MAX - page_size))
     aligned = (n + (page_size - 1)) // page_size * page_size
     starts = pairs.sub(pairs.cumsum(pairs.from_int32(aligned)), pairs.from_int32(aligned))
     return canary_rpi, _where_pairs(live, prefix, 0), _where_pairs(live, extend, 0), pairs.pack(starts)
@@ -169,7 +169,7 @@ def from_sglang_jax(
     pos = _ints(positions, who, "positions", t, "[num_tokens]")
     loc = _ints(out_cache_loc, who, "out_cache_loc", t, "[num_tokens]")
     cl = _table(cache_loc, who, "cache_loc", 1, "[N]")
-    if int(cl.shape[0]) >= _INT32_MAX:
+    if int(cl.shape[0]) >= ints.INT32_MAX:
         raise ValueError(f"kv-canary: {who}: cache_loc length {cl.shape[0]} is too large")
     decode = mode in _DECODE_MODES
     prefix = extend = None

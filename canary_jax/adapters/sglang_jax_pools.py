@@ -31,6 +31,7 @@ from typing import Any
 
 from canary_jax.adapters.layouts import sources_for_fused_kv
 from canary_jax.adapters.sglang_jax import from_sglang_jax_batch
+from canary_jax.adapters.slot_pieces import _check_pos_int
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.guard import CanaryGuard
 from canary_jax.runtime.state import CanaryBatch, CanaryStepConfig
@@ -50,10 +51,7 @@ def _attr(obj: Any, name: str, what: str) -> Any:
 
 
 def _pos_int(obj: Any, name: str, what: str) -> int:
-    v = _attr(obj, name, what)
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"kv-canary: {_WHO}: {what}.{name} must be a positive int, got {v!r}")
-    return int(v)
+    return _check_pos_int(_WHO, f"{what}.{name}", _attr(obj, name, what))
 
 
 def _kv_layer0(kv_buffer: Any, who: str) -> Any:
@@ -246,9 +244,7 @@ def sglang_jax_pools(
         get = getattr(allocator, "get_kvcache", None)
         if callable(get) and get() is not pool:
             raise ValueError(f"kv-canary: {_WHO}: allocator.get_kvcache() is not token_to_kv_pool")
-    bs = rows if max_batch_size is None else max_batch_size
-    if isinstance(bs, bool) or not isinstance(bs, int) or bs <= 0:
-        raise ValueError(f"kv-canary: {_WHO}: max_batch_size must be a positive int, got {max_batch_size!r}")
+    bs = rows if max_batch_size is None else _check_pos_int(_WHO, "max_batch_size", max_batch_size)
     num_slots = size + page
     return SglangJaxPools(
         num_slots=num_slots,

@@ -44,6 +44,15 @@ def _check_int(fn: str, name: str, value: Any, *, low: int) -> int:
     return int(value)
 
 
+def _check_pos_int(fn: str, name: str, value: Any) -> int:
+    """A pool object's size attribute (or an argument sized like one): a Python int > 0, bools refused; the pool
+    adapters (:mod:`canary_jax.adapters.sglang_jax_pools`, :mod:`canary_jax.adapters.esurge_cache`) read theirs
+    through it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"kv-canary: {fn}: {name} must be a positive int, got {value!r}")
+    return int(value)
+
+
 def _source(
     fn: str,
     name: str,

@@ -32,6 +32,9 @@ import numpy as np
 
 from canary_jax.contract import arrays, pairs
 
+INT32_MIN = -(2**31)  # the int32 bounds, the one home of these two literals (planning, runtime, interop read them)
+INT32_MAX = 2**31 - 1
+
 
 def x64_enabled() -> bool:
     """Whether ``jax_enable_x64`` is on right now."""

@@ -18,7 +18,6 @@ import numpy as np
 
 from canary_jax.contract import ints, pairs
 from canary_jax.planning.slot_reads import (
-    _INT32_MAX,
     _check_2d_int32,
     _check_pairs,
     _check_table_array,
@@ -64,7 +63,7 @@ class ExpectedTokenTable:
         _check_table_array(self.tokens, "expected tokens", 2, "a 2-D int32 array [rows, max_context_len]")
         if self.row_index is not None:
             _check_pairs(self.row_index, "expected token row_index", "int64-valued [bs]")
-        if max(self.tokens.shape) >= _INT32_MAX:
+        if max(self.tokens.shape) >= ints.INT32_MAX:
             raise ValueError(f"kv-canary: expected tokens shape {tuple(self.tokens.shape)} is too large")
 
     def lookup(self, batch_row: jax.Array, rpi: jax.Array, col: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -63,7 +63,7 @@ import numpy as np
 from canary_jax.contract import ints, pairs, validation
 from canary_jax.planning.expected_tokens import scatter_req_token_ids  # re-exported: its historical home
 from canary_jax.planning.plans import VerifyPlan, WritePlan
-from canary_jax.planning.slot_reads import _INT32_MAX, _check_2d_int32, _gather_2d, _swa_translate, _unchecked
+from canary_jax.planning.slot_reads import _check_2d_int32, _gather_2d, _swa_translate, _unchecked
 from canary_jax.planning.slot_tables import (  # re-exported: plan_builder is the tables' historical home
     BlockTable,
     ExpectedTokenTable,
@@ -235,7 +235,7 @@ def _resolve_table(req_to_token: Any, swa_window_size: int) -> tuple[SlotTable, 
         req_to_token.check()
         return req_to_token, False
     r2t = _check_2d_int32(req_to_token, "req_to_token")
-    if int(r2t.shape[1]) >= _INT32_MAX or int(r2t.shape[0]) >= _INT32_MAX:
+    if int(r2t.shape[1]) >= ints.INT32_MAX or int(r2t.shape[0]) >= ints.INT32_MAX:
         raise ValueError(f"kv-canary: req_to_token shape {tuple(r2t.shape)} is too large")
     return _unchecked(ReqToTokenTable, req_to_token=r2t), False
 
@@ -323,7 +323,7 @@ def build_plans(
     w = int(swa_window_size)
     if w < 0:
         raise ValueError(f"kv-canary: swa_window_size must be non-negative, got {swa_window_size}")
-    if w > _INT32_MAX:
+    if w > ints.INT32_MAX:
         raise ValueError(f"kv-canary: swa_window_size must be < 2**31, got {swa_window_size}")
     table, translated = _resolve_table(req_to_token, w)
 
@@ -336,7 +336,7 @@ def build_plans(
             f"kv-canary: write_req_capacity={write_req_capacity} does not match "
             f"write_plan_out.write_seed_slot_indices.shape[0]={cw}"
         )
-    if cap >= _INT32_MAX:
+    if cap >= ints.INT32_MAX:
         raise ValueError(f"kv-canary: verify_capacity must be < 2**31 - 1, got {cap}")
 
     # Per-request inputs.
@@ -351,7 +351,7 @@ def build_plans(
     lut = None
     if full_to_swa_index_mapping is not None and not translated:
         lut = ints.as_int64_pairs(full_to_swa_index_mapping, name="full_to_swa_index_mapping", shape=(None,))
-        if lut.shape[0] >= _INT32_MAX:
+        if lut.shape[0] >= ints.INT32_MAX:
             raise ValueError(f"kv-canary: full_to_swa_index_mapping length {lut.shape[0]} is too large")
 
     pool = valid = None
@@ -378,7 +378,7 @@ def build_plans(
         )
 
     k = int(kv_token_id_vs_position_offset)
-    if not -(2**31) <= k <= _INT32_MAX:
+    if not ints.INT32_MIN <= k <= ints.INT32_MAX:
         raise ValueError(f"kv-canary: kv_token_id_vs_position_offset must fit int32, got {k}")
     return _build_plans_impl(
         verify_plan_out,

@@ -123,13 +123,15 @@ class VerifyPlan:
                     [
                         n
                         if num_valid is None
-                        else ints.check_int(num_valid, name="num_valid", minimum=-(2**31), maximum=2**31 - 1)
+                        else ints.check_int(num_valid, name="num_valid", minimum=ints.INT32_MIN, maximum=ints.INT32_MAX)
                     ],
                     np.int32,
                 )
             ),
             enable=ints.to_device(
-                np.array([ints.check_int(enable, name="enable", minimum=-(2**31), maximum=2**31 - 1)], np.int32)
+                np.array(
+                    [ints.check_int(enable, name="enable", minimum=ints.INT32_MIN, maximum=ints.INT32_MAX)], np.int32
+                )
             ),
         )
 
@@ -223,7 +225,9 @@ class WritePlan:
                     [
                         bs
                         if num_valid_reqs is None
-                        else ints.check_int(num_valid_reqs, name="num_valid_reqs", minimum=-(2**31), maximum=2**31 - 1)
+                        else ints.check_int(
+                            num_valid_reqs, name="num_valid_reqs", minimum=ints.INT32_MIN, maximum=ints.INT32_MAX
+                        )
                     ],
                     np.int32,
                 )

@@ -18,7 +18,7 @@ import numpy as np
 
 from canary_jax.contract import ints, pairs
 
-_INT32_MAX = 2**31 - 1
+_INT32_MAX = ints.INT32_MAX  # the old private name (slot_tables re-exports it); ints.INT32_MAX is the home
 
 __all__ = ["swa_translate"]
 

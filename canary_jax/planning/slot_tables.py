@@ -53,7 +53,7 @@ import numpy as np
 from canary_jax.contract import constants, ints, pairs
 from canary_jax.planning.expected_tokens import ExpectedTokenTable  # re-exported: slot_tables is its historical home
 from canary_jax.planning.slot_reads import (  # the private names stay importable from here, their old home
-    _INT32_MAX,
+    _INT32_MAX,  # noqa: F401  (the old private name; ints.INT32_MAX is the home)
     _check_2d_int32,
     _check_pairs,
     _check_table_array,
@@ -143,7 +143,7 @@ class ReqToTokenTable(SlotTable):
 
     def check(self) -> None:
         _check_table_array(self.req_to_token, "req_to_token", 2, "a 2-D int32 table [max_reqs, max_seq_len]")
-        if max(self.req_to_token.shape) >= _INT32_MAX:
+        if max(self.req_to_token.shape) >= ints.INT32_MAX:
             raise ValueError(f"kv-canary: req_to_token shape {tuple(self.req_to_token.shape)} is too large")
 
     def _lookup64(self, batch_row: jax.Array, rpi: pairs.U64, pos: pairs.U64) -> pairs.U64:
@@ -184,7 +184,7 @@ class BlockTable(SlotTable):
             raise ValueError(f"kv-canary: block_size must be positive, got {bs}")
         object.__setattr__(self, "block_size", bs)
         if self.null_block is not None:
-            nb = ints.check_int(self.null_block, name="null_block", minimum=-(2**31), maximum=_INT32_MAX)
+            nb = ints.check_int(self.null_block, name="null_block", minimum=ints.INT32_MIN, maximum=ints.INT32_MAX)
             object.__setattr__(self, "null_block", nb)
         if len(np.shape(self.block_table)) != 2:
             raise ValueError(
@@ -201,7 +201,7 @@ class BlockTable(SlotTable):
     def check(self) -> None:
         _check_table_array(self.block_table, "block_table", 2, "a 2-D int32 array [num_rows, max_blocks_per_req]")
         rows, blocks = (int(d) for d in self.block_table.shape)
-        if rows >= _INT32_MAX or blocks * self.block_size >= _INT32_MAX:
+        if rows >= ints.INT32_MAX or blocks * self.block_size >= ints.INT32_MAX:
             raise ValueError(
                 f"kv-canary: block_table shape {(rows, blocks)} with block_size {self.block_size} is too large "
                 "(max_blocks_per_req * block_size must be < 2**31 - 1)"
@@ -271,7 +271,7 @@ class RaggedSlotTable(SlotTable):
                 f"kv-canary: row_starts and row_lens must have one length, got {self.row_starts.shape[0]} and "
                 f"{self.row_lens.shape[0]}"
             )
-        if int(self.cache_loc.shape[0]) >= _INT32_MAX:
+        if int(self.cache_loc.shape[0]) >= ints.INT32_MAX:
             raise ValueError(f"kv-canary: cache_loc length {self.cache_loc.shape[0]} is too large")
 
     def _lookup64(self, batch_row: jax.Array, rpi: pairs.U64, pos: pairs.U64) -> pairs.U64:

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from canary_jax.contract import ints, validation
-from canary_jax.planning.slot_tables import _INT32_MAX
 from canary_jax.runtime import shapes
 from canary_jax.runtime.groups import PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
@@ -43,8 +42,6 @@ __all__ = [
     "pad_eager",
     "prepare_batch",
 ]
-
-_INT32_MIN = -(2**31)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -158,7 +155,7 @@ def check_host_int32(batch: CanaryBatch) -> None:
         v = _host_int64(getattr(batch, name))
         if v is None:  # a JAX array: not read on the host (see StepInputs)
             continue
-        bad = np.flatnonzero((v < _INT32_MIN) | (v > _INT32_MAX))
+        bad = np.flatnonzero((v < ints.INT32_MIN) | (v > ints.INT32_MAX))
         if bad.size:
             i = int(bad[0])
             raise ValueError(

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from canary_jax.contract import validation
+from canary_jax.contract import ints, validation
 
 __all__ = ["launch_plan"]
 
-_INT32_MAX = 2**31 - 1
 _V = "verify_plan_out."
 _W = "write_plan_out."
 
@@ -32,7 +31,7 @@ _W = "write_plan_out."
 def _translate(x: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     """SWA translation ``x < 0 -> x, else lut[min(x, len(lut) - 1)]`` (the builder clamps like SGLang's kernels;
     ``len(lut) >= 1`` is the launcher's check). int32 or int64 ``x`` -> int64."""
-    top = min(int(lut.shape[0]) - 1, _INT32_MAX)
+    top = min(int(lut.shape[0]) - 1, ints.INT32_MAX)
     return torch.where(x < 0, x, lut[x.clamp(0, top)])
 
 
