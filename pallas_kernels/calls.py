@@ -109,6 +109,7 @@ def call_with_log(
     log: layout.ViolationLog,
     *,
     outs: Sequence[str] = (),
+    scratch: dict[str, jax.ShapeDtypeStruct] | None = None,
     grid: tuple[int, ...],
     compiler_params: Any,
     interpret: bool,
@@ -122,19 +123,23 @@ def call_with_log(
       args: the other operands by name, in call order (the log's come after them).
       log: the launch's violation log.
       outs: names of operands in ``args`` that the pass also updates in place (before the log's outputs).
+      scratch: fresh outputs by name (after ``outs``, before the log's): buffers the launch writes and reads
+        itself, uninitialised at the start.
       grid, compiler_params, interpret, name: as ``pl.pallas_call``.
 
     Returns:
-      ``(the outputs named by outs, the new log)``.
+      ``(the outputs named by outs and scratch, the new log)``.
     """
     ring, slot_counters, kernel_counters = refs.log_operands(log)
     args = dict(
         args, ring=ring, write_index=log.write_index, slot_counters=slot_counters, kernel_counters=kernel_counters
     )
+    out_shape = {k: jax.ShapeDtypeStruct(args[k].shape, args[k].dtype) for k in (*outs, *LOG_OUTPUTS)}
+    out_shape = {**{k: out_shape[k] for k in outs}, **(scratch or {}), **{k: out_shape[k] for k in LOG_OUTPUTS}}
     *updated, ring, wi, slot_counters, kernel_counters = call(
         functools.partial(kernel, ring_capacity=ring.shape[0]),
         args,
-        (*outs, *LOG_OUTPUTS),
+        out_shape,
         grid=grid,
         compiler_params=compiler_params,
         interpret=interpret,

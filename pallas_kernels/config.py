@@ -47,6 +47,11 @@ class PallasConfig:
         other requests run one per lane.
       write_block: entries per block of the parallel write passes (power of 2).
       write_max_programs: grid cap of the write passes.
+      write_fused_max_tokens: launches of at most this many tokens that need no long-request role run as one
+        program (:mod:`pallas_kernels.write_fused`: one kernel, nothing before or after it); 0 = never.
+      write_fused_max_hashed: the same bound for launches with real-KV sources, whose fingerprints the one
+        program then computes alone (0 = never fused with sources).
+      write_fused_num_warps: warps of the fused program (power of 2).
       gather: canary records and plan fields: ``quad`` (16-byte), ``pair`` (8-byte) vector gathers or ``word``.
       source_gather: how real-KV bytes are loaded (:mod:`pallas_kernels.real_kv`): ``tile`` (default: 2-D
         ``[block, source_tile_words]`` tiles of each entry's row, loaded 4 bytes per thread and row),
@@ -76,6 +81,9 @@ class PallasConfig:
     write_long_threshold: int = 64
     write_block: int = 128
     write_max_programs: int = 2048
+    write_fused_max_tokens: int = 4096
+    write_fused_max_hashed: int = 256
+    write_fused_num_warps: int = 16
     gather: str = "pair"
     source_gather: str = "tile"
     source_unroll: int = 1
@@ -96,6 +104,7 @@ class PallasConfig:
             "write_prefetch",
             "write_long_chunk",
             "write_source_tile_words",
+            "write_fused_num_warps",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not _pow2(v):
@@ -112,6 +121,10 @@ class PallasConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a positive int, got {v!r}")
+        for name in ("write_fused_max_tokens", "write_fused_max_hashed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"kv-canary: PallasConfig.{name} must be a non-negative int, got {v!r}")
         if not isinstance(self.source_unroll, int) or isinstance(self.source_unroll, bool) or self.source_unroll < 0:
             raise ValueError(
                 f"kv-canary: PallasConfig.source_unroll must be a non-negative int, got {self.source_unroll!r}"

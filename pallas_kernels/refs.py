@@ -107,6 +107,12 @@ def load_pair_flat(ref, i: jax.Array, mask: jax.Array) -> U64:
     return U64(lo, hi)
 
 
+def load_entry(ref, i: jax.Array, mask: jax.Array, mode: str) -> U64:
+    """The int64 of entry ``i`` of a per-entry pair ref: ``uint32[T, 2]`` (:func:`load_pair`) or its flat
+    ``uint32[2 T]`` form (:func:`load_pair_flat`); 0 where masked."""
+    return load_pair_flat(ref, i, mask) if len(ref.shape) == 1 else load_pair(ref, i, 0, mask, mode)
+
+
 def load_pair_run(ref, start: jax.Array, first: jax.Array, n: int, count: jax.Array) -> list[U64]:
     """Entries ``start + first + k`` (``k < n``, a power of 2) of a flat ``uint32[2 T]`` pair ref for each
     lane, as ``n`` U64 (0 where ``first + k >= count``): one ``[B, 2 n]`` load of contiguous words per lane

@@ -40,6 +40,7 @@ from pallas_kernels import calls
 from pallas_kernels.config import PallasConfig, launch_options
 from pallas_kernels.write_chain import write_chain_kernel
 from pallas_kernels.write_commit import write_commit_kernel
+from pallas_kernels.write_fused import write_fused
 from pallas_kernels.write_long import write_long_kernel
 from pallas_kernels.write_won import claim_slots, write_won_kernel
 
@@ -83,6 +84,17 @@ def _write_pallas(
     entry_programs = (
         max(1, min(-(-num_tokens // config.write_entry_block), config.write_max_programs)) if has_rkv else 0
     )
+    flat = dict(
+        ids=input_ids.reshape(-1),
+        pos=positions.reshape(-1),
+        loc=out_cache_loc.reshape(-1),
+        exp_tok=expected_input_tokens.reshape(-1),
+        exp_pos=expected_input_positions.reshape(-1),
+    )
+    if not long_on and num_tokens <= (config.write_fused_max_hashed if has_rkv else config.write_fused_max_tokens):
+        # A small launch (a decode step): every pass in one program, one kernel (pallas_kernels.write_fused).
+        words, new_log = write_fused(pro, plan, flat, assert_inputs=assert_inputs, interpret=interpret, config=config)
+        return context.replace(canary_buf=layout.canary_bytes(words), log=new_log)
     chain_params = pltriton.CompilerParams(num_warps=config.write_num_warps, num_stages=1)
     params = pltriton.CompilerParams(num_warps=4, num_stages=1)
     # statics of both chain kernels (lanes and long requests)
@@ -91,13 +103,6 @@ def _write_pallas(
     )
 
     # 1. Chains and, in the same launch, the entry-parallel work (claims zeroed, real-KV fingerprints).
-    flat = dict(
-        ids=input_ids.reshape(-1),
-        pos=positions.reshape(-1),
-        loc=out_cache_loc.reshape(-1),
-        exp_tok=expected_input_tokens.reshape(-1),
-        exp_pos=expected_input_positions.reshape(-1),
-    )
     args = dict(
         num_reqs=plan.write_num_valid_reqs,
         assert_flag=log.enable_chain_position_assert,

@@ -55,8 +55,8 @@ def write_commit_kernel(
         i = b * block + refs.iota(block)
         inw = i < num_tokens
         fl, won, s = load_flagged(flags_ref, loc_ref, i, inw, WriteFlag.WINNER)
-        fields = [refs.load_pair(r, i, 0, won, gather) for r in (ids_ref, pos_ref, prev_at_ref)]
-        fields.append(refs.load_pair(rkv_ref, i, 0, won, gather) if has_rkv else pairs.const(0, (block,)))
+        fields = [refs.load_entry(r, i, won, gather) for r in (ids_ref, pos_ref, prev_at_ref)]
+        fields.append(refs.load_entry(rkv_ref, i, won, gather) if has_rkv else pairs.const(0, (block,)))
         for f, v in enumerate(fields):
             refs.store_pair(words_ref, s, 2 * f, v, won)
 
@@ -69,17 +69,17 @@ def write_commit_kernel(
             d_in = start + jnp.cumsum(n, axis=0) - n
             d_ch = d_in + in_rec
             any_rec = n > 0
-            loc = refs.load_pair(loc_ref, i, 0, any_rec, gather)
-            tok = refs.load_pair(ids_ref, i, 0, any_rec, gather)
-            pos = refs.load_pair(pos_ref, i, 0, any_rec, gather)
-            prev_at = refs.load_pair(prev_at_ref, i, 0, any_rec, gather)
-            chain_exp = pairs.add(refs.load_pair(chain_exp_ref, i, 0, ch_rec != 0, gather), 1)  # run position + 1
+            loc = refs.load_entry(loc_ref, i, any_rec, gather)
+            tok = refs.load_entry(ids_ref, i, any_rec, gather)
+            pos = refs.load_entry(pos_ref, i, any_rec, gather)
+            prev_at = refs.load_entry(prev_at_ref, i, any_rec, gather)
+            chain_exp = pairs.add(refs.load_entry(chain_exp_ref, i, ch_rec != 0, gather), 1)  # run position + 1
             zero = jnp.zeros((block,), jnp.uint32)
             tag_w = jnp.full((block,), tag, jnp.uint32)
             head = [tag_w, zero, loc.lo, loc.hi, pos.lo, pos.hi, tok.lo, tok.hi]
             if assert_inputs:
-                etok = refs.load_pair(exp_tok_ref, i, 0, in_rec != 0, gather)
-                epos = refs.load_pair(exp_pos_ref, i, 0, in_rec != 0, gather)
+                etok = refs.load_entry(exp_tok_ref, i, in_rec != 0, gather)
+                epos = refs.load_entry(exp_pos_ref, i, in_rec != 0, gather)
                 in_cols = head + [etok.lo, etok.hi, prev_at.lo, prev_at.hi, epos.lo, epos.hi, fl & INPUT_MISMATCH, zero]
                 keep_in = (in_rec != 0) & (d_in >= 0) & (d_in < ring_capacity)
                 for k, v in enumerate(in_cols):

@@ -173,9 +173,16 @@ def test_a_value_read_after_the_scatter_is_not_overwritten():
     assert a.tolist() == [1, 9, 3] and b.tolist() == [2, 3, 4]
 
 
-def test_the_compiled_write_donates_the_canary_buffer_to_its_kernels():
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_compiled_write_donates_the_canary_buffer_to_its_kernels(fused, monkeypatch):
     """Traced for CUDA (compiled kernels), the write's memory plan hands every kernel the canary words, the ring
-    and the write index in place: no launch copies the pool (planned on CPU with stand-in kernels)."""
+    and the write index in place: no launch copies the pool (planned on CPU with stand-in kernels). A small
+    launch is one kernel (``fused``); with the fused write off, the three launches and the claim between them."""
+    from pallas_kernels import config as pallas_config
+
+    if not fused:
+        multi = pallas_config.PallasConfig(write_fused_max_tokens=0, write_fused_max_hashed=0)
+        monkeypatch.setattr(pallas_config, "DEFAULT_CONFIG", multi)
     rng = random.Random(16)
     w = World.make(rng, num_slots=4096)
     plan, kw = random_write_args(rng, w)
@@ -199,15 +206,20 @@ def test_the_compiled_write_donates_the_canary_buffer_to_its_kernels():
         native._pallas_for = orig
     prog = launch.program
     steps = [s for s in prog.steps if s.name == "pallas_call"]
-    assert [s.kernel.name for s in steps] == ["canary_write_chain", "canary_write_won", "canary_write_store"]
+    names = ["canary_write_fused"] if fused else ["canary_write_chain", "canary_write_won", "canary_write_store"]
+    assert [s.kernel.name for s in steps] == names
     words = (4096, 8)  # the canary buffer as uint32 words
     donated = {}
     for s in steps:
         for k in s.inplace:
             shape = tuple(prog.avals[s.ins[k]].shape)
             donated.setdefault(shape, []).append(s.donate[k])
-    assert donated[words] == [True, True], donated  # chain and store kernels overwrite the canary in place
     assert all(donated[(6, 16)]), donated  # the ring (6 rows of 16 words)
+    if fused:
+        assert donated[words] == [True], donated  # the one kernel overwrites the canary in place
+        assert not [s for s in prog.steps if s.name == "scatter-max"]  # no claim outside the kernel
+        return
+    assert donated[words] == [True, True], donated  # chain and store kernels overwrite the canary in place
     # the claim scatter between them updates the canary words in place too
     (claim,) = [s for s in prog.steps if s.name == "scatter-max"]
     assert claim.donate[0] is True

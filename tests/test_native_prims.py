@@ -502,11 +502,16 @@ class PallasEvaluator(Evaluator):
         return [prims.from_numpy(o, self.device) for o in self.done[key]]
 
 
-def test_pallas_launch_glue_byte_identical_to_xla(launches):
+def test_pallas_launch_glue_byte_identical_to_xla(launches, monkeypatch):
     """The Pallas backend's bodies: what surrounds the kernels (bitcasts, the ring's scatter, the counters'
     scatter-max on uint32) is what the native path runs with these rules in production (the "consts" way runs
-    the constant-index scatters and the claim scatter-max with constant updates as the executor compiles them)."""
-    pytest.importorskip("pallas_kernels.write")
+    the constant-index scatters and the claim scatter-max with constant updates as the executor compiles them).
+    The multi-launch write (the path of launches past ``write_fused_max_tokens``) is forced: the fused one has
+    no glue."""
+    config = pytest.importorskip("pallas_kernels.config")
+    monkeypatch.setattr(
+        config, "DEFAULT_CONFIG", config.PallasConfig(write_fused_max_tokens=0, write_fused_max_hashed=0)
+    )
     op, statics, factory, vals = launches[1]  # a write: verify's glue is a subset of it
     evs = _run_launch(op, ("pallas", "cpu", *statics[2:]), factory, vals, lambda way: PallasEvaluator(way=way))
     for ev in evs.values():

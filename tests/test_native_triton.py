@@ -38,7 +38,8 @@ TAG = int(sglang.CanaryLaunchTag.TAIL_K_FULL)
 BF16 = (torch.bfloat16, 1, 64, 32, 0)  # (dtype, page_size, num_bytes_per_token, read_bytes, extra row bytes)
 F32 = (torch.float32, 4, 32, 32, 16)
 VERIFY = ("canary_verify", "canary_verify_rows")
-WRITE = ("canary_write_chain", "canary_write_won", "canary_write_store")
+WRITE = ("canary_write_fused",)  # a small launch: one program (pallas_kernels.write_fused)
+WRITE_MULTI = ("canary_write_chain", "canary_write_won", "canary_write_store")
 WRITE_LONG = ("canary_write_chain", "canary_write_long", "canary_write_won", "canary_write_store")
 
 
@@ -140,6 +141,27 @@ def long_write_launch():
     )
 
 
+def multi_write_launch():
+    """4352 one-token requests: past ``write_fused_max_tokens`` (4096), so the multi-launch write runs."""
+    n = 4352
+    w = World.make(random.Random(9), sources=(), mode=0)
+    plan = sglang.WritePlan.allocate(write_req_capacity=n)
+    plan.write_offsets.copy_(torch.arange(n + 1))
+    plan.write_seed_slot_indices.fill_(-1)
+    plan.write_num_valid_reqs.fill_(n)
+    return lambda: sglang.launch_canary_write_kernel(
+        context=w.context(TAG),
+        plan=plan,
+        input_ids=torch.arange(n) * 7,
+        positions=torch.zeros(n, dtype=torch.int64),
+        out_cache_loc=torch.arange(n) % 61,
+        enable_write_input_assert=False,
+        expected_input_tokens=None,
+        expected_input_positions=None,
+        backend="pallas",
+    )
+
+
 CASES = {
     # name: (launch factory, expected pallas_call names in order)
     "verify_none": (lambda: verify_launch((), 0, False), VERIFY),
@@ -149,6 +171,7 @@ CASES = {
     "write_partial_1src": (lambda: write_launch((BF16,), 1, False), WRITE),
     "write_input_assert_2src": (lambda: write_launch((BF16, F32), 2, True), WRITE),
     "write_long": (long_write_launch, WRITE_LONG),
+    "write_multi": (multi_write_launch, WRITE_MULTI),
 }
 
 
@@ -262,7 +285,7 @@ def test_a_lowering_that_prints_no_or_two_modules_raises(printed, count, eqns, t
     tt.clear_memo()
     try:
         with pytest.raises(ValueError, match=rf"pallas_call canary_write_won .*printed {count} Triton modules"):
-            tt.kernel_spec(eqns["write_none"][1])
+            tt.kernel_spec(eqns["write_multi"][1])
     finally:
         tt.clear_memo()
 

@@ -1,0 +1,242 @@
+"""Write in one launch, ``canary_write_fused`` (:func:`write_fused_kernel`): for small launches (a decode step),
+every pass of :mod:`pallas_kernels.write` in a single program, with block barriers where the passes were launches.
+
+The multi-launch write needs launch boundaries for two global orders: every chain must read its seed before any
+record is stored, and every winner of a slot must be known before a store overwrites the slot's claim word. One
+program (one CTA) gets both orders from ``__syncthreads`` (:func:`barrier`), so a launch of at most
+``PallasConfig.write_fused_max_tokens`` entries runs as one kernel with nothing before or after it (no flag
+memset, no XLA scatter-max):
+
+1. the flag words are zeroed (entries outside every live request then carry none);
+2. the serial chains, one request per lane (:func:`pallas_kernels.write_chain._chain_role` with one program and
+   up to 4096 lanes), and, with real-KV sources, the fingerprints (``_entry_role``);
+3. the claim (:func:`_claim_pass`): every written entry stores ``entry + 1`` in its slot's claim word; after a
+   barrier each reads it back, and entries that read a smaller value store again, until none does. Plain stores
+   that race leave one of their values, so each round raises every contested claim word and the loop ends
+   with the largest writer, the reference's last-writer-wins, in as many rounds as a slot has writers (one
+   round and one check without duplicates). The pass also counts violation rows and written entries per block;
+4. the commit (:func:`pallas_kernels.write_commit.write_commit_kernel`, one program over every block).
+
+In interpret mode the program runs its statements in order over whole vectors, so the barriers are no-ops
+there (Pallas's interpreter has no rule for them) and the claim's scatter keeps one of the racing values, which
+the loop accepts. Bit-identical to :func:`canary_jax.ops.reference.write_reference`, as the multi-launch path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import calls, refs
+from pallas_kernels.write_chain import _chain_role, _entry_role
+from pallas_kernels.write_commit import write_commit_kernel
+from pallas_kernels.write_flags import CLAIM_WORD, INPUT_MISMATCH, WriteFlag, load_flagged
+
+MAX_LANES = 4096
+"""Most chain lanes (requests in flight at once) of the one program; more requests loop over lane blocks."""
+
+
+def barrier(interpret: bool) -> None:
+    """``__syncthreads``: every global store of the program before it is visible to every thread after it. A
+    no-op interpreted (statements run in order over whole vectors)."""
+    if not interpret:
+        pltriton.debug_barrier()
+
+
+def _claim_pass(loc_ref, words_ref, flags_ref, counts_ref, *, num_tokens, block, interpret):
+    """Winners of every slot (``WriteFlag.WINNER`` added to their flags) and per-block counts.
+
+    Refs: ``loc_ref`` u32[2 T] flat, ``words_ref`` u32[N, S/4] (claim words), ``flags_ref`` u32[T] (read and
+    updated), ``counts_ref`` i32[NB, 2] (violation rows, written entries per block of ``block`` entries)."""
+    size = -(-num_tokens // block) * block
+    i = refs.iota(size)
+    inw = i < num_tokens
+    fl, written, s = load_flagged(flags_ref, loc_ref, i, inw, WriteFlag.WRITTEN)
+    mine = (i + 1).astype(jnp.uint32)
+    refs.store_word(words_ref, s, CLAIM_WORD, mine, written)
+    barrier(interpret)
+
+    def read():
+        return refs.load_word(words_ref, s, CLAIM_WORD, written)
+
+    def behind(claim):
+        return written & (claim < mine)
+
+    def again(claim):
+        refs.store_word(words_ref, s, CLAIM_WORD, mine, behind(claim))
+        barrier(interpret)
+        return read()
+
+    claim = jax.lax.while_loop(lambda c: jnp.max(behind(c).astype(jnp.int32)) > 0, again, read())
+    barrier(interpret)  # every claim word is read before the commit stores a winner's record over it
+    won = written & (claim == mine)
+    refs.store_vec(flags_ref, i, fl | jnp.where(won, WriteFlag.WINNER, 0).astype(jnp.uint32), inw)
+    rows = ((fl & INPUT_MISMATCH) != 0).astype(jnp.int32) + ((fl & WriteFlag.CHAIN_POSITION) != 0).astype(jnp.int32)
+    nb = size // block
+    b = refs.iota(nb)
+    counts_ref[b, 0] = jnp.sum(rows.reshape(nb, block), axis=1, dtype=jnp.int32)
+    counts_ref[b, 1] = jnp.sum(written.astype(jnp.int32).reshape(nb, block), axis=1, dtype=jnp.int32)
+
+
+def write_fused_kernel(
+    num_reqs_ref,  # i32[1]
+    assert_flag_ref,  # i32[1]: enable_chain_position_assert
+    offsets_ref,  # u32[Cw + 1, 2]
+    seeds_ref,  # u32[Cw, 2]
+    ids_ref,
+    pos_ref,
+    loc_ref,  # u32[2 T]: the [T, 2] pairs, flat
+    exp_tok_ref,
+    exp_pos_ref,  # u32[2 T] (read only with the input assert)
+    *more_refs,  # sources u32[rows_s, row_words_s]; words_in, ring_in, wi_in, slot_c_in, kernel_c_in (aliased);
+    # outputs: words, flags u32[T], prev_at / chain_exp u32[2 T], counts i32[NB, 2] [, rkv u32[T, 2]], ring,
+    # write index, slot counters, kernel counters
+    descs,
+    n_slots,
+    cw,
+    num_tokens,
+    lanes,
+    prefetch,
+    entry_block,
+    block,
+    tag,
+    hasher,
+    gather,
+    source_gather,
+    source_unroll,
+    source_tile_words,
+    assert_inputs,
+    ring_capacity,
+    interpret,
+):
+    """The whole write of :func:`pallas_kernels.write._write_pallas` in one program (see the module docstring)."""
+    src_refs = more_refs[: len(descs)]
+    wi_in_ref = more_refs[len(descs) + 2]
+    words_ref, flags_ref, prev_at_ref, chain_exp_ref, counts_ref, *rest = more_refs[len(descs) + 5 :]
+    rkv_ref = rest[0] if descs else None
+    log_refs = rest[len(rest) - 4 :]
+    zero = jnp.int32(0)
+
+    i = refs.iota(-(-num_tokens // block) * block)
+    refs.store_vec(flags_ref, i, jnp.zeros(i.shape, jnp.uint32), i < num_tokens)
+    barrier(interpret)
+    inputs = (ids_ref, pos_ref, loc_ref, exp_tok_ref, exp_pos_ref)
+    _chain_role(
+        (num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, *inputs),
+        (words_ref, flags_ref, prev_at_ref, chain_exp_ref),
+        pid=zero,
+        programs=1,
+        n_slots=n_slots,
+        cw=cw,
+        num_tokens=num_tokens,
+        lanes=lanes,
+        prefetch=prefetch,
+        hasher=hasher,
+        gather=gather,
+        assert_inputs=assert_inputs,
+        long_threshold=None,
+    )
+    if descs:
+        _entry_role(
+            loc_ref,
+            src_refs,
+            rkv_ref,
+            pid=zero,
+            programs=1,
+            descs=descs,
+            n_slots=n_slots,
+            num_tokens=num_tokens,
+            block=entry_block,
+            hasher=hasher,
+            gather=gather,
+            source_gather=source_gather,
+            source_unroll=source_unroll,
+            source_tile_words=source_tile_words,
+        )
+    barrier(interpret)
+    _claim_pass(loc_ref, words_ref, flags_ref, counts_ref, num_tokens=num_tokens, block=block, interpret=interpret)
+    barrier(interpret)
+    commit_refs = (wi_in_ref, *inputs, prev_at_ref, chain_exp_ref, flags_ref, counts_ref)
+    write_commit_kernel(
+        *commit_refs,
+        *([rkv_ref] if descs else []),
+        words_ref,
+        *log_refs,
+        has_rkv=bool(descs),
+        tag=tag,
+        num_tokens=num_tokens,
+        block=block,
+        ring_capacity=ring_capacity,
+        gather=gather,
+        assert_inputs=assert_inputs,
+    )
+
+
+def fused_shape(cw: int, prefetch: int) -> tuple[int, int]:
+    """``(lanes, prefetch)`` of the fused chain: one lane per request up to :data:`MAX_LANES` (a power of 2), and
+    the config's prefetch cut so that a chunk load stays at most ``MAX_LANES`` entries per array."""
+    lanes = min(MAX_LANES, 1 << max(0, (cw - 1).bit_length()))
+    return lanes, max(1, min(prefetch, MAX_LANES // lanes))
+
+
+def write_fused(pro, plan, flat: dict, *, assert_inputs: bool, interpret: bool, config) -> tuple:
+    """The one launch: ``(words, log)`` after the write. ``pro`` is the launch's
+    :class:`~pallas_kernels.calls.Prologue`, ``flat`` the flat ``uint32[2 T]`` operands ``ids``, ``pos``,
+    ``loc``, ``exp_tok``, ``exp_pos`` (the expected ones standing in for themselves without the assert), and
+    ``plan`` the :class:`~canary_jax.planning.plans.WritePlan`; traced under the write's ``jax.jit``."""
+    num_tokens = flat["ids"].shape[0] // 2
+    cw = int(plan.write_seed_slot_indices.shape[0])
+    lanes, prefetch = fused_shape(cw, config.write_prefetch)
+    pow2_tokens = 1 << max(0, (num_tokens - 1).bit_length())
+    block = min(MAX_LANES, pow2_tokens)
+    u32, sds = jnp.uint32, jax.ShapeDtypeStruct
+    args = dict(
+        num_reqs=plan.write_num_valid_reqs,
+        assert_flag=pro.log.enable_chain_position_assert,
+        offsets=plan.write_offsets,
+        seeds=plan.write_seed_slot_indices,
+        **flat,
+        **{f"source{k}": s for k, s in enumerate(pro.srcs)},
+        words=pro.words,
+    )
+    scratch = dict(
+        flags=sds((num_tokens,), u32),
+        prev_at=sds((2 * num_tokens,), u32),
+        chain_exp=sds((2 * num_tokens,), u32),
+        counts=sds((-(-num_tokens // block), 2), jnp.int32),
+    )
+    if pro.descs:
+        scratch["rkv"] = sds((num_tokens, 2), u32)
+    (words, *_), log = calls.call_with_log(
+        functools.partial(
+            write_fused_kernel,
+            descs=pro.descs,
+            n_slots=pro.n_slots,
+            cw=cw,
+            num_tokens=num_tokens,
+            lanes=lanes,
+            prefetch=prefetch,
+            entry_block=min(128, pow2_tokens),
+            block=block,
+            tag=pro.tag,
+            hasher=pro.hasher,
+            gather=config.gather,
+            source_gather=config.source_gather,
+            source_unroll=config.source_unroll,
+            source_tile_words=config.write_source_tile_words,
+            assert_inputs=assert_inputs,
+            interpret=interpret,
+        ),
+        args,
+        pro.log,
+        outs=("words",),
+        scratch=scratch,
+        grid=(1,),
+        compiler_params=pltriton.CompilerParams(num_warps=config.write_fused_num_warps, num_stages=1),
+        interpret=interpret,
+        name="canary_write_fused",
+    )
+    return words, log
