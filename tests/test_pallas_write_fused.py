@@ -88,7 +88,7 @@ class FusedWriteTest(absltest.TestCase):
         ctx, plan, ids, pos, loc, *_ = _launch(rng, counts=[1] * 8, dup_slot=5)
 
         def run(config):
-            return lambda c: write_pallas(c, plan, ids, pos, loc, interpret=True, config=config)
+            return lambda c: write_pallas(c, plan, ids, pos, loc, config=config)
 
         fused = _primitives(run(FUSED), ctx)
         self.assertEqual(fused.count("pallas_call"), 1, fused)
@@ -112,7 +112,7 @@ class FusedWriteTest(absltest.TestCase):
                 with self.subTest(counts=counts, assert_inputs=assert_inputs):
                     self.assertGreater(int(want.log.write_index[0]), 0)  # the launch has violation rows
                     for cfg in (FUSED, MULTI):
-                        self.assert_same(write_pallas(ctx, plan, ids, pos, loc, interpret=True, config=cfg, **kw), want)
+                        self.assert_same(write_pallas(ctx, plan, ids, pos, loc, config=cfg, **kw), want)
 
     def test_many_writers_of_one_slot_last_wins(self):
         # Seven entries in three requests write slot 9; the last (request 2's only entry) owns it: its record is
@@ -127,7 +127,7 @@ class FusedWriteTest(absltest.TestCase):
         pos = _pairs([0, 1, 2, 3, 0, 1, 0])
         loc = _pairs([9] * 7)
         for cfg in (FUSED, MULTI):
-            out = write_pallas(ctx, plan, ids, pos, loc, interpret=True, config=cfg)
+            out = write_pallas(ctx, plan, ids, pos, loc, config=cfg)
             rec = np.asarray(out.canary_buf)[9].view("<i8")
             anchor = hashing.ANCHOR_HASH - (1 << 64) if hashing.ANCHOR_HASH >= 1 << 63 else hashing.ANCHOR_HASH
             self.assertEqual(rec.tolist(), [300, 0, anchor, 0])
@@ -142,7 +142,7 @@ class FusedWriteTest(absltest.TestCase):
         ctx, plan, ids, pos, loc, *_ = _launch(rng, counts=[2, 1, 3, 1], dup_slot=7, sources=(src,))
         want = reference.write_reference(ctx, plan, ids, pos, loc)
         for cfg in (FUSED, MULTI):
-            self.assert_same(write_pallas(ctx, plan, ids, pos, loc, interpret=True, config=cfg), want)
+            self.assert_same(write_pallas(ctx, plan, ids, pos, loc, config=cfg), want)
 
     def test_config_bounds(self):
         for kw in ({"write_fused_max_tokens": -1}, {"write_fused_max_hashed": True}, {"write_fused_num_warps": 12}):

@@ -1,0 +1,26 @@
+#!/bin/bash
+# One device call for the one-launch write (pallas_kernels/write_fused.py, issue #25): its compiled tests, then
+# bench.py's decode-write cases beside the CUDA peer with the fused program's warp counts and the multi-launch
+# write as probe variants, then the serving step (decode1, decode128, write4096).
+# Usage (repository root, on the GPU machine): OUT=DIR bash benchmarks/write_fused_session.sh
+set -u -o pipefail
+OUT=${OUT:-./write_fused_out}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+SKIP=${SKIP:-}
+STEP_DIR="$OUT" STEP_TAIL=4
+. "$(dirname "${BASH_SOURCE[0]}")/session_step.sh"
+python3 -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__)" \
+  > "$OUT/00_env.log" 2>&1; cat "$OUT/00_env.log"
+step 01_fused_tests "${CAP1:-150}" python3 -m pytest -q -p no:cacheprovider -rf tests/test_pallas_write_fused.py \
+  -k FusedWrite
+step 02_write_suites_compiled "${CAP2:-150}" python3 -m pytest -q -p no:cacheprovider -rf tests/test_pallas_interpret.py \
+  -k "write or pipeline"
+step 03_gpu_pallas "${CAP3:-150}" python3 -m pytest -q -p no:cacheprovider -rf tests/test_gpu_pallas.py
+step 04_native_triton "${CAP4:-120}" python3 -m pytest -q -p no:cacheprovider -rf tests/test_native_triton.py
+PROBE=${PROBE:-'{"write": [{"write_fused_num_warps": 8}, {"write_fused_num_warps": 32}, {"write_fused_max_tokens": 0, "write_fused_max_hashed": 0}]}'}
+step 05_bench_write "${CAP5:-150}" python3 -m benchmarks.bench --quick --only write_4096x1 --x64 off --skip-reference \
+  --probe mini --probe-json "$PROBE" --probe-cases write_4096x1_none --out "$OUT/bench_write"
+step 06_serving_step "${CAP6:-220}" python3 -m benchmarks.serving_step --scenario decode1,decode128,write4096 \
+  --budget-s 190 --json "$OUT/serving_step.json"
+echo "== summary"; cat "$OUT/steps.tsv"
