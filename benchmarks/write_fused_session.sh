@@ -12,15 +12,12 @@ STEP_DIR="$OUT" STEP_TAIL=4
 . "$(dirname "${BASH_SOURCE[0]}")/session_step.sh"
 python3 -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__)" \
   > "$OUT/00_env.log" 2>&1; cat "$OUT/00_env.log"
-step 01_fused_tests "${CAP1:-150}" python3 -m pytest -q -p no:cacheprovider -rf tests/test_pallas_write_fused.py \
+step 01_fused_tests "${CAP1:-170}" python3 -m pytest -q -p no:cacheprovider -rf tests/test_pallas_write_fused.py \
   -k FusedWrite
-step 02_write_suites_compiled "${CAP2:-150}" python3 -m pytest -q -p no:cacheprovider -rf tests/test_pallas_interpret.py \
-  -k "write or pipeline"
-step 03_gpu_pallas "${CAP3:-150}" python3 -m pytest -q -p no:cacheprovider -rf tests/test_gpu_pallas.py
-step 04_native_triton "${CAP4:-120}" python3 -m pytest -q -p no:cacheprovider -rf tests/test_native_triton.py
+step 03_gpu_pallas_write "${CAP3:-100}" python3 -m pytest -q -p no:cacheprovider -rf tests/test_gpu_pallas.py -k write
 PROBE=${PROBE:-'{"write": [{"write_fused_num_warps": 8}, {"write_fused_num_warps": 32}, {"write_fused_max_tokens": 0, "write_fused_max_hashed": 0}]}'}
-step 05_bench_write "${CAP5:-150}" python3 -m benchmarks.bench --quick --only write_4096x1 --x64 off --skip-reference \
+step 05_bench_write "${CAP5:-120}" python3 -m benchmarks.bench --quick --only write_4096x1 --x64 off --skip-reference \
   --probe mini --probe-json "$PROBE" --probe-cases write_4096x1_none --out "$OUT/bench_write"
-step 06_serving_step "${CAP6:-220}" python3 -m benchmarks.serving_step --scenario decode1,decode128,write4096 \
-  --budget-s 190 --json "$OUT/serving_step.json"
+step 06_serving_step "${CAP6:-200}" python3 -m benchmarks.serving_step --scenario decode1,decode128,write4096 \
+  --budget-s 170 --json "$OUT/serving_step.json"
 echo "== summary"; cat "$OUT/steps.tsv"

@@ -38,6 +38,11 @@ from pallas_kernels.write_flags import CLAIM_WORD, INPUT_MISMATCH, WriteFlag, lo
 MAX_LANES = 4096
 """Most chain lanes (requests in flight at once) of the one program; more requests loop over lane blocks."""
 
+MAX_PREFETCH = 2
+"""Most chain steps per prefetched chunk. The one program holds every pass, so its Triton compile grows with the
+chunk's unrolled memory ops: offline compiles for sm_90 (triton 3.6) took 1.6 s at prefetch 1, 2.6 s at 2, 4.7 s
+at 4 and 12.4 s at 8 (a decode request has one step)."""
+
 
 def barrier(interpret: bool) -> None:
     """``__syncthreads``: every global store of the program before it is visible to every thread after it. A
@@ -177,9 +182,10 @@ def write_fused_kernel(
 
 def fused_shape(cw: int, prefetch: int) -> tuple[int, int]:
     """``(lanes, prefetch)`` of the fused chain: one lane per request up to :data:`MAX_LANES` (a power of 2), and
-    the config's prefetch cut so that a chunk load stays at most ``MAX_LANES`` entries per array."""
+    the config's prefetch cut to :data:`MAX_PREFETCH` and so that a chunk load stays at most ``MAX_LANES``
+    entries per array."""
     lanes = min(MAX_LANES, 1 << max(0, (cw - 1).bit_length()))
-    return lanes, max(1, min(prefetch, MAX_LANES // lanes))
+    return lanes, max(1, min(prefetch, MAX_PREFETCH, MAX_LANES // lanes))
 
 
 def write_fused(pro, plan, flat: dict, *, assert_inputs: bool, interpret: bool, config) -> tuple:
