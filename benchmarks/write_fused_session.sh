@@ -18,6 +18,11 @@ step 03_gpu_pallas_write "${CAP3:-100}" python3 -m pytest -q -p no:cacheprovider
 PROBE=${PROBE:-'{"write": [{"write_fused_num_warps": 8}, {"write_fused_num_warps": 32}, {"write_fused_max_tokens": 0, "write_fused_max_hashed": 0}]}'}
 step 05_bench_write "${CAP5:-120}" python3 -m benchmarks.bench --quick --only write_4096x1 --x64 off --skip-reference \
   --probe mini --probe-json "$PROBE" --probe-cases write_4096x1_none --out "$OUT/bench_write"
-step 06_serving_step "${CAP6:-200}" python3 -m benchmarks.serving_step --scenario decode1,decode128,write4096 \
+for R in ${REQS:-}; do  # the crossover: fused vs multi-launch at R one-token requests (NONE, PARTIAL x4)
+  step "07_bench_write_$R" "${CAP7:-90}" python3 -m benchmarks.bench --quick --decode-reqs "$R" --only "write_${R}x1_n,write_${R}x1_p" \
+    --x64 off --skip-reference --probe mini --probe-cases "write_${R}x1_none,write_${R}x1_partial_x4" --out "$OUT/bench_$R" \
+    --probe-json '{"write": [{"write_fused_max_tokens": 0, "write_fused_max_hashed": 0}, {"write_fused_max_tokens": 4096, "write_fused_max_hashed": 4096}]}'
+done
+step 06_serving_step "${CAP6:-200}" python3 -X faulthandler -m benchmarks.serving_step --scenario "${SCN:-decode1,decode128,write4096}" \
   --budget-s 170 --json "$OUT/serving_step.json"
 echo "== summary"; cat "$OUT/steps.tsv"

@@ -81,7 +81,7 @@ class PallasConfig:
     write_long_threshold: int = 64
     write_block: int = 128
     write_max_programs: int = 2048
-    write_fused_max_tokens: int = 4096
+    write_fused_max_tokens: int = 512
     write_fused_max_hashed: int = 256
     write_fused_num_warps: int = 16
     gather: str = "pair"
