@@ -48,7 +48,9 @@ class PallasConfig:
       write_block: entries per block of the parallel write passes (power of 2).
       write_max_programs: grid cap of the write passes.
       write_fused_max_tokens: launches of at most this many tokens that need no long-request role run as one
-        program (:mod:`pallas_kernels.write_fused`: one kernel, nothing before or after it); 0 = never.
+        program (:mod:`pallas_kernels.write_fused`: one kernel, nothing before or after it); 0 = never (the
+        default: on the H200 the one program was not faster, 13.5 us against 12.8 us at 128 one-token requests
+        and 70 us against 13.5 us at 4096, see ``benchmarks/results/2026-12-04_h200_write_fused.md``).
       write_fused_max_hashed: the same bound for launches with real-KV sources, whose fingerprints the one
         program then computes alone (0 = never fused with sources).
       write_fused_num_warps: warps of the fused program (power of 2).
@@ -81,8 +83,8 @@ class PallasConfig:
     write_long_threshold: int = 64
     write_block: int = 128
     write_max_programs: int = 2048
-    write_fused_max_tokens: int = 512
-    write_fused_max_hashed: int = 256
+    write_fused_max_tokens: int = 0
+    write_fused_max_hashed: int = 0
     write_fused_num_warps: int = 16
     gather: str = "pair"
     source_gather: str = "tile"

@@ -1,6 +1,13 @@
 """Write in one launch, ``canary_write_fused`` (:func:`write_fused_kernel`): for small launches (a decode step),
 every pass of :mod:`pallas_kernels.write` in a single program, with block barriers where the passes were launches.
 
+Opt-in (``PallasConfig.write_fused_max_tokens`` / ``write_fused_max_hashed``, both 0 by default): bit-identical and
+one kernel, but on the H200 not faster than the multi-launch write. One program serialises about ten dependent
+global-memory round trips and every entry's scattered loads and stores go through one SM: 13.5 us against 12.8 us
+at 128 one-token requests, 70 us against 13.5 us at 4096 (``benchmarks/results/2026-12-04_h200_write_fused.md``).
+A serving-step compile with it on (before :data:`MIN_BLOCK`) crashed inside XLA's GPU compile; that is not
+understood yet. It is the base for a decode path that keeps each entry in registers.
+
 The multi-launch write needs launch boundaries for two global orders: every chain must read its seed before any
 record is stored, and every winner of a slot must be known before a store overwrites the slot's claim word. One
 program (one CTA) gets both orders from ``__syncthreads`` (:func:`barrier`), so a launch of at most
@@ -37,6 +44,10 @@ from pallas_kernels.write_flags import CLAIM_WORD, INPUT_MISMATCH, WriteFlag, lo
 
 MAX_LANES = 4096
 """Most chain lanes (requests in flight at once) of the one program; more requests loop over lane blocks."""
+
+MIN_BLOCK = 32
+"""Fewest chain lanes and claim / commit entries per block (the multi-launch write's smallest blocks): a
+one-request or one-token launch keeps Triton's tensors at least this wide."""
 
 MAX_PREFETCH = 2
 """Most chain steps per prefetched chunk. The one program holds every pass, so its Triton compile grows with the
@@ -184,7 +195,7 @@ def fused_shape(cw: int, prefetch: int) -> tuple[int, int]:
     """``(lanes, prefetch)`` of the fused chain: one lane per request up to :data:`MAX_LANES` (a power of 2), and
     the config's prefetch cut to :data:`MAX_PREFETCH` and so that a chunk load stays at most ``MAX_LANES``
     entries per array."""
-    lanes = min(MAX_LANES, 1 << max(0, (cw - 1).bit_length()))
+    lanes = min(MAX_LANES, max(MIN_BLOCK, 1 << max(0, (cw - 1).bit_length())))
     return lanes, max(1, min(prefetch, MAX_PREFETCH, MAX_LANES // lanes))
 
 
@@ -197,7 +208,7 @@ def write_fused(pro, plan, flat: dict, *, assert_inputs: bool, interpret: bool, 
     cw = int(plan.write_seed_slot_indices.shape[0])
     lanes, prefetch = fused_shape(cw, config.write_prefetch)
     pow2_tokens = 1 << max(0, (num_tokens - 1).bit_length())
-    block = min(MAX_LANES, pow2_tokens)
+    block = min(MAX_LANES, max(MIN_BLOCK, pow2_tokens))
     u32, sds = jnp.uint32, jax.ShapeDtypeStruct
     args = dict(
         num_reqs=plan.write_num_valid_reqs,
@@ -225,7 +236,7 @@ def write_fused(pro, plan, flat: dict, *, assert_inputs: bool, interpret: bool, 
             num_tokens=num_tokens,
             lanes=lanes,
             prefetch=prefetch,
-            entry_block=min(128, pow2_tokens),
+            entry_block=min(128, max(MIN_BLOCK, pow2_tokens)),
             block=block,
             tag=pro.tag,
             hasher=pro.hasher,

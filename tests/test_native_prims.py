@@ -506,8 +506,7 @@ def test_pallas_launch_glue_byte_identical_to_xla(launches, monkeypatch):
     """The Pallas backend's bodies: what surrounds the kernels (bitcasts, the ring's scatter, the counters'
     scatter-max on uint32) is what the native path runs with these rules in production (the "consts" way runs
     the constant-index scatters and the claim scatter-max with constant updates as the executor compiles them).
-    The multi-launch write (the path of launches past ``write_fused_max_tokens``) is forced: the fused one has
-    no glue."""
+    The multi-launch write (the default) is pinned: the fused one has no glue."""
     config = pytest.importorskip("pallas_kernels.config")
     monkeypatch.setattr(
         config, "DEFAULT_CONFIG", config.PallasConfig(write_fused_max_tokens=0, write_fused_max_hashed=0)

@@ -4,7 +4,7 @@ A small launch (``PallasConfig.write_fused_max_tokens``) runs as one ``pallas_ca
 these tests pin that structure and the bytes: random launches with slots written by several entries (the
 claim loop's rounds), skipped and out-of-range slots, both input and chain-position violations, with and
 without real-KV sources, each compared with :func:`canary_jax.ops.reference.write_reference` and with the
-multi-launch path (``write_fused_max_tokens=0``). The multi-launch path also keeps the whole shared write suite.
+multi-launch path (the default). The fused path also runs the whole shared write suite.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from helpers import write_suite
 from pallas_kernels.config import PallasConfig
 from pallas_kernels.write import write_pallas
 
-FUSED = PallasConfig()
-MULTI = PallasConfig(write_fused_max_tokens=0, write_fused_max_hashed=0)
+FUSED = PallasConfig(write_fused_max_tokens=512, write_fused_max_hashed=256)
+MULTI = PallasConfig()  # the default: the multi-launch write
 N_SLOTS = 64
 
 
@@ -150,13 +150,13 @@ class FusedWriteTest(absltest.TestCase):
                 PallasConfig(**kw)
 
 
-class PallasMultiLaunchWriteTest(write_suite.WriteSuite, absltest.TestCase):
-    """The shared write suite on the multi-launch path (the fused one runs it in ``test_pallas_interpret``)."""
+class PallasFusedWriteSuiteTest(write_suite.WriteSuite, absltest.TestCase):
+    """The shared write suite on the fused write (the default multi-launch one runs it in ``test_pallas_interpret``)."""
 
     BACKEND = "pallas"
     VERIFY_IMPL = staticmethod(backends.implementation("verify", "pallas"))
     WRITE_IMPL = staticmethod(backends.implementation("write", "pallas"))
-    CONFIG = MULTI
+    CONFIG = FUSED
 
 
 if __name__ == "__main__":
