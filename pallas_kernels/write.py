@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
 from canary_jax.contract import layout, validation
+from canary_jax.ops import chain_hints
+from canary_jax.ops.chain_hints import ChainHint
 from canary_jax.planning.plans import VerifyOrWriteContext, WritePlan
 from pallas_kernels import calls
 from pallas_kernels.config import PallasConfig, launch_options
@@ -53,15 +55,19 @@ def _write_pallas(
     out_cache_loc,
     expected_input_tokens,
     expected_input_positions,
+    chain_hint: ChainHint | None = None,
     *,
     assert_inputs: bool,
     interpret: bool,
     config: PallasConfig,
+    emit_chain: bool = False,
 ):
-    """Every launch of a write (traced under ``jax.jit``, statics bound); arguments as :func:`write_pallas`."""
+    """Every launch of a write (traced under ``jax.jit``, statics bound); arguments as :func:`write_pallas`, and
+    a step's chain reuse (:mod:`canary_jax.ops.chain_hints`): ``chain_hint`` (one that fits this launch) to
+    reuse, ``emit_chain`` to make one. Returns ``(context, the hint made or None)``."""
     num_tokens = int(input_ids.shape[0])
     if num_tokens == 0:  # nothing to store or check: only the launch counter moves
-        return context.replace(log=layout.bump_counters(context.log, int(context.kernel_kind), jnp.uint32(0)))
+        return context.replace(log=layout.bump_counters(context.log, int(context.kernel_kind), jnp.uint32(0))), None
     pro = calls.prologue(context, config, interpret)
     descs, log, words, n_slots, hasher = pro.descs, pro.log, pro.words, pro.n_slots, pro.hasher
     cw = int(plan.write_seed_slot_indices.shape[0])
@@ -94,7 +100,7 @@ def _write_pallas(
     if not long_on and num_tokens <= (config.write_fused_max_hashed if has_rkv else config.write_fused_max_tokens):
         # A small launch (a decode step): every pass in one program, one kernel (pallas_kernels.write_fused).
         words, new_log = write_fused(pro, plan, flat, assert_inputs=assert_inputs, interpret=interpret, config=config)
-        return context.replace(canary_buf=layout.canary_bytes(words), log=new_log)
+        return context.replace(canary_buf=layout.canary_bytes(words), log=new_log), None
     chain_params = pltriton.CompilerParams(num_warps=config.write_num_warps, num_stages=1)
     params = pltriton.CompilerParams(num_warps=4, num_stages=1)
     # statics of both chain kernels (lanes and long requests)
@@ -112,8 +118,11 @@ def _write_pallas(
         **flat,
         **{f"source{k}": s for k, s in enumerate(pro.srcs)},
         words=words,
-        flags=jnp.zeros((num_tokens,), u32),
+        flags=jnp.zeros((num_tokens,), u32) if chain_hint is None else chain_hint.flags,
     )
+    reuse = "consume" if chain_hint is not None else "emit" if emit_chain else "none"
+    if chain_hint is not None:  # the outputs start from the hint's chains (requests that match keep them)
+        args.update(prev_at=chain_hint.prev_at, chain_exp=chain_hint.chain_exp, hint_state=chain_hint.req_state)
     out_shape = dict(
         words=sds(words.shape, u32),
         flags=sds((num_tokens,), u32),
@@ -123,7 +132,9 @@ def _write_pallas(
     )
     if has_rkv:
         out_shape["rkv"] = sds((num_tokens, 2), u32)
-    words, flags, prev_at, chain_exp, base, *rkv = calls.call(
+    if reuse == "emit":
+        out_shape["req_state"] = sds((cw, 5), u32)
+    words, flags, prev_at, chain_exp, base, *extra = calls.call(
         functools.partial(
             write_chain_kernel,
             descs=descs,
@@ -136,6 +147,7 @@ def _write_pallas(
             source_gather=config.source_gather,
             source_unroll=config.source_unroll,
             source_tile_words=config.write_source_tile_words,
+            reuse=reuse,
             **chains,
         ),
         args,
@@ -167,6 +179,8 @@ def _write_pallas(
             prev_at=prev_at,
             chain_exp=chain_exp,
         )
+        if chain_hint is not None:
+            args["hint_state"] = chain_hint.req_state
         words, flags, prev_at, chain_exp = calls.call(
             functools.partial(
                 # rows=1: the chain state as [1] vectors (what ran on the H200; Triton still hands the
@@ -176,6 +190,7 @@ def _write_pallas(
                 chunk=k,
                 threshold=long_threshold,
                 scan_block=long_scan_block,
+                consume=chain_hint is not None,
                 **chains,
             ),
             args,
@@ -186,10 +201,13 @@ def _write_pallas(
             name="canary_write_long",
         )
 
+    hint = None
+    if reuse == "emit":
+        hint = ChainHint(flags, prev_at, chain_exp, extra[-1], n_slots=n_slots, assert_inputs=assert_inputs)
     prev_at, chain_exp = prev_at.reshape(num_tokens, 2), chain_exp.reshape(num_tokens, 2)
 
     # 2. claim[slot] = max(claim, entry + 1) over written entries: the last writer of a slot owns it.
-    words = claim_slots(words, out_cache_loc, flags, num_tokens=num_tokens)
+    words = claim_slots(words, out_cache_loc, flags, num_tokens=num_tokens, zero_first=chain_hint is not None)
 
     # 3. Winners and per-block counts.
     args = dict(
@@ -232,7 +250,7 @@ def _write_pallas(
         counts=counts,
     )
     if has_rkv:
-        args["rkv"] = rkv[0]
+        args["rkv"] = extra[0]
     args["words"] = words
     (words,), new_log = calls.call_with_log(
         functools.partial(
@@ -252,10 +270,10 @@ def _write_pallas(
         interpret=interpret,
         name="canary_write_store",
     )
-    return context.replace(canary_buf=layout.canary_bytes(words), log=new_log)
+    return context.replace(canary_buf=layout.canary_bytes(words), log=new_log), hint
 
 
-_write_jit = jax.jit(_write_pallas, static_argnames=("assert_inputs", "interpret", "config"))
+_write_jit = jax.jit(_write_pallas, static_argnames=("assert_inputs", "interpret", "config", "emit_chain"))
 
 
 def write_pallas(
@@ -306,7 +324,18 @@ def write_pallas(
         has_tokens=expected_input_tokens is not None,
         has_positions=expected_input_positions is not None,
     )
-    return _write_jit(
+    # A step's chain reuse (canary_jax.ops.chain_hints): take the scope's hint if it fits, else leave ours.
+    scope = chain_hints.current()
+    hint = None if scope is None else scope.hint
+    assert_inputs = bool(enable_write_input_assert)
+    if hint is not None and not hint.fits(
+        num_tokens=int(input_ids.shape[0]),
+        cw=int(plan.write_seed_slot_indices.shape[0]),
+        n_slots=int(context.canary_buf.shape[0]),
+        assert_inputs=assert_inputs,
+    ):
+        hint = None
+    out, made = _write_jit(
         context,
         plan,
         input_ids,
@@ -314,7 +343,12 @@ def write_pallas(
         out_cache_loc,
         expected_input_tokens,
         expected_input_positions,
-        assert_inputs=bool(enable_write_input_assert),
+        hint,
+        assert_inputs=assert_inputs,
         interpret=interpret,
         config=config,
+        emit_chain=scope is not None and scope.hint is None,
     )
+    if made is not None:
+        scope.hint = made
+    return out

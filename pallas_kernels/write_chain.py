@@ -42,13 +42,18 @@ def _chain_role(
     gather,
     assert_inputs,
     long_threshold,
+    state_ref=None,
+    hint_ref=None,
 ):
     """Serial chains, one request per lane: flags, running prev_hash and chain-position expectations.
 
     Refs as in :func:`write_chain_kernel`: ``in_refs`` its inputs but ``write_index`` (num_reqs, assert_flag,
     offsets, seeds, ids, pos, loc, exp_tok, exp_pos), ``out_refs`` words, flags, prev_at and chain_exp. With
     ``long_threshold`` (the long role is on), requests of more entries are left to
-    :func:`pallas_kernels.write_long.write_long_kernel`."""
+    :func:`pallas_kernels.write_long.write_long_kernel`. ``state_ref`` (``u32[Cw, 5]``, a hint being made) gets
+    every live request's chain start; with ``hint_ref`` (the same, from an earlier launch of the step, see
+    :mod:`canary_jax.ops.chain_hints`) a request whose chain start equals the hint's runs no step: its entries
+    keep the hint's flags and chain words, which the outputs start from."""
     num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, pos_ref, loc_ref, exp_tok_ref, exp_pos_ref = in_refs
     words_ref, flags_ref, prev_at_ref, chain_exp_ref = out_refs
     nv = jnp.clip(num_reqs_ref[0], 0, cw)
@@ -74,6 +79,7 @@ def _chain_role(
         )
         gate = (~seed_neg) & gate_on
         run_pos0 = pairs.where(gate, seed_pos, pairs.const(0, (lanes,)))
+        count = chain_start(state_ref, hint_ref, r, live_r, running0, run_pos0, gate, count)
 
         arrays = (loc_ref, ids_ref, pos_ref) + ((exp_tok_ref, exp_pos_ref) if assert_inputs else ())
 
@@ -145,6 +151,21 @@ def _chain_role(
     refs.for_each_block(refs.cdiv(nv, lanes), block_body, pid=pid, programs=programs)
 
 
+def chain_start(state_ref, hint_ref, r, live, running0: U64, run_pos0: U64, gate, count):
+    """Records the chain start of requests ``r`` in ``state_ref`` (when making a hint) and, with a hint, zeroes
+    ``count`` where the hint's chain start is the same (their chains are then the hint's); returns ``count``."""
+    words = (running0.lo, running0.hi, run_pos0.lo, run_pos0.hi, gate.astype(jnp.uint32))
+    if state_ref is not None:
+        for k, v in enumerate(words):
+            refs.store_word(state_ref, r, k, v, live)
+    if hint_ref is None:
+        return count
+    same = live
+    for k, v in enumerate(words):
+        same = same & (refs.load_word(hint_ref, r, k, live) == v)
+    return jnp.where(same, 0, count)
+
+
 def _entry_role(
     loc_ref,
     src_refs,
@@ -209,12 +230,21 @@ def write_chain_kernel(
     source_tile_words,
     assert_inputs,
     long_threshold,
+    reuse="none",
 ):
     """Programs ``[0, chain_programs)`` run :func:`_chain_role`, the next ``entry_programs`` :func:`_entry_role`;
-    program 0 also copies ``write_index`` to ``base_ref`` (the ring base of the commit pass)."""
+    program 0 also copies ``write_index`` to ``base_ref`` (the ring base of the commit pass).
+
+    ``reuse``: ``none``; ``emit`` (a ``u32[Cw, 5]`` chain-start output comes last); ``consume`` (inputs
+    ``prev_at`` / ``chain_exp`` (aliased to the outputs) and the hint's ``u32[Cw, 5]`` chain starts follow
+    ``flags_in``)."""
     src_refs = more_refs[: len(descs)]
-    _, _, words_ref, flags_ref, prev_at_ref, chain_exp_ref, base_ref, *rkv = more_refs[len(descs) :]
-    rkv_ref = rkv[0] if rkv else None
+    rest = more_refs[len(descs) :]
+    n_in = 5 if reuse == "consume" else 2
+    hint_ref = rest[n_in - 1] if reuse == "consume" else None
+    words_ref, flags_ref, prev_at_ref, chain_exp_ref, base_ref, *extra = rest[n_in:]
+    rkv_ref = extra[0] if descs else None
+    state_ref = extra[-1] if reuse == "emit" else None
     inputs = (ids_ref, pos_ref, loc_ref, exp_tok_ref, exp_pos_ref)
     pid = refs.program_id()
 
@@ -238,6 +268,8 @@ def write_chain_kernel(
             gather=gather,
             assert_inputs=assert_inputs,
             long_threshold=long_threshold,
+            state_ref=state_ref,
+            hint_ref=hint_ref,
         )
 
     if descs:

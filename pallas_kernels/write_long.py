@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from canary_jax.contract import hashing, pairs
 from canary_jax.contract.pairs import U64
 from pallas_kernels import refs
+from pallas_kernels.write_chain import chain_start
 from pallas_kernels.write_flags import CLAIM_WORD, LONG_SHIFT, WriteFlag
 
 
@@ -30,15 +31,10 @@ def write_long_kernel(
     loc_ref,
     exp_tok_ref,
     exp_pos_ref,  # u32[2 T'] flat pairs, zero-padded to whole chunks
-    words_in_ref,
-    flags_in_ref,
-    prev_in_ref,
-    chain_exp_in_ref,  # aliased to the outputs
-    words_ref,  # u32[N, S/4]: claim words of written entries zeroed; seeds read (fields 0..2 only)
-    flags_ref,  # u32[T]
-    prev_at_ref,
-    chain_exp_ref,  # u32[2 T]: prev_hash and run position before each entry
-    *,
+    *more_refs,  # words_in, flags_in, prev_in, chain_exp_in (aliased to the outputs) [, hint u32[Cw, 5]];
+    # outputs: words u32[N, S/4] (claim words of written entries zeroed; seeds read, fields 0..2 only),
+    # flags u32[T], prev_at / chain_exp u32[2 T] (prev_hash and run position before each entry)
+    consume=False,
     n_slots,
     cw,
     num_tokens,
@@ -74,8 +70,12 @@ def write_long_kernel(
     prefill batch runs one chain per program. A launch of its own (``canary_write_long``, after the lane
     chains): Triton's coalescing pass costs about (memory ops) x (IR size) of a kernel, so the two unrolled
     chain bodies compile much faster apart.
+
+    With ``consume`` (a chain hint, :mod:`canary_jax.ops.chain_hints`) a request whose chain start equals the
+    hint's runs no chunk: its entries keep the hint's flags and checkpoints, which the outputs start from.
     """
-    del words_in_ref, flags_in_ref, prev_in_ref, chain_exp_in_ref
+    hint_ref = more_refs[4] if consume else None
+    words_ref, flags_ref, prev_at_ref, chain_exp_ref = more_refs[len(more_refs) - 4 :]
     pid = refs.program_id()
     programs = jnp.asarray(pl.num_programs(0)).astype(jnp.int32)  # (int64 under x64 in interpret mode)
     nv = jnp.clip(num_reqs_ref[0], 0, cw)
@@ -109,6 +109,10 @@ def write_long_kernel(
         start_s, end_s = jnp.max(start), jnp.max(end)  # scalars
         q0 = jax.lax.div(start_s, jnp.int32(chunk))
         q1 = refs.cdiv(end_s, chunk)
+        if hint_ref is not None:  # the hint's chain start: this request's chain is the hint's
+            gates = jnp.broadcast_to(gate, (rows,))
+            ran = chain_start(None, hint_ref, rv, rv >= 0, running0, run_pos0, gates, one + 1)
+            q1 = jnp.where(jnp.max(ran) == 0, q0, q1)
 
         def entry_part(q, first):
             """Flags and claim words of chunk ``q``, one entry per thread (``first``: the chunk's first entry

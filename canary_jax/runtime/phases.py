@@ -10,6 +10,8 @@ KV data except the ``kv_state`` that :func:`step_jit` threads (also donated).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 from typing import Any
 
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from canary_jax.contract import constants, coverage, sources, validation
+from canary_jax.ops import chain_hints
 from canary_jax.planning.plan_builder import build_plans
 from canary_jax.runtime import prepare, shapes
 from canary_jax.runtime.endpoints import launch_group, split_sources
@@ -109,41 +112,58 @@ def plan_impl(state: CanaryState, batch: CanaryBatch, config: CanaryStepConfig) 
     return CanaryPlans(per_group=tuple(per_group), write_index_at_head=state.log.write_index)
 
 
-def _launch_phase(state, plans, batch, phase, config, num_tokens, real_kv_sources=None) -> CanaryState:
+def _launch_phase(state, plans, batch, phase, config, num_tokens, real_kv_sources=None, *, emit=False):
+    """``(state, chain hints)`` after one phase's launches of every group. Each group's write launches share
+    one chain scope (:mod:`canary_jax.ops.chain_hints`) when ``emit`` or ``plans`` carries hints (HEAD's, for
+    TAIL); the hints are then the scopes' (None per group without one), else None."""
     log = state.log
     groups = []
     loc = shapes.mask_unowned(batch.out_cache_loc, num_tokens)
     pairs = real_kv_sources if real_kv_sources is not None else (None,) * len(state.groups)
-    for g, (vp, wp), pair in zip(state.groups, plans.per_group, pairs):
-        g, log = launch_group(
-            g,
-            phase,
-            verify_plan=vp,
-            violation_log=log,
-            enable_v_half=config.enable_v_half,
-            real_kv_sources=pair,
-            write_plan=wp,
-            input_ids=batch.input_ids,
-            positions=batch.positions,
-            out_cache_loc=loc,
-            enable_write_input_assert=config.enable_write_input_assert,
-            enable_verify_token_assert=config.enable_verify_token_assert,
-            expected_inputs=batch.expected_inputs if config.enable_write_input_assert else None,
-            real_kv_hash_mode=config.real_kv_hash_mode,
-            backend=config.backend,
-        )
+    scoped = emit or plans.chain_hints is not None
+    hints_in = plans.chain_hints if plans.chain_hints is not None else (None,) * len(state.groups)
+    hints = []
+    for g, (vp, wp), pair, hint in zip(state.groups, plans.per_group, pairs, hints_in):
+        with chain_hints.chain_scope(hint) if scoped else contextlib.nullcontext() as scope:
+            g, log = _launch_group(g, phase, vp, wp, log, pair, batch, loc, config)
+        hints.append(None if scope is None else scope.hint)
         groups.append(g)
-    return state.replace(groups=tuple(groups), log=log)
+    hints = tuple(hints) if scoped and any(h is not None for h in hints) else None
+    return state.replace(groups=tuple(groups), log=log), hints
 
 
-def head_impl(state, batch, plans, num_tokens, config):
+def _launch_group(g, phase, vp, wp, log, pair, batch, loc, config):
+    return launch_group(
+        g,
+        phase,
+        verify_plan=vp,
+        violation_log=log,
+        enable_v_half=config.enable_v_half,
+        real_kv_sources=pair,
+        write_plan=wp,
+        input_ids=batch.input_ids,
+        positions=batch.positions,
+        out_cache_loc=loc,
+        enable_write_input_assert=config.enable_write_input_assert,
+        enable_verify_token_assert=config.enable_verify_token_assert,
+        expected_inputs=batch.expected_inputs if config.enable_write_input_assert else None,
+        real_kv_hash_mode=config.real_kv_hash_mode,
+        backend=config.backend,
+    )
+
+
+def head_impl(state, batch, plans, num_tokens, config, reuse_chains=False):
+    """HEAD; with ``reuse_chains`` the plans it returns carry its write chains for TAIL (the step API's HEAD;
+    a caller that lays plans out itself, as the sharded HEAD, keeps them as :func:`plan_impl` makes them)."""
     if plans is None:
         plans = plan_impl(state, batch, config)
-    return _launch_phase(state, plans, batch, "head", config, num_tokens), plans
+    plans = dataclasses.replace(plans, chain_hints=None)
+    state, hints = _launch_phase(state, plans, batch, "head", config, num_tokens, emit=reuse_chains)
+    return state, dataclasses.replace(plans, chain_hints=hints)
 
 
 def tail_impl(state, plans, batch, real_kv_sources, num_tokens, config):
-    state = _launch_phase(state, plans, batch, "tail", config, num_tokens, real_kv_sources)
+    state, _ = _launch_phase(state, plans, batch, "tail", config, num_tokens, real_kv_sources)
     total = state.log.write_index[0]
     summary = StepSummary(
         verify_enable=jnp.concatenate([vp.enable for vp, _ in plans.per_group]),
@@ -155,7 +175,7 @@ def tail_impl(state, plans, batch, real_kv_sources, num_tokens, config):
 
 
 def step_impl(state, batch, kv_write_fn, kv_state, num_tokens, config):
-    state, plans = head_impl(state, batch, None, num_tokens, config)
+    state, plans = head_impl(state, batch, None, num_tokens, config, reuse_chains=True)
     kv_state, srcs = validation.check_kv_write_result(kv_write_fn(kv_state, batch))
     srcs = check_sources(srcs, state, config, "kv_write_fn's result")
     validation.warn_unhashed_sources(srcs, config.real_kv_hash_mode, who="canary_step")
@@ -187,7 +207,7 @@ def plan_jit(shell, batch, *, config):
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnums=(0,))
 def head_jit(bufs, shell, batch, plans, num_tokens, *, config):
-    return head_impl(join(bufs, shell), batch, plans, num_tokens, config)
+    return head_impl(join(bufs, shell), batch, plans, num_tokens, config, reuse_chains=True)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "slots_checked"), donate_argnums=(0,))

@@ -292,13 +292,19 @@ class CanaryPlans:
     Fields:
       per_group: tuple with one ``(VerifyPlan, WritePlan)`` per state group, in group order.
       write_index_at_head: ``int32[1]``: the ring's write index before the HEAD launches.
+      chain_hints: None, or (after the step API's HEAD on a backend that reuses chains) one
+        :class:`~canary_jax.ops.chain_hints.ChainHint` or None per group: HEAD's write chains, which TAIL's
+        writes reuse where their buffer gives the same chain start (the same bytes, the serial work once).
     """
 
     per_group: tuple
     write_index_at_head: jax.Array
+    chain_hints: tuple | None = None
 
 
-jax.tree_util.register_dataclass(CanaryPlans, data_fields=["per_group", "write_index_at_head"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    CanaryPlans, data_fields=["per_group", "write_index_at_head", "chain_hints"], meta_fields=[]
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

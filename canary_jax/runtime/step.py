@@ -186,7 +186,7 @@ def canary_head(
     if plans is not None:
         _check_plans(plans, state)
     if traced:
-        return phases.head_impl(state, prep.launch, plans, None, config)
+        return phases.head_impl(state, prep.launch, plans, None, config, reuse_chains=True)
     bufs, shell = phases.split(state)
     return phases.head_jit(bufs, shell, prep.launch, plans, prep.num_tokens, config=config)
 
