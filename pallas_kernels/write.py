@@ -101,6 +101,11 @@ def _write_pallas(
         # A small launch (a decode step): every pass in one program, one kernel (pallas_kernels.write_fused).
         words, new_log = write_fused(pro, plan, flat, assert_inputs=assert_inputs, interpret=interpret, config=config)
         return context.replace(canary_buf=layout.canary_bytes(words), log=new_log), None
+    # A step's chain reuse (canary_jax.ops.chain_hints) pays only for long requests' chains: only a launch with the
+    # long role makes or takes a hint (a decode launch's one-step chains cost less than carrying one).
+    reuse = "none"
+    if long_programs:
+        reuse = "consume" if chain_hint is not None else "emit" if emit_chain else "none"
     chain_params = pltriton.CompilerParams(num_warps=config.write_num_warps, num_stages=1)
     params = pltriton.CompilerParams(num_warps=4, num_stages=1)
     # statics of both chain kernels (lanes and long requests)
@@ -118,11 +123,10 @@ def _write_pallas(
         **flat,
         **{f"source{k}": s for k, s in enumerate(pro.srcs)},
         words=words,
-        flags=jnp.zeros((num_tokens,), u32) if chain_hint is None else chain_hint.flags,
+        flags=jnp.zeros((num_tokens,), u32) if reuse != "consume" else chain_hint.flags,
     )
-    reuse = "consume" if chain_hint is not None else "emit" if emit_chain else "none"
-    if chain_hint is not None:  # the outputs start from the hint's chains (requests that match keep them)
-        args.update(prev_at=chain_hint.prev_at, chain_exp=chain_hint.chain_exp, hint_state=chain_hint.req_state)
+    if reuse == "consume":  # the outputs start from the hint's chains (long requests that match keep them)
+        args.update(prev_at=chain_hint.prev_at, chain_exp=chain_hint.chain_exp)
     out_shape = dict(
         words=sds(words.shape, u32),
         flags=sds((num_tokens,), u32),
@@ -179,7 +183,7 @@ def _write_pallas(
             prev_at=prev_at,
             chain_exp=chain_exp,
         )
-        if chain_hint is not None:
+        if reuse == "consume":
             args["hint_state"] = chain_hint.req_state
         words, flags, prev_at, chain_exp = calls.call(
             functools.partial(
@@ -190,7 +194,7 @@ def _write_pallas(
                 chunk=k,
                 threshold=long_threshold,
                 scan_block=long_scan_block,
-                consume=chain_hint is not None,
+                consume=reuse == "consume",
                 **chains,
             ),
             args,
@@ -207,7 +211,7 @@ def _write_pallas(
     prev_at, chain_exp = prev_at.reshape(num_tokens, 2), chain_exp.reshape(num_tokens, 2)
 
     # 2. claim[slot] = max(claim, entry + 1) over written entries: the last writer of a slot owns it.
-    words = claim_slots(words, out_cache_loc, flags, num_tokens=num_tokens, zero_first=chain_hint is not None)
+    words = claim_slots(words, out_cache_loc, flags, num_tokens=num_tokens)
 
     # 3. Winners and per-block counts.
     args = dict(

@@ -43,17 +43,14 @@ def _chain_role(
     assert_inputs,
     long_threshold,
     state_ref=None,
-    hint_ref=None,
 ):
     """Serial chains, one request per lane: flags, running prev_hash and chain-position expectations.
 
     Refs as in :func:`write_chain_kernel`: ``in_refs`` its inputs but ``write_index`` (num_reqs, assert_flag,
     offsets, seeds, ids, pos, loc, exp_tok, exp_pos), ``out_refs`` words, flags, prev_at and chain_exp. With
     ``long_threshold`` (the long role is on), requests of more entries are left to
-    :func:`pallas_kernels.write_long.write_long_kernel`. ``state_ref`` (``u32[Cw, 5]``, a hint being made) gets
-    every live request's chain start; with ``hint_ref`` (the same, from an earlier launch of the step, see
-    :mod:`canary_jax.ops.chain_hints`) a request whose chain start equals the hint's runs no step: its entries
-    keep the hint's flags and chain words, which the outputs start from."""
+    :func:`pallas_kernels.write_long.write_long_kernel`. ``state_ref`` (``u32[Cw, 5]``, a hint being made, see
+    :mod:`canary_jax.ops.chain_hints`) gets every live request's chain start."""
     num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, ids_ref, pos_ref, loc_ref, exp_tok_ref, exp_pos_ref = in_refs
     words_ref, flags_ref, prev_at_ref, chain_exp_ref = out_refs
     nv = jnp.clip(num_reqs_ref[0], 0, cw)
@@ -79,7 +76,7 @@ def _chain_role(
         )
         gate = (~seed_neg) & gate_on
         run_pos0 = pairs.where(gate, seed_pos, pairs.const(0, (lanes,)))
-        count = chain_start(state_ref, hint_ref, r, live_r, running0, run_pos0, gate, count)
+        chain_start(state_ref, None, r, live_r, running0, run_pos0, gate, count)
 
         arrays = (loc_ref, ids_ref, pos_ref) + ((exp_tok_ref, exp_pos_ref) if assert_inputs else ())
 
@@ -236,12 +233,11 @@ def write_chain_kernel(
     program 0 also copies ``write_index`` to ``base_ref`` (the ring base of the commit pass).
 
     ``reuse``: ``none``; ``emit`` (a ``u32[Cw, 5]`` chain-start output comes last); ``consume`` (inputs
-    ``prev_at`` / ``chain_exp`` (aliased to the outputs) and the hint's ``u32[Cw, 5]`` chain starts follow
-    ``flags_in``)."""
+    ``prev_at`` / ``chain_exp``, aliased to the outputs, follow ``flags_in``: the hint's, which the long
+    requests that match keep; the lane chains are recomputed, they are short)."""
     src_refs = more_refs[: len(descs)]
     rest = more_refs[len(descs) :]
-    n_in = 5 if reuse == "consume" else 2
-    hint_ref = rest[n_in - 1] if reuse == "consume" else None
+    n_in = 4 if reuse == "consume" else 2
     words_ref, flags_ref, prev_at_ref, chain_exp_ref, base_ref, *extra = rest[n_in:]
     rkv_ref = extra[0] if descs else None
     state_ref = extra[-1] if reuse == "emit" else None
@@ -269,7 +265,6 @@ def write_chain_kernel(
             assert_inputs=assert_inputs,
             long_threshold=long_threshold,
             state_ref=state_ref,
-            hint_ref=hint_ref,
         )
 
     if descs:

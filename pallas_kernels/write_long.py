@@ -20,6 +20,9 @@ from pallas_kernels import refs
 from pallas_kernels.write_chain import chain_start
 from pallas_kernels.write_flags import CLAIM_WORD, LONG_SHIFT, WriteFlag
 
+ZERO_BLOCK = 1024
+"""Entries per step of the claim-word zeroing of a request whose chain came from a hint."""
+
 
 def write_long_kernel(
     num_reqs_ref,  # i32[1]
@@ -72,7 +75,8 @@ def write_long_kernel(
     chain bodies compile much faster apart.
 
     With ``consume`` (a chain hint, :mod:`canary_jax.ops.chain_hints`) a request whose chain start equals the
-    hint's runs no chunk: its entries keep the hint's flags and checkpoints, which the outputs start from.
+    hint's runs no chunk: its entries keep the hint's flags and checkpoints, which the outputs start from, and
+    only its claim words are zeroed, ``ZERO_BLOCK`` entries per step.
     """
     hint_ref = more_refs[4] if consume else None
     words_ref, flags_ref, prev_at_ref, chain_exp_ref = more_refs[len(more_refs) - 4 :]
@@ -111,8 +115,21 @@ def write_long_kernel(
         q1 = refs.cdiv(end_s, chunk)
         if hint_ref is not None:  # the hint's chain start: this request's chain is the hint's
             gates = jnp.broadcast_to(gate, (rows,))
-            ran = chain_start(None, hint_ref, rv, rv >= 0, running0, run_pos0, gates, one + 1)
-            q1 = jnp.where(jnp.max(ran) == 0, q0, q1)
+            same = jnp.max(chain_start(None, hint_ref, rv, rv >= 0, running0, run_pos0, gates, one + 1)) == 0
+            q1 = jnp.where(same, q0, q1)
+
+            def zero_claims(b, carry):
+                """Only the claim words of the request's written entries, ``ZERO_BLOCK`` entries at a time."""
+                i = start_s + b * ZERO_BLOCK + refs.iota(ZERO_BLOCK)
+                inside = i < end_s
+                loc = refs.load_pair_flat(loc_ref, i, inside)
+                ok = inside & pairs.in_range(loc, n_slots)
+                slot = jnp.where(ok, loc.lo, pairs.u32(0)).astype(jnp.int32)
+                refs.store_word(words_ref, slot, CLAIM_WORD, jnp.zeros((ZERO_BLOCK,), jnp.uint32), ok)
+                return carry
+
+            trips = jnp.where(same, refs.cdiv(jnp.maximum(end_s - start_s, 0), ZERO_BLOCK), 0)
+            jax.lax.fori_loop(0, trips, zero_claims, jnp.int32(0))
 
         def entry_part(q, first):
             """Flags and claim words of chunk ``q``, one entry per thread (``first``: the chunk's first entry

@@ -18,11 +18,8 @@ from pallas_kernels import refs
 from pallas_kernels.write_flags import CLAIM_WORD, INPUT_MISMATCH, LONG_SHIFT, WriteFlag, load_flagged
 
 
-def claim_slots(words, out_cache_loc, flags, *, num_tokens: int, zero_first: bool = False):
+def claim_slots(words, out_cache_loc, flags, *, num_tokens: int):
     """``claim[slot] = max(claim[slot], entry + 1)`` over written entries: one XLA scatter-max.
-
-    ``zero_first``: the claim words are zeroed here first (a scatter more) instead of by the chain kernels,
-    which skip the requests whose chains came from a hint (:mod:`canary_jax.ops.chain_hints`).
 
     After it, entry ``i`` owns its slot iff the claim word reads ``i + 1``: the last entry (request-major)
     writing a slot wins, as in the reference. XLA's scatter-max is exact with duplicate slots on every
@@ -32,8 +29,6 @@ def claim_slots(words, out_cache_loc, flags, *, num_tokens: int, zero_first: boo
     n_slots = words.shape[0]
     i = jnp.arange(num_tokens, dtype=jnp.int32)
     dest = jnp.where((flags & WriteFlag.WRITTEN) != 0, out_cache_loc[:, 0].astype(jnp.int32), n_slots)
-    if zero_first:
-        words = words.at[dest, CLAIM_WORD].set(jnp.uint32(0), mode="drop")
     return words.at[dest, CLAIM_WORD].max((i + 1).astype(jnp.uint32), mode="drop")
 
 

@@ -1,10 +1,11 @@
 """Chain reuse between the write launches of a step (``canary_jax.ops.chain_hints``, the Pallas write).
 
-The first write in a scope leaves its chains; a later one reuses them for every request whose chain start (running
-prev_hash after the seed record, run position, gate) is the hint's, and recomputes the others. Pinned three ways:
-bytes equal to the reference for a buffer equal to the first and for one whose seed records differ, on the lane
-and the long-request roles; a hint with altered chains shows through exactly where the chain start matches (so the
-reuse really skips the chain); and the step API's HEAD hands its hints to TAIL with the reference's bytes.
+The first write in a scope that runs the long-request role leaves its chains; a later one skips the long chain of
+every request whose chain start (running prev_hash after the seed record, run position, gate) is the hint's, and
+recomputes the others (lane-role launches, a decode step's, neither make nor take a hint). Pinned three ways:
+bytes equal to the reference for a buffer equal to the first and for one whose seed records differ; a hint with
+altered chains shows through exactly where the chain start matches (so the reuse really skips the chain); and the
+step API's HEAD hands its hints to TAIL with the reference's bytes.
 """
 
 from __future__ import annotations
@@ -57,14 +58,22 @@ def _same(test, got, want):
 
 
 class ChainHintTest(absltest.TestCase):
+    def test_a_lane_role_launch_leaves_no_hint(self):
+        rng = np.random.default_rng(2)
+        ctx, plan, ids, pos, loc = _launch(rng, [1, 3, 2, 1])
+        with chain_hints.chain_scope() as scope:
+            got = write_pallas(ctx, plan, ids, pos, loc)
+            self.assertIsNone(scope.hint)
+        _same(self, got, reference.write_reference(ctx, plan, ids, pos, loc))
+
     def test_second_write_reuses_and_recomputes_where_seeds_differ(self):
-        for config, counts in ((PallasConfig(), [1, 3, 2, 1]), (LONG, [9, 2, 11])):
+        for config, counts in ((LONG, [9, 2, 11]), (LONG, [3, 8, 4, 5])):
             rng = np.random.default_rng(len(counts))
             ctx, plan, ids, pos, loc = _launch(rng, counts)
             other = np.asarray(ctx.canary_buf).copy()
             other[2].view("<i8")[2] ^= 0x55  # request 1's seed record differs in the second buffer: recomputed
             ctx2 = ctx.replace(canary_buf=jnp.asarray(other), kernel_kind=canary_jax.CanaryLaunchTag.TAIL_K_FULL)
-            with self.subTest(long=config is LONG), chain_hints.chain_scope() as scope:
+            with self.subTest(counts=counts), chain_hints.chain_scope() as scope:
                 first = write_pallas(ctx, plan, ids, pos, loc, config=config)
                 self.assertIsNotNone(scope.hint)
                 made = scope.hint
@@ -74,35 +83,40 @@ class ChainHintTest(absltest.TestCase):
             _same(self, second, reference.write_reference(ctx2, plan, ids, pos, loc))
 
     def test_a_matching_chain_start_takes_the_hints_chains(self):
-        # Alter the hint's prev_hash words: a request whose chain start matches stores them (no chain ran), the
-        # request whose chain start is made to differ stores its own.
+        # Alter the hint's prev_hash words: every entry of a request whose chain start matches stores a prev_hash
+        # from them (its checkpoints, and the replays from them), the request whose chain start is made to
+        # differ stores its own.
         rng = np.random.default_rng(4)
-        counts = [2, 1, 3]
+        counts = [5, 4, 6]
         ctx, plan, ids, pos, loc = _launch(rng, counts)
         with chain_hints.chain_scope() as scope:
-            write_pallas(ctx, plan, ids, pos, loc)
+            write_pallas(ctx, plan, ids, pos, loc, config=LONG)
         hint = scope.hint
         state = np.asarray(hint.req_state).copy()
         state[2, 0] ^= 1  # request 2's recorded chain start no longer matches
         bad = dataclasses.replace(hint, prev_at=hint.prev_at ^ jnp.uint32(0x1000), req_state=jnp.asarray(state))
         with chain_hints.chain_scope(bad):
-            got = np.asarray(write_pallas(ctx, plan, ids, pos, loc).canary_buf)
+            got = np.asarray(write_pallas(ctx, plan, ids, pos, loc, config=LONG).canary_buf)
         want = np.asarray(reference.write_reference(ctx, plan, ids, pos, loc).canary_buf)
         slots = np.asarray(loc)[:, 0]
         starts = np.concatenate([[0], np.cumsum(counts)])
         for r in range(len(counts)):
             for e in range(starts[r], starts[r + 1]):
-                prev_got, prev_want = got[slots[e]].view("<u4")[4], want[slots[e]].view("<u4")[4]
-                self.assertEqual(prev_got, prev_want ^ 0x1000 if r < 2 else prev_want, (r, e))
+                prev_got, prev_want = got[slots[e]].view("<u8")[2], want[slots[e]].view("<u8")[2]
+                if r < 2:
+                    self.assertNotEqual(prev_got, prev_want, (r, e))
+                else:
+                    self.assertEqual(prev_got, prev_want, (r, e))
+                np.testing.assert_array_equal(got[slots[e]][:16], want[slots[e]][:16])  # token, position
 
     def test_a_hint_of_other_shapes_is_not_used(self):
         rng = np.random.default_rng(5)
-        ctx, plan, ids, pos, loc = _launch(rng, [2, 2])
-        ctx_b, plan_b, ids_b, pos_b, loc_b = _launch(rng, [1, 1, 1])
+        ctx, plan, ids, pos, loc = _launch(rng, [4, 4])
+        ctx_b, plan_b, ids_b, pos_b, loc_b = _launch(rng, [3, 3, 3])
         with chain_hints.chain_scope() as scope:
-            write_pallas(ctx, plan, ids, pos, loc)
-            got = write_pallas(ctx_b, plan_b, ids_b, pos_b, loc_b)
-            self.assertEqual(scope.hint.flags.shape, (4,))
+            write_pallas(ctx, plan, ids, pos, loc, config=LONG)
+            got = write_pallas(ctx_b, plan_b, ids_b, pos_b, loc_b, config=LONG)
+            self.assertEqual(scope.hint.flags.shape, (8,))
         _same(self, got, reference.write_reference(ctx_b, plan_b, ids_b, pos_b, loc_b))
 
     def test_outside_a_scope_nothing_is_left(self):
@@ -114,7 +128,7 @@ class ChainHintTest(absltest.TestCase):
 
 
 def _batch(prefix, slots, held):
-    r2t = np.zeros((2, 64), np.int32)
+    r2t = np.zeros((2, 256), np.int32)
     r2t[1, : len(held)] = held
     n = len(slots)
     return CanaryBatch(
@@ -130,19 +144,20 @@ def _batch(prefix, slots, held):
 
 class StepReuseTest(absltest.TestCase):
     def run_steps(self, backend):
-        cfg = CanaryStepConfig(verify_capacity=16, write_req_capacity=1, backend=backend, enable_v_half=True)
-        group = CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=64, has_v_half=True)
+        cfg = CanaryStepConfig(verify_capacity=256, write_req_capacity=1, backend=backend, enable_v_half=True)
+        group = CanaryBufferGroup.allocate(kind=PoolKind.FULL, num_slots=256, has_v_half=True)
         state = CanaryState.create((group,), ring_capacity=8)
-        slots = list(range(10, 17))
+        slots = list(range(10, 160))
         hints = []
-        for prefix, n in ((0, 5), (5, 1), (6, 1)):
+        # Two prefill chunks of 70 tokens (the long-request role: hints) and a decode step (none).
+        for prefix, n in ((0, 70), (70, 70), (140, 1)):
             batch = _batch(prefix, slots[prefix : prefix + n], slots[: prefix + n])
             state, plans = canary_head(state, batch, config=cfg)
             hints.append(plans.chain_hints)
-            if prefix == 5:  # between HEAD and TAIL, TAIL-K's record of the seed slot changes: TAIL-K recomputes
+            if prefix == 70:  # between HEAD and TAIL, TAIL-K's record of the seed slot changes: TAIL-K recomputes
                 g = state.groups[0]
                 k_tail = np.asarray(g.k_tail).copy()
-                k_tail[14].view("<i8")[2] ^= 0x77
+                k_tail[slots[69]].view("<i8")[2] ^= 0x77
                 state = state.replace(groups=(g.with_buffers(k_tail=jnp.asarray(k_tail)),))
             state, _ = canary_tail(state, plans, batch, config=cfg)
         return state, hints
@@ -150,7 +165,8 @@ class StepReuseTest(absltest.TestCase):
     def test_head_hands_its_chains_to_tail_with_the_references_bytes(self):
         got, hints = self.run_steps("pallas")
         want, ref_hints = self.run_steps("reference")
-        self.assertTrue(all(h is not None and h[0] is not None for h in hints))
+        self.assertTrue(all(h is not None and h[0] is not None for h in hints[:2]))
+        self.assertIsNone(hints[2])  # a decode step's writes carry none
         self.assertTrue(all(h is None for h in ref_hints))  # the reference computes every chain
         for name in ("k_head", "k_tail", "v_head", "v_tail"):
             a, b = getattr(got.groups[0], name), getattr(want.groups[0], name)
