@@ -1,5 +1,6 @@
 """Chain reuse between the write launches of one step: HEAD-K computes the serial chains, HEAD-V, TAIL-K and
-TAIL-V reuse them where their own canary buffer gives the same chain start.
+TAIL-V reuse them where their own canary buffer gives the same chain start (the Pallas write does so for the
+long-request role, a prefill's chains; a decode launch's one-step chains cost less than carrying a hint).
 
 Every write launch of a step writes the same tokens (same plan, ``input_ids``, ``positions``, ``out_cache_loc``)
 into a different canary buffer (``k_head``, ``v_head``, ``k_tail``, ``v_tail``). Its serial chain, the costly
