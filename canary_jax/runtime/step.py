@@ -206,7 +206,8 @@ def canary_tail(
 
     Args:
       state: the state returned by :func:`canary_head` (eagerly, its canary buffers are donated).
-      plans: the plans returned by :func:`canary_head`.
+      plans: the plans returned by :func:`canary_head` (with HEAD's long write chains, which TAIL reuses where
+        its buffers agree: valid for this batch only).
       batch: the same batch.
       config: static :class:`CanaryStepConfig`.
       real_kv_sources: one ``(sources_k, sources_v)`` pair per group: tuples of
