@@ -69,6 +69,9 @@ class PallasConfig:
         run one iteration ahead); 0 = no loop, fully unrolled straight-line code (compile time grows steeply
         with the bytes hashed).
       multiplier: ``auto`` (``asm`` compiled, ``portable`` in interpret mode), ``portable`` or ``asm``.
+      plan_block: verify entries per block of the plan kernel (:mod:`pallas_kernels.plan`; power of 2).
+      plan_num_warps: warps per plan program (power of 2).
+      plan_max_programs: cap on the plan grid; programs loop over blocks of the plan's capacity.
     """
 
     verify_block: int = 256
@@ -92,6 +95,9 @@ class PallasConfig:
     source_tile_words: int = 32
     write_source_tile_words: int = 16
     multiplier: str = "auto"
+    plan_block: int = 256
+    plan_num_warps: int = 4
+    plan_max_programs: int = 1024
 
     def __post_init__(self):
         for name in (
@@ -107,6 +113,8 @@ class PallasConfig:
             "write_long_chunk",
             "write_source_tile_words",
             "write_fused_num_warps",
+            "plan_block",
+            "plan_num_warps",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not _pow2(v):
@@ -119,7 +127,7 @@ class PallasConfig:
         for name in ("source_tile_words", "write_source_tile_words"):
             if getattr(self, name) < 2:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be at least 2, got {getattr(self, name)!r}")
-        for name in ("verify_max_programs", "write_max_programs", "write_long_threshold"):
+        for name in ("verify_max_programs", "write_max_programs", "write_long_threshold", "plan_max_programs"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a positive int, got {v!r}")

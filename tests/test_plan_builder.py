@@ -11,6 +11,7 @@ import numpy as np
 from absl.testing import absltest
 
 from canary_jax.contract import ints
+from canary_jax.ops import plan_launch
 from canary_jax.planning.plan_builder import build_plans, scatter_req_token_ids, swa_translate
 from canary_jax.planning.plans import VerifyPlan, WritePlan
 from helpers import plan_oracle
@@ -38,6 +39,13 @@ def plan_arrays(vp: VerifyPlan, wp: WritePlan) -> dict:
 
 
 class PlanTestBase(absltest.TestCase):
+    backend = None  # None: the jnp builder; a name: canary_jax.ops.plan_launch on it (tests/test_pallas_plan.py)
+
+    def build(self, **kw):
+        if self.backend is None:
+            return build_plans(**kw)
+        return plan_launch.build_plans(**kw, backend=self.backend)
+
     def assert_matches_oracle(self, got: dict, want: plan_oracle.PlanResult, bs: int, msg: str = "") -> None:
         self.assertEqual(got["num_valid"], want.num_valid, msg)
         self.assertEqual(got["enable"], want.enable, msg)
@@ -82,7 +90,7 @@ class PlanTestBase(absltest.TestCase):
             ),
             kv_token_id_vs_position_offset=kw.get("k", 0),
         )
-        got = plan_arrays(*build_plans(**jkw))
+        got = plan_arrays(*self.build(**jkw))
         want = plan_oracle.plan_oracle(
             req_pool_indices=kw["rpi"],
             prefix_lens=kw["prefix"],
@@ -423,21 +431,21 @@ class PlanJitAndX64Test(PlanTestBase):
             traces.append(1)
             kw = self.inputs()
             kw.update(req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend, req_to_token=r2t)
-            return build_plans(**kw)
+            return self.build(**kw)
 
         kw = self.inputs()
         args = (kw["req_pool_indices"], kw["prefix_lens"], kw["extend_seq_lens"], kw["req_to_token"])
         a = plan_arrays(*step(*args))
         b = plan_arrays(*step(args[0], args[1] + 1, args[2], args[3]))
         self.assertLen(traces, 1)
-        eager = plan_arrays(*build_plans(**kw))
+        eager = plan_arrays(*self.build(**kw))
         for key in a:
             np.testing.assert_array_equal(a[key], eager[key], key)
         self.assertEqual(b["num_valid"], 6)  # window 3: min(5, 3) + min(3, 3)
 
     def test_x64_on_is_byte_identical(self):
         kw = self.inputs()
-        off = jax.tree_util.tree_map(np.asarray, build_plans(**kw))
+        off = jax.tree_util.tree_map(np.asarray, self.build(**kw))
         with jax.enable_x64(True):
             kw64 = dict(kw)
             for name in (
@@ -449,19 +457,19 @@ class PlanJitAndX64Test(PlanTestBase):
                 kw64[name] = jnp.asarray(np.asarray(kw[name]), jnp.int64)
             kw64["full_to_swa_index_mapping"] = jnp.asarray(np.asarray(kw["full_to_swa_index_mapping"]), jnp.int64)
             self.assertEqual(kw64["prefix_lens"].dtype, jnp.int64)
-            on = jax.tree_util.tree_map(np.asarray, build_plans(**kw64))
+            on = jax.tree_util.tree_map(np.asarray, self.build(**kw64))
         for x, y in zip(jax.tree_util.tree_leaves(off), jax.tree_util.tree_leaves(on)):
             self.assertEqual(x.dtype, y.dtype)
             np.testing.assert_array_equal(x, y)
 
     def test_int_forms_agree(self):
         kw = self.inputs()
-        base = plan_arrays(*build_plans(**kw))
+        base = plan_arrays(*self.build(**kw))
         kw2 = dict(kw)
         kw2["prefix_lens"] = ints.int64_to_pairs_np(np.asarray(kw["prefix_lens"]))
         kw2["req_pool_indices"] = np.asarray(kw["req_pool_indices"], np.int64)
         kw2["full_to_swa_index_mapping"] = np.asarray(kw["full_to_swa_index_mapping"], np.int64)
-        other = plan_arrays(*build_plans(**kw2))
+        other = plan_arrays(*self.build(**kw2))
         for key in base:
             np.testing.assert_array_equal(base[key], other[key], key)
 

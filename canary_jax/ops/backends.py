@@ -54,6 +54,10 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
 """Each ``(backend, op)``'s implementation by name, ``"module:function"``, imported on first use by
 :func:`implementation` (so this module imports neither the references nor the kernels)."""
 
+PLAN_KERNELS: dict[str, str] = {"pallas": "pallas_kernels.plan:build_plans_pallas"}
+"""The plan build's kernel per backend (:func:`plan_kernel`). A backend without one (``reference``, and
+``pallas_tpu``: no TPU plan kernel yet) builds plans with the jnp builder, the same bytes in more launches."""
+
 REFERENCE_FALLBACKS: frozenset[tuple[str, str]] = frozenset(
     key for key, name in IMPLEMENTATIONS.items() if key[0] != "reference" and name.startswith("canary_jax.ops.")
 )
@@ -161,6 +165,23 @@ def implementation(op: str, backend: str, *, platform: str | None = None) -> Cal
     if backend == "reference" or (backend, op) in REFERENCE_FALLBACKS:
         return _resolve(IMPLEMENTATIONS[backend, op])
     return _pallas(backend, op, None if platform is None else default_interpret_for(backend, platform))
+
+
+def plan_kernel(backend: str | None = None, *, platform: str | None = None) -> Callable | None:
+    """The plan-build kernel of ``backend`` (resolved as :func:`resolve_backend`), or None where it has none.
+
+    The kernel takes the jnp builder's checked arguments and returns the plans, or None for a launch it does not
+    support (:func:`pallas_kernels.plan.build_plans_pallas`). ``platform``: where the batch lives (None: JAX's
+    default backend); it decides interpret mode as for :func:`implementation`.
+
+    Raises:
+      ValueError: an unknown backend name.
+    """
+    backend = resolve_backend(backend, platform=platform)
+    name = PLAN_KERNELS.get(backend)
+    if name is None:
+        return None
+    return functools.partial(_resolve(name), interpret=default_interpret_for(backend, platform))
 
 
 @functools.cache

@@ -58,12 +58,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from canary_jax.contract import ints, pairs, validation
+from canary_jax.contract import pairs
 from canary_jax.planning.expected_tokens import scatter_req_token_ids  # re-exported: its historical home
+from canary_jax.planning.plan_inputs import check_plan_inputs
 from canary_jax.planning.plans import VerifyPlan, WritePlan
-from canary_jax.planning.slot_reads import _check_2d_int32, _gather_2d, _swa_translate, _unchecked
+from canary_jax.planning.slot_reads import _gather_2d, _swa_translate
 from canary_jax.planning.slot_tables import (  # re-exported: plan_builder is the tables' historical home
     BlockTable,
     ExpectedTokenTable,
@@ -225,43 +225,6 @@ def _build_plans_impl(
     return verify, write
 
 
-def _resolve_table(req_to_token: Any, swa_window_size: int) -> tuple[SlotTable, bool]:
-    """The group's :class:`SlotTable` and whether its slots are already SWA-pool slots (LUT not applied)."""
-    if isinstance(req_to_token, GroupSlotTables):
-        table, translated = req_to_token.select(swa_window_size)
-        table.check()
-        return table, translated
-    if isinstance(req_to_token, SlotTable):
-        req_to_token.check()
-        return req_to_token, False
-    r2t = _check_2d_int32(req_to_token, "req_to_token")
-    if int(r2t.shape[1]) >= ints.INT32_MAX or int(r2t.shape[0]) >= ints.INT32_MAX:
-        raise ValueError(f"kv-canary: req_to_token shape {tuple(r2t.shape)} is too large")
-    return _unchecked(ReqToTokenTable, req_to_token=r2t), False
-
-
-def _capacity(plan_out: Any, cls: type, name: str, capacity: int | None) -> int:
-    """The capacity ``plan_out``'s shape fixes (after checking it is a ``cls``), else ``capacity`` checked
-    positive; ``name`` is the argument (``verify_capacity`` / ``write_req_capacity``) in the messages.
-
-    Raises:
-      TypeError: ``plan_out`` not a ``cls``; ValueError: neither given, or a non-positive capacity.
-    """
-    field = "verify_slot_indices" if cls is VerifyPlan else "write_seed_slot_indices"
-    out_name = "verify_plan_out" if cls is VerifyPlan else "write_plan_out"
-    if plan_out is not None:
-        if not isinstance(plan_out, cls):
-            raise TypeError(f"kv-canary: {out_name} must be a {cls.__name__}, got {type(plan_out).__name__}")
-        plan_out.check()
-        return int(getattr(plan_out, field).shape[0])
-    if capacity is None:
-        raise ValueError(f"kv-canary: build_plans needs {name} or {out_name}")
-    n = ints.check_int(int(capacity), name=f"{cls.__name__} {name}")
-    if n <= 0:
-        raise ValueError(f"kv-canary: {cls.__name__} {name} must be positive, got {capacity}")
-    return n
-
-
 def build_plans(
     *,
     req_pool_indices: Any,
@@ -320,78 +283,19 @@ def build_plans(
         mismatch, missing valid lens, ``bs > write_req_capacity``, non-positive capacities, wrong dtypes
         or shapes.
     """
-    w = int(swa_window_size)
-    if w < 0:
-        raise ValueError(f"kv-canary: swa_window_size must be non-negative, got {swa_window_size}")
-    if w > ints.INT32_MAX:
-        raise ValueError(f"kv-canary: swa_window_size must be < 2**31, got {swa_window_size}")
-    table, translated = _resolve_table(req_to_token, w)
-
-    # Capacities. Without ``*_plan_out`` the plans are fresh (``allocate()``'s zeros), which the builder writes as
-    # constants: nothing is allocated here and no old plan is read.
-    cap = _capacity(verify_plan_out, VerifyPlan, "verify_capacity", verify_capacity)
-    cw = _capacity(write_plan_out, WritePlan, "write_req_capacity", write_req_capacity)
-    if write_plan_out is not None and write_req_capacity is not None and int(write_req_capacity) != cw:
-        raise ValueError(
-            f"kv-canary: write_req_capacity={write_req_capacity} does not match "
-            f"write_plan_out.write_seed_slot_indices.shape[0]={cw}"
-        )
-    if cap >= ints.INT32_MAX:
-        raise ValueError(f"kv-canary: verify_capacity must be < 2**31 - 1, got {cap}")
-
-    # Per-request inputs.
-    rpi = ints.as_int64_pairs(req_pool_indices, name="req_pool_indices", shape=(None,))
-    bs = int(rpi.shape[0])
-    prefix = ints.as_int64_pairs(prefix_lens, name="prefix_lens", shape=(None,))
-    extend = ints.as_int64_pairs(extend_seq_lens, name="extend_seq_lens", shape=(None,))
-    for name, arr in (("prefix_lens", prefix), ("extend_seq_lens", extend)):
-        if arr.shape[0] != bs:
-            raise ValueError(f"kv-canary: {name} length must be {bs}, got {arr.shape[0]}")
-
-    lut = None
-    if full_to_swa_index_mapping is not None and not translated:
-        lut = ints.as_int64_pairs(full_to_swa_index_mapping, name="full_to_swa_index_mapping", shape=(None,))
-        if lut.shape[0] >= ints.INT32_MAX:
-            raise ValueError(f"kv-canary: full_to_swa_index_mapping length {lut.shape[0]} is too large")
-
-    pool = valid = None
-    if req_to_verify_expected_tokens is not None:
-        if isinstance(req_to_verify_expected_tokens, ExpectedTokenTable):
-            req_to_verify_expected_tokens.check()
-            pool = req_to_verify_expected_tokens
-        else:
-            pool = _check_2d_int32(req_to_verify_expected_tokens, "req_to_verify_expected_tokens")
-    validation.check_plan_launch(  # SGLang's launch checks, shared with the torch launcher (kernel path)
-        swa_window_size=w,
-        has_lut=lut is not None or translated,
-        lut_len=None if lut is None else int(lut.shape[0]),
-        verify_capacity=None if verify_capacity is None else int(verify_capacity),
-        plan_capacity=cap,
-        bs=bs,
-        write_req_capacity=cw,
-        has_pool=pool is not None,
-        has_valid_lens=req_to_verify_expected_tokens_valid_lens is not None,
+    checked = check_plan_inputs(
+        req_pool_indices=req_pool_indices,
+        prefix_lens=prefix_lens,
+        extend_seq_lens=extend_seq_lens,
+        req_to_token=req_to_token,
+        verify_capacity=verify_capacity,
+        write_req_capacity=write_req_capacity,
+        swa_window_size=swa_window_size,
+        full_to_swa_index_mapping=full_to_swa_index_mapping,
+        req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+        req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        verify_plan_out=verify_plan_out,
+        write_plan_out=write_plan_out,
     )
-    if pool is not None:
-        valid = ints.as_int64_pairs(
-            req_to_verify_expected_tokens_valid_lens, name="req_to_verify_expected_tokens_valid_lens", shape=(bs,)
-        )
-
-    k = int(kv_token_id_vs_position_offset)
-    if not ints.INT32_MIN <= k <= ints.INT32_MAX:
-        raise ValueError(f"kv-canary: kv_token_id_vs_position_offset must fit int32, got {k}")
-    return _build_plans_impl(
-        verify_plan_out,
-        write_plan_out,
-        rpi,
-        prefix,
-        extend,
-        table,
-        lut,
-        pool,
-        valid,
-        np.int32(w),
-        np.int32(k),
-        cap=cap,
-        cw=cw,
-    )
+    return _build_plans_impl(*checked[:-2], cap=checked.cap, cw=checked.cw)

@@ -21,7 +21,7 @@ import numpy as np
 
 from canary_jax.contract import constants, coverage, sources, validation
 from canary_jax.ops import chain_hints
-from canary_jax.planning.plan_builder import build_plans
+from canary_jax.ops.plan_launch import build_plans
 from canary_jax.runtime import prepare, shapes
 from canary_jax.runtime.endpoints import launch_group, split_sources
 from canary_jax.runtime.groups import PoolKind
@@ -107,6 +107,7 @@ def plan_impl(state: CanaryState, batch: CanaryBatch, config: CanaryStepConfig) 
                 batch.req_to_verify_expected_tokens_valid_lens if use_pool else None
             ),
             kv_token_id_vs_position_offset=g.kv_token_id_vs_position_offset,
+            backend=config.backend,
         )
         per_group.append((vp, wp))
     return CanaryPlans(per_group=tuple(per_group), write_index_at_head=state.log.write_index)

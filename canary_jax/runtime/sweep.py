@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from canary_jax.contract import ints
-from canary_jax.planning.plan_builder import build_plans
+from canary_jax.ops.plan_launch import build_plans
 from canary_jax.planning.plans import VerifyPlan
 from canary_jax.runtime import shapes
 from canary_jax.runtime.groups import PoolKind
