@@ -1,7 +1,8 @@
 """Pallas plan build, ``canary_plan``: SGLang's ``launch_canary_plan_kernels`` (SPEC 7) as one kernel launch.
 
-:func:`build_plans_pallas` is the ``pallas`` backend of :func:`canary_jax.planning.plan_builder.build_plans` for fresh
-plans (no ``*_plan_out``): the same ``(VerifyPlan, WritePlan)``, bit for bit, with ``jax_enable_x64`` off and on.
+:func:`build_plans_pallas` is the ``pallas`` backend of :func:`canary_jax.ops.plan_launch.build_plans`: the same
+``(VerifyPlan, WritePlan)`` as the jnp builder, bit for bit, with ``jax_enable_x64`` off and on, fresh or over old
+plans (``*_plan_out``, aliased: what SGLang leaves untouched keeps its bytes).
 The jnp builder needs about 15 XLA kernels (a scan, a search, gathers, pads, a select per field); this is one
 ``pallas_call`` over a persistent grid of ``PallasConfig.plan_max_programs`` programs:
 
@@ -12,8 +13,8 @@ The jnp builder needs about 15 XLA kernels (a scan, a search, gathers, pads, a s
 2. every program walks blocks of ``plan_block`` verify entries. Entry ``i < total`` (when the plan does not
    overflow) finds its row by a binary search of the cumsum, verifies position ``P - incl[r] + i`` and gathers
    its slot, its predecessor's slot (``-1`` at position 0) and, with the pool, its expected token; the SWA LUT
-   translates both slots. Every entry of the plan is stored, dead entries (and all of them on overflow) as 0,
-   the fresh plan's value;
+   translates both slots. A fresh plan stores every entry, dead ones (and all of them on overflow) as 0;
+   over an old plan only the live entries are stored;
 3. program 0 stores ``num_valid`` / ``enable``, the write offsets (exclusive cumsum of the live rows' extends,
    exact in 64 bits) and each row's seed slot.
 
@@ -40,6 +41,12 @@ from pallas_kernels.write_fused import barrier
 
 I32, U32 = jnp.int32, jnp.uint32
 FIELDS = ("slot", "token", "position", "prev")
+_VERIFY_FIELDS = (
+    "verify_slot_indices",
+    "verify_expected_tokens",
+    "verify_expected_positions",
+    "verify_prev_slot_indices",
+)
 
 MIN_LANES = 32
 """Fewest lanes of any vector in the kernel: a one-row launch (decode batch 1) would otherwise make Triton
@@ -66,7 +73,9 @@ def _store_pairs(ref, i: jax.Array, v: U64, mask: jax.Array) -> None:
     refs.store_run(ref, 2 * i, refs.from_columns([v.lo, v.hi]), jnp.broadcast_to(mask[:, None], (i.shape[0], 2)))
 
 
-def _plan_kernel(*all_refs, names, spec, pool_spec, lut_len, bs, cap, cw, max_seq_len, block, interpret):
+def _plan_kernel(
+    *all_refs, names, spec, pool_spec, lut_len, bs, cap, cw, max_seq_len, block, keep_entries, keep_seeds, interpret
+):
     r = dict(zip(names, all_refs))
     bsp = _pow2(bs)
     rows = refs.iota(bsp)
@@ -119,10 +128,13 @@ def _plan_kernel(*all_refs, names, spec, pool_spec, lut_len, bs, cap, cw, max_se
             want = ~pairs.is_negative(col) & pairs.lt(col, valid)
             t, t_ok = plan_tables.pool_token(pool_spec, r, row, row_rpi, col, live & want)
             tok = pairs.from_int32(jnp.where(want & t_ok, t, -1))
-        zero = pairs.const(0, i.shape)
-        in_cap = i < cap
-        for name, v in zip(FIELDS, (slot, tok, pos, prev)):
-            _store_pairs(r[name], i, pairs.where(live, v, zero), in_cap)
+        if keep_entries:  # the old plan's entries (aliased) stay where SGLang leaves them: only live ones move
+            for name, v in zip(FIELDS, (slot, tok, pos, prev)):
+                _store_pairs(r[name], i, v, live)
+        else:  # a fresh plan: every entry, the dead ones 0
+            zero = pairs.const(0, i.shape)
+            for name, v in zip(FIELDS, (slot, tok, pos, prev)):
+                _store_pairs(r[name], i, pairs.where(live, v, zero), i < cap)
 
     refs.for_each_block(refs.cdiv(cap, block), entries)
 
@@ -141,15 +153,20 @@ def _plan_kernel(*all_refs, names, spec, pool_spec, lut_len, bs, cap, cw, max_se
         seed = plan_tables.translate(r.get("lut"), lut_len, seed, in_bs)
         seed = pairs.where(is_pad | ~e_pos | ~p_pos, pairs.const(-1, rows.shape), seed)
         _store_pairs(r["seeds"], rows, seed, in_bs)
-        js = refs.iota(_pow2(cw))
-        _store_pairs(r["seeds"], js, pairs.const(0, js.shape), (js >= bs) & (js < cw))
+        if not keep_seeds:  # a fresh plan's seeds past bs are 0; an old plan's keep their bytes
+            js = refs.iota(_pow2(cw))
+            _store_pairs(r["seeds"], js, pairs.const(0, js.shape), (js >= bs) & (js < cw))
 
 
 @functools.partial(jax.jit, static_argnames=("cap", "cw", "interpret", "config"))
-def _plans(rpi, prefix, extend, table, lut, pool, valid, wk, *, cap, cw, interpret, config):
+def _plans(verify_out, write_out, rpi, prefix, extend, table, lut, pool, valid, wk, *, cap, cw, interpret, config):
     bs = int(rpi.shape[0])
     spec, table_ops = plan_tables.table_operands(table)
     args = {"rpi": rpi.reshape(-1), "prefix": prefix.reshape(-1), "extend": extend.reshape(-1), "wk": wk, **table_ops}
+    if verify_out is not None:  # outputs named as inputs alias them (calls.call)
+        args.update(zip(FIELDS, (getattr(verify_out, f).reshape(-1) for f in _VERIFY_FIELDS)))
+    if write_out is not None:
+        args["seeds"] = write_out.write_seed_slot_indices.reshape(-1)
     pool_spec = None
     if pool is not None:
         pool_spec, pool_ops = plan_tables.pool_operands(pool)
@@ -172,6 +189,8 @@ def _plans(rpi, prefix, extend, table, lut, pool, valid, wk, *, cap, cw, interpr
         cw=cw,
         max_seq_len=table.max_seq_len,
         block=max(config.plan_block, MIN_LANES),
+        keep_entries=verify_out is not None,
+        keep_seeds=write_out is not None,
         interpret=interpret,
     )
     grid = (max(1, min(-(-cap // max(config.plan_block, MIN_LANES)), config.plan_max_programs)),)
@@ -183,10 +202,7 @@ def _plans(rpi, prefix, extend, table, lut, pool, valid, wk, *, cap, cw, interpr
         )
     )
     verify = VerifyPlan(
-        verify_slot_indices=res["slot"].reshape(cap, 2),
-        verify_expected_tokens=res["token"].reshape(cap, 2),
-        verify_expected_positions=res["position"].reshape(cap, 2),
-        verify_prev_slot_indices=res["prev"].reshape(cap, 2),
+        **{f: res[name].reshape(cap, 2) for f, name in zip(_VERIFY_FIELDS, FIELDS)},
         verify_num_valid=res["meta"][:1],
         enable=res["meta"][1:],
     )
@@ -210,6 +226,8 @@ def supports(table, lut, pool, *, bs: int, cap: int) -> bool:
 
 
 def build_plans_pallas(
+    verify_out,
+    write_out,
     rpi,
     prefix,
     extend,
@@ -225,23 +243,27 @@ def build_plans_pallas(
     interpret: bool | None = None,
     config: PallasConfig | None = None,
 ):
-    """The fresh ``(VerifyPlan, WritePlan)`` of one group in one kernel launch, or None when not
-    :func:`supports`-ed.
+    """One group's ``(VerifyPlan, WritePlan)`` in one kernel launch, or None when not :func:`supports`-ed.
 
-    Args: as the builder's ``_build_plans_impl`` after its checks: ``rpi`` / ``prefix`` / ``extend`` / ``valid``
-    ``uint32[bs, 2]`` int64 pairs, ``table`` a checked slot table, ``lut`` ``uint32[L, 2]`` or None, ``pool`` an
-    int32 pool, an ``ExpectedTokenTable`` or None, the window and ``k`` as int32 scalars, ``cap`` / ``cw`` the
-    static capacities. ``interpret``: None decides from JAX's default backend (compiled on a GPU).
+    Args: the builder's :class:`~canary_jax.planning.plan_inputs.PlanInputs`, in order: ``verify_out`` /
+    ``write_out`` (old plans whose untouched regions survive, as SGLang's in-place outputs: entries past
+    ``num_valid`` and all of them on overflow, seeds past ``bs``; None = fresh plans, those regions 0), ``rpi`` /
+    ``prefix`` / ``extend`` / ``valid`` ``uint32[bs, 2]`` int64 pairs, ``table`` a checked slot table, ``lut``
+    ``uint32[L, 2]`` or None, ``pool`` an int32 pool, an ``ExpectedTokenTable`` or None, the window and ``k`` as
+    int32 scalars, ``cap`` / ``cw`` the static capacities. ``interpret``: None decides from JAX's default backend
+    (compiled on a GPU).
 
     Returns:
-      ``(VerifyPlan, WritePlan)`` equal to :func:`canary_jax.planning.plan_builder.build_plans` with fresh plans,
-      or None.
+      ``(VerifyPlan, WritePlan)`` equal to :func:`canary_jax.planning.plan_builder.build_plans`' bytes, or None.
     """
     if not supports(table, lut, pool, bs=int(rpi.shape[0]), cap=cap):
         return None
     interpret = default_interpret(None) if interpret is None else bool(interpret)
     wk = jnp.stack([jnp.asarray(swa_window_size, I32), jnp.asarray(kv_token_id_vs_position_offset, I32)])
+    config = config or DEFAULT_CONFIG
     return _plans(
+        verify_out,
+        write_out,
         rpi,
         prefix,
         extend,
@@ -253,5 +275,5 @@ def build_plans_pallas(
         cap=cap,
         cw=cw,
         interpret=interpret,
-        config=config or DEFAULT_CONFIG,
+        config=config,
     )

@@ -19,6 +19,7 @@ from canary_jax.ops import backends, plan_launch
 from canary_jax.planning import plan_inputs
 from canary_jax.planning.expected_tokens import ExpectedTokenTable
 from canary_jax.planning.plan_builder import build_plans
+from canary_jax.planning.plans import VerifyPlan, WritePlan
 from canary_jax.planning.slot_tables import BlockTable, GroupSlotTables, RaggedSlotTable, ReqToTokenTable, SlotTable
 from pallas_kernels import plan as plan_kernel
 from pallas_kernels.config import PallasConfig
@@ -124,12 +125,13 @@ class PlanKernelTablesTest(absltest.TestCase):
         )
         self.assertTrue(np.any(ints.pairs_to_int64_np(got[0]) != 0))
 
-    def test_many_programs_and_rows(self):
-        # 40 rows (a 6-step search over 64 lanes), blocks of 32 entries over 3 programs: every program loops.
+    def test_many_programs_and_rows_over_old_plans(self):
+        # 40 rows (a 6-step search over 64 lanes), blocks of 32 entries over 3 programs: every program loops. Fresh
+        # plans and old ones (whose untouched entries and seeds must survive), one capacity that overflows.
         rng = random.Random(5)
         r2t = jnp.asarray(np.array([[rng.randrange(1, 999) for _ in range(40)] for _ in range(50)], np.int32))
         cfg = PallasConfig(plan_block=32, plan_max_programs=3)
-        for cap in (100, 2000):
+        for cap, old in ((100, False), (2000, False), (2000, True)):
             kw = dict(
                 req_pool_indices=np.array([rng.randrange(1, 50) for _ in range(36)] + [0] * 4, np.int64),
                 prefix_lens=np.array([rng.randrange(0, 41) for _ in range(40)], np.int64),
@@ -138,28 +140,25 @@ class PlanKernelTablesTest(absltest.TestCase):
                 verify_capacity=cap,
                 write_req_capacity=64,
             )
+            if old:
+                ints_of = lambda n: [rng.randrange(-(2**62), 2**62) for _ in range(n)]  # noqa: E731
+                kw["verify_plan_out"] = VerifyPlan.from_entries(
+                    slots=ints_of(cap), positions=ints_of(cap), prev_slots=ints_of(cap), expected_tokens=ints_of(cap)
+                )
+                kw["write_plan_out"] = WritePlan.from_requests(counts=[1] * 64, seed_slots=ints_of(64))
+                del kw["verify_capacity"], kw["write_req_capacity"]
             want_v, want_w = build_plans(**kw)
-            want = _leaves((want_v, want_w))
-            table = plan_inputs._resolve_table(r2t, 0)[0]
-            pairs_of = lambda name, kw=kw: ints.as_int64_pairs(kw[name], name=name, shape=(None,))  # noqa: E731
-            got = plan_kernel.build_plans_pallas(
-                pairs_of("req_pool_indices"),
-                pairs_of("prefix_lens"),
-                pairs_of("extend_seq_lens"),
-                table,
-                None,
-                None,
-                None,
-                np.int32(0),
-                np.int32(0),
-                cap=cap,
-                cw=64,
-                interpret=True,
-                config=cfg,
-            )
-            for g, w in zip(_leaves(got), want):
+            inputs = plan_inputs.check_plan_inputs(**kw)
+            got = plan_kernel.build_plans_pallas(*inputs[:-2], cap=inputs.cap, cw=inputs.cw, config=cfg)
+            for g, w in zip(_leaves(got), _leaves((want_v, want_w))):
                 np.testing.assert_array_equal(g, w)
-            self.assertEqual(int(want_v.enable[0]), 1 if cap == 2000 else 0)  # one capacity overflows, one does not
+            self.assertEqual(int(want_v.enable[0]), 1 if cap == 2000 else 0)  # one capacity overflows
+            if old:  # the old plan's tail and seeds past the live rows are still there
+                n = int(want_v.verify_num_valid[0])
+                np.testing.assert_array_equal(
+                    ints.pairs_to_int64_np(got[0].verify_slot_indices)[n:],
+                    ints.pairs_to_int64_np(kw["verify_plan_out"].verify_slot_indices)[n:],
+                )
 
     def test_one_row(self):
         # A decode batch of 1 (the kernel's vectors are padded to MIN_LANES).

@@ -257,7 +257,7 @@ class PlanHandTest(PlanTestBase):
         # SGLang's plan_ref_overflow test: cap 4, prefix [5, 5] -> enable 0, num_valid 4.
         r2t = table({1: [1, 2, 3, 4, 5, 6], 2: [7, 8, 9, 10, 11, 12]})
         out = VerifyPlan.from_entries(slots=[9, 9, 9, 9], positions=[1, 2, 3, 4], prev_slots=[3, 3, 3, 3])
-        vp, wp = build_plans(
+        vp, wp = self.build(
             req_pool_indices=np.array([1, 2]),
             prefix_lens=np.array([5, 5]),
             extend_seq_lens=np.array([1, 1]),
@@ -291,7 +291,7 @@ class PlanHandTest(PlanTestBase):
         r2t = table({1: [4, 5]})
         out_v = VerifyPlan.from_entries(slots=[1, 2, 3], positions=[7, 7, 7], prev_slots=[8, 8, 8])
         out_w = WritePlan.from_requests(counts=[1, 1, 1], seed_slots=[33, 34, 35])
-        vp, wp = build_plans(
+        vp, wp = self.build(
             req_pool_indices=np.array([1]),
             prefix_lens=np.array([2]),
             extend_seq_lens=np.array([1]),

@@ -1,11 +1,11 @@
 """The plan build with a backend: SGLang's ``launch_canary_plan_kernels`` (SPEC 7) on the backend's plan kernel.
 
 :func:`build_plans` takes :func:`canary_jax.planning.plan_builder.build_plans`' arguments and ``backend``, checks
-them once (:func:`canary_jax.planning.plan_inputs.check_plan_inputs`), and builds fresh plans (no ``*_plan_out``)
-on the backend's plan kernel (:func:`canary_jax.ops.backends.plan_kernel`: ``pallas`` builds both plans in one
-launch, :mod:`pallas_kernels.plan`). The jnp builder runs everything else: the ``reference`` and ``pallas_tpu``
-backends, plans given as ``*_plan_out`` (whose untouched regions must survive), and launches the kernel does not
-take (a table of the caller's own, or sizes past its limits). Every path gives the same bytes.
+them once (:func:`canary_jax.planning.plan_inputs.check_plan_inputs`), and builds the plans on the backend's plan
+kernel (:func:`canary_jax.ops.backends.plan_kernel`: ``pallas`` builds both plans in one launch,
+:mod:`pallas_kernels.plan`). The jnp builder runs everything else: the ``reference`` and ``pallas_tpu`` backends
+and launches the kernel does not take (a table of the caller's own, or sizes past its limits). Every path gives the
+same bytes, also over old plans (``*_plan_out``: what SGLang leaves untouched keeps its bytes).
 """
 
 from __future__ import annotations
@@ -38,13 +38,10 @@ def build_plans(*, backend: str | None = None, **kwargs: Any) -> tuple[VerifyPla
       ValueError / TypeError: the jnp builder's (SGLang's messages), and an unknown backend name.
     """
     inputs = check_plan_inputs(**kwargs)
-    if inputs.verify_out is None and inputs.write_out is None:
-        leaves = jax.tree_util.tree_leaves(inputs.table)
-        kernel = backends.plan_kernel(backend, platform=backends.array_platform(leaves[0]) if leaves else None)
-        if kernel is not None:
-            plans = kernel(*inputs[2:-2], cap=inputs.cap, cw=inputs.cw)
-            if plans is not None:
-                return plans
-    else:
-        backends.resolve_backend(backend)  # an unknown name is refused on every path
+    leaves = jax.tree_util.tree_leaves(inputs.table)
+    kernel = backends.plan_kernel(backend, platform=backends.array_platform(leaves[0]) if leaves else None)
+    if kernel is not None:
+        plans = kernel(*inputs[:-2], cap=inputs.cap, cw=inputs.cw)
+        if plans is not None:
+            return plans
     return plan_builder._build_plans_impl(*inputs[:-2], cap=inputs.cap, cw=inputs.cw)
