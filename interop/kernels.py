@@ -14,8 +14,7 @@ import jax.numpy as jnp
 
 from canary_jax.contract import constants, sources, validation
 from canary_jax.contract.layout import ViolationLog
-from canary_jax.ops import backends
-from canary_jax.planning import plan_builder
+from canary_jax.ops import backends, plan_launch
 from canary_jax.planning.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
 
 
@@ -104,13 +103,18 @@ def write_body_factory(statics):
 
 
 def plan_body_factory(statics):
-    """statics = (swa_window_size, kv_token_id_vs_position_offset, has_lut, has_pool)."""
-    w, k, has_lut, has_pool = statics
+    """statics = (backend, platform, swa_window_size, kv_token_id_vs_position_offset, has_lut, has_pool): the plans
+    over the launcher's plan buffers, on ``backend``'s plan kernel (:func:`canary_jax.ops.plan_launch.build_plans`:
+    ``pallas`` is one launch, compiled where ``platform``, the torch device type, is a GPU, interpreted elsewhere;
+    ``reference`` is the jnp builder)."""
+    backend, platform, w, k, has_lut, has_pool = statics
 
     def body(v: dict) -> dict:
         vp = VerifyPlan(**{f: v[f"verify_plan_out.{f}"] for f in validation.VERIFY_PLAN_FIELDS})
         wp = WritePlan(**{f: v[f"write_plan_out.{f}"] for f in validation.WRITE_PLAN_FIELDS})
-        new_v, new_w = plan_builder.build_plans(
+        new_v, new_w = plan_launch.build_plans(
+            backend=backend,
+            platform=platform,
             req_pool_indices=v["req_pool_indices"],
             prefix_lens=v["prefix_lens"],
             extend_seq_lens=v["extend_seq_lens"],

@@ -57,11 +57,8 @@ def _check_canary_buf(buf: torch.Tensor) -> None:
 def _run(op: str, statics: Any, body_factory: Any, args: list, path: str | None) -> bool:
     """Runs a checked launch on the torch path ``path`` picks (:func:`interop.native.launch.resolve_path`);
     whether it ran on the native path (a CUDA graph can then capture it)."""
-    backend = statics[0] if op in ("verify", "write") else "pallas"  # the plan is one jnp program
+    backend = statics[0]
     if native.resolve_path(path, args[0].tensor.device, backend) == "native":
-        if op == "plan":
-            native.run_plan(statics, args)
-            return True
         # a default (not asked for) native path falls back to DLPack where it cannot build
         asked = path is not None or bool(os.environ.get(native.PATH_ENV))
         return native.run_native(op, statics, body_factory, args, fallback=None if asked else runner.run_in_place)

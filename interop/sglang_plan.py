@@ -1,8 +1,9 @@
 """SGLang's ``launch_canary_plan_kernels`` on torch tensors (SPEC 7): the plan launcher of :mod:`interop.sglang`,
 which re-exports it.
 
-One jnp program (canary-jax ``build_plans``) on the DLPack path, or :func:`interop.native.plan.launch_plan` on the
-native path (:func:`interop.sglang_launch._run`); the launch is not padded to buckets (its outputs' shapes are the
+One program around the Pallas plan kernel (:func:`canary_jax.ops.plan_launch.build_plans`, built by
+:func:`interop.kernels.plan_body_factory`): JAX runs it on the DLPack path, the native path runs its one
+``pallas_call`` as a Triton kernel (:func:`interop.sglang_launch._run`); the launch is not padded to buckets (its outputs' shapes are the
 caller's). Device-specific checks follow SGLang: CUDA tensors get the kernel path's ``bs <= 4096`` limit and
 messages, CPU tensors the reference's.
 """
@@ -123,5 +124,6 @@ def launch_canary_plan_kernels(
     args = [TensorArg(n, t) for n, t in ins.items()]
     args += [TensorArg(n, t, True) for n, t in {**vp, **wp}.items()]
     offset = _int(kv_token_id_vs_position_offset, "kv_token_id_vs_position_offset")
-    statics = (int(swa_window_size), offset, has_lut, has_pool)
+    platform = vp["verify_plan_out.verify_slot_indices"].device.type  # the plan kernel compiled on CUDA only
+    statics = ("pallas", platform, int(swa_window_size), offset, has_lut, has_pool)
     replay.GRAPHS.run(key, lambda: (_run("plan", statics, kernels.plan_body_factory, args, path), ()))

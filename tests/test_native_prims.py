@@ -474,8 +474,7 @@ def test_launch_bodies_byte_identical_to_xla(launches, x64):
     donated = [0] * len(WAYS)
     with jax.enable_x64(x64):
         for op, statics, factory, vals in launches:
-            if op != "plan":
-                statics = ("reference", "cpu", *statics[2:])
+            statics = ("reference", "cpu", *statics[2:])  # the plan's jnp builder too
             evs = _run_launch(op, statics, factory, vals)
             covered.update(evs["rules"].counts)
             donated = [d + ev.donated for d, ev in zip(donated, evs.values())]

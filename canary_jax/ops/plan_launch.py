@@ -22,13 +22,17 @@ from canary_jax.planning.plans import VerifyPlan, WritePlan
 __all__ = ["build_plans"]
 
 
-def build_plans(*, backend: str | None = None, **kwargs: Any) -> tuple[VerifyPlan, WritePlan]:
+def build_plans(
+    *, backend: str | None = None, platform: str | None = None, **kwargs: Any
+) -> tuple[VerifyPlan, WritePlan]:
     """One group's ``(VerifyPlan, WritePlan)`` on ``backend``'s plan kernel where it has one.
 
     Args:
       backend: a name of :data:`canary_jax.ops.backends.BACKENDS`, or None for
-        :func:`canary_jax.ops.backends.resolve_backend`'s default (``pallas`` on a GPU). Interpret mode follows
-        where the slot table lives (compiled on a GPU).
+        :func:`canary_jax.ops.backends.resolve_backend`'s default (``pallas`` on a GPU).
+      platform: where the launch's data lives (``"cuda"``, ``"cpu"``, ...: JAX platform names or torch device
+        types), which decides the default backend and interpret mode (compiled on a GPU). None: the slot table's
+        platform when it is a concrete array, else JAX's default backend (a traced table).
       **kwargs: :func:`canary_jax.planning.plan_builder.build_plans`' arguments, with its meanings and errors.
 
     Returns:
@@ -38,8 +42,10 @@ def build_plans(*, backend: str | None = None, **kwargs: Any) -> tuple[VerifyPla
       ValueError / TypeError: the jnp builder's (SGLang's messages), and an unknown backend name.
     """
     inputs = check_plan_inputs(**kwargs)
-    leaves = jax.tree_util.tree_leaves(inputs.table)
-    kernel = backends.plan_kernel(backend, platform=backends.array_platform(leaves[0]) if leaves else None)
+    if platform is None:
+        leaves = jax.tree_util.tree_leaves(inputs.table)
+        platform = backends.array_platform(leaves[0]) if leaves else None
+    kernel = backends.plan_kernel(backend, platform=platform)
     if kernel is not None:
         plans = kernel(*inputs[:-2], cap=inputs.cap, cw=inputs.cw)
         if plans is not None:

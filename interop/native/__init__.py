@@ -7,6 +7,5 @@ launch, capturable in a torch CUDA graph (``interop/README.md``, "The native pat
 * :mod:`interop.native.prims` (and ``prims_*``): a torch rule per primitive, XLA's bytes;
 * :mod:`interop.native.triton_ttir` (with :mod:`interop.native.ttir_text`) / :mod:`interop.native.triton_kernels`: a
   ``pallas_call`` as a Triton kernel;
-* :mod:`interop.native.plan`: the plan launch as hand-written torch int64 ops;
 * :mod:`interop.native.replay`: a launch that repeats with the same tensors replays its own CUDA graph.
 """

@@ -29,7 +29,7 @@ import torch
 
 from interop import buffers
 from interop.buffers import TensorArg
-from interop.native import plan, prims, program, triton_kernels
+from interop.native import prims, program, triton_kernels
 
 PATHS = ("native", "dlpack")
 """Torch launch paths: ``native`` (torch ops + Triton kernels) and ``dlpack`` (a jitted JAX program)."""
@@ -198,7 +198,7 @@ def _build(op, statics, body_factory, args: Sequence[TensorArg], device) -> _Lau
     try:
         prog = program.build(closed, device=device, mutable=[a.mutable for a in args], pallas=_pallas_for(device))
     except (program.NotNative, prims.UnsupportedPrimitive) as e:
-        backend = statics[0] if op in ("verify", "write") else "jnp plan builder"
+        backend = statics[0]
         raise type(e)(f"kv-canary: the {op} launch ({backend}) cannot take the native torch path: {e}") from e
     return _Launch(prog, names, out_names)
 
@@ -286,16 +286,3 @@ def run_native(
         if out.data_ptr() != v.data_ptr() or out.stride() != v.stride():
             v.copy_(out)
     return True
-
-
-def run_plan(statics: Hashable, args: Sequence[TensorArg]) -> None:
-    """The plan launch on the native path: :func:`interop.native.plan.launch_plan` (vectorised torch int64
-    ops, byte-identical to the jnp plan builder) after the same device and aliasing checks as every launch.
-
-    Raises:
-      ValueError: device mix, outputs overlapping other arguments, or an inference tensor as an output outside
-        inference mode; raised before anything is written.
-    """
-    buffers.check_device_and_aliasing(args)
-    check_writable(args)
-    plan.launch_plan(statics, {a.name: a.tensor for a in args})
