@@ -3,9 +3,9 @@ which re-exports it.
 
 One program around the Pallas plan kernel (:func:`canary_jax.ops.plan_launch.build_plans`, built by
 :func:`interop.kernels.plan_body_factory`): JAX runs it on the DLPack path, the native path runs its one
-``pallas_call`` as a Triton kernel (:func:`interop.sglang_launch._run`); the launch is not padded to buckets (its outputs' shapes are the
-caller's). Device-specific checks follow SGLang: CUDA tensors get the kernel path's ``bs <= 4096`` limit and
-messages, CPU tensors the reference's.
+``pallas_call`` as a Triton kernel (:func:`interop.sglang_launch._run`). The launch is not padded to buckets (its
+outputs' shapes are the caller's). Device-specific checks follow SGLang: CUDA tensors get the kernel path's
+``bs <= 4096`` limit and messages, CPU tensors the reference's.
 """
 
 from __future__ import annotations
