@@ -17,4 +17,9 @@ step 01_plan_tests "${CAP1:-150}" python3 -m pytest -q -p no:cacheprovider -rf t
 step 02_plan_bench "${CAP2:-150}" python3 -m benchmarks.plan_bench --json "$OUT/plan_bench.json"
 step 03_serving_step "${CAP3:-240}" python3 -X faulthandler -m benchmarks.serving_step --scenario "${SCN:-decode1,decode128}" \
   --budget-s 210 --json "$OUT/serving_step.json"
+# the decode steps again with the one-launch write for sourceless launches of up to 128 tokens (HEAD's writes)
+if [ -n "${FUSED:-}" ]; then
+  step 04_serving_step_fused "${CAP4:-240}" python3 -X faulthandler -m benchmarks.serving_step --scenario "${SCN:-decode1,decode128}" \
+    --budget-s 210 --json "$OUT/serving_step_fused.json" --pallas-config '{"write_fused_max_tokens": 128}'
+fi
 echo "== summary"; cat "$OUT/steps.tsv"

@@ -36,7 +36,8 @@ from canary_jax.contract import pairs
 from canary_jax.contract.pairs import U64
 from canary_jax.planning.plans import VerifyPlan, WritePlan
 from pallas_kernels import calls, plan_tables, refs
-from pallas_kernels.config import DEFAULT_CONFIG, PallasConfig, default_interpret
+from pallas_kernels import config as pallas_config
+from pallas_kernels.config import PallasConfig, default_interpret
 from pallas_kernels.write_fused import barrier
 
 I32, U32 = jnp.int32, jnp.uint32
@@ -260,7 +261,7 @@ def build_plans_pallas(
         return None
     interpret = default_interpret(None) if interpret is None else bool(interpret)
     wk = jnp.stack([jnp.asarray(swa_window_size, I32), jnp.asarray(kv_token_id_vs_position_offset, I32)])
-    config = config or DEFAULT_CONFIG
+    config = config or pallas_config.DEFAULT_CONFIG  # read per call, as config.launch_options does
     return _plans(
         verify_out,
         write_out,

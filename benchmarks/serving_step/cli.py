@@ -89,6 +89,12 @@ def parse_args(argv=None):
         help="size the KV pool for every scenario (default: one pool, compiles shared) or only the chosen ones "
         "(a device with less memory than the largest scenario's pool, e.g. a TPU)",
     )
+    ap.add_argument(
+        "--pallas-config",
+        default=None,
+        help="JSON of PallasConfig fields that replace the defaults for every Pallas launch of the run "
+        "(e.g. '{\"write_fused_max_tokens\": 128}')",
+    )
     a = ap.parse_args(argv)
     a.modes = [x.strip() for x in a.modes.split(",") if x.strip()]
     bad = [x for x in a.modes if x not in MODES]
@@ -118,6 +124,12 @@ def main(argv=None) -> dict:
             json.dump(out, fh, indent=1, default=str)
         print(tables(out))
         return out
+    if args.pallas_config:
+        from pallas_kernels import config as pallas_config
+
+        # every launch reads the module's DEFAULT_CONFIG when it is given no config (config.launch_options)
+        fields = json.loads(args.pallas_config)
+        pallas_config.DEFAULT_CONFIG = dataclasses.replace(pallas_config.DEFAULT_CONFIG, **fields)
     t0 = time.perf_counter()
     on_gpu = jax.default_backend() == "gpu"
     if args.profile is None:
