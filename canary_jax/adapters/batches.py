@@ -54,7 +54,7 @@ from canary_jax.adapters.batch_fields import _ints
 from canary_jax.adapters.block_tables import from_block_tables
 from canary_jax.adapters.sglang_jax import from_sglang_jax, from_sglang_jax_batch
 from canary_jax.contract import ints, pairs
-from canary_jax.planning.plan_builder import build_plans
+from canary_jax.ops.plan_launch import build_plans
 from canary_jax.planning.plans import VerifyPlan
 from canary_jax.runtime.state import CanaryBatch
 
@@ -91,7 +91,7 @@ def sweep_plan_after_step(
     Args:
       batch: a CanaryBatch (from SGLang fields or the adapters here).
       verify_capacity: C (static).
-      swa_window_size, full_to_swa_index_mapping: as for :func:`~canary_jax.planning.plan_builder.build_plans` (the
+      swa_window_size, full_to_swa_index_mapping: as for :func:`~canary_jax.ops.plan_launch.build_plans` (the
         window of an SWA group; the LUT is not applied to a GroupSlotTables' ``swa`` table).
 
     Returns:
