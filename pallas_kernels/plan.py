@@ -33,8 +33,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from canary_jax.contract import pairs
+from canary_jax.contract import pairs, validation
 from canary_jax.contract.pairs import U64
+from canary_jax.planning.plan_inputs import PlanInputs
 from canary_jax.planning.plans import VerifyPlan, WritePlan
 from pallas_kernels import calls, plan_tables, refs
 from pallas_kernels import config as pallas_config
@@ -43,12 +44,7 @@ from pallas_kernels.write_fused import barrier
 
 I32, U32 = jnp.int32, jnp.uint32
 FIELDS = ("slot", "token", "position", "prev")
-_VERIFY_FIELDS = (
-    "verify_slot_indices",
-    "verify_expected_tokens",
-    "verify_expected_positions",
-    "verify_prev_slot_indices",
-)
+_VERIFY_FIELDS = validation.VERIFY_PLAN_FIELDS[:4]  # the entry fields, in FIELDS' order
 
 MIN_LANES = 32
 """Fewest lanes of any vector in the kernel: a one-row launch (decode batch 1) would otherwise make Triton
@@ -232,55 +228,25 @@ def supports(table, lut, pool, *, bs: int, cap: int) -> bool:
 
 
 def build_plans_pallas(
-    verify_out,
-    write_out,
-    rpi,
-    prefix,
-    extend,
-    table,
-    lut,
-    pool,
-    valid,
-    swa_window_size,
-    kv_token_id_vs_position_offset,
-    *,
-    cap,
-    cw,
-    interpret: bool | None = None,
-    config: PallasConfig | None = None,
-):
+    inputs: PlanInputs, *, interpret: bool | None = None, config: PallasConfig | None = None
+) -> tuple[VerifyPlan, WritePlan] | None:
     """One group's ``(VerifyPlan, WritePlan)`` in one kernel launch, or None when not :func:`supports`-ed.
 
-    Args: the builder's :class:`~canary_jax.planning.plan_inputs.PlanInputs`, in order: ``verify_out`` /
-    ``write_out`` (old plans whose untouched regions survive, as SGLang's in-place outputs: entries past
-    ``num_valid`` and all of them on overflow, seeds past ``bs``; None = fresh plans, those regions 0), ``rpi`` /
-    ``prefix`` / ``extend`` / ``valid`` ``uint32[bs, 2]`` int64 pairs, ``table`` a checked slot table, ``lut``
-    ``uint32[L, 2]`` or None, ``pool`` an int32 pool, an ``ExpectedTokenTable`` or None, the window and ``k`` as
-    int32 scalars, ``cap`` / ``cw`` the static capacities. ``interpret``: None decides from JAX's default backend
-    (compiled on a GPU).
+    Args:
+      inputs: the launch as :func:`canary_jax.planning.plan_inputs.check_plan_inputs` checked it. Old plans
+        (``verify_out`` / ``write_out``) keep their bytes where SGLang leaves its in-place outputs untouched
+        (entries past ``num_valid``, all of them on overflow, seeds past ``bs``); None = fresh plans, those
+        regions 0.
+      interpret: None decides from JAX's default backend (compiled on a GPU).
+      config: the tuning knobs (None: ``pallas_kernels.config.DEFAULT_CONFIG``, read per call).
 
     Returns:
       ``(VerifyPlan, WritePlan)`` equal to :func:`canary_jax.planning.plan_builder.build_plans`' bytes, or None.
     """
-    if not supports(table, lut, pool, bs=int(rpi.shape[0]), cap=cap):
+    if not supports(inputs.table, inputs.lut, inputs.pool, bs=int(inputs.rpi.shape[0]), cap=inputs.cap):
         return None
     interpret = default_interpret(None) if interpret is None else bool(interpret)
     # the window and k are static ints of the launch (check_plan_inputs): a constant operand, no kernel to build it
-    wk = np.array([int(swa_window_size), int(kv_token_id_vs_position_offset)], np.int32)
+    wk = np.array([int(inputs.w), int(inputs.k)], np.int32)
     config = config or pallas_config.DEFAULT_CONFIG  # read per call, as config.launch_options does
-    return _plans(
-        verify_out,
-        write_out,
-        rpi,
-        prefix,
-        extend,
-        table,
-        lut,
-        pool,
-        valid,
-        wk,
-        cap=cap,
-        cw=cw,
-        interpret=interpret,
-        config=config,
-    )
+    return _plans(*inputs[:9], wk, cap=inputs.cap, cw=inputs.cw, interpret=interpret, config=config)

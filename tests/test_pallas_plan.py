@@ -149,7 +149,7 @@ class PlanKernelTablesTest(absltest.TestCase):
                 del kw["verify_capacity"], kw["write_req_capacity"]
             want_v, want_w = build_plans(**kw)
             inputs = plan_inputs.check_plan_inputs(**kw)
-            got = plan_kernel.build_plans_pallas(*inputs[:-2], cap=inputs.cap, cw=inputs.cw, config=cfg)
+            got = plan_kernel.build_plans_pallas(inputs, config=cfg)
             for g, w in zip(_leaves(got), _leaves((want_v, want_w))):
                 np.testing.assert_array_equal(g, w)
             self.assertEqual(int(want_v.enable[0]), 1 if cap == 2000 else 0)  # one capacity overflows

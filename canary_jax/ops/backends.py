@@ -170,8 +170,8 @@ def implementation(op: str, backend: str, *, platform: str | None = None) -> Cal
 def plan_kernel(backend: str | None = None, *, platform: str | None = None) -> Callable | None:
     """The plan-build kernel of ``backend`` (resolved as :func:`resolve_backend`), or None where it has none.
 
-    The kernel takes the jnp builder's checked arguments and returns the plans, or None for a launch it does not
-    support (:func:`pallas_kernels.plan.build_plans_pallas`). ``platform``: where the batch lives (None: JAX's
+    The kernel takes the checked :class:`~canary_jax.planning.plan_inputs.PlanInputs` and returns the plans, or
+    None for a launch it does not support (:func:`pallas_kernels.plan.build_plans_pallas`). ``platform``: where the batch lives (None: JAX's
     default backend); it decides interpret mode as for :func:`implementation`.
 
     Raises:

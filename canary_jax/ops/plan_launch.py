@@ -47,7 +47,7 @@ def build_plans(
         platform = backends.array_platform(leaves[0]) if leaves else None
     kernel = backends.plan_kernel(backend, platform=platform)
     if kernel is not None:
-        plans = kernel(*inputs[:-2], cap=inputs.cap, cw=inputs.cw)
+        plans = kernel(inputs)
         if plans is not None:
             return plans
     return plan_builder._build_plans_impl(*inputs[:-2], cap=inputs.cap, cw=inputs.cw)
