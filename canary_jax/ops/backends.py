@@ -171,8 +171,8 @@ def plan_kernel(backend: str | None = None, *, platform: str | None = None) -> C
     """The plan-build kernel of ``backend`` (resolved as :func:`resolve_backend`), or None where it has none.
 
     The kernel takes the checked :class:`~canary_jax.planning.plan_inputs.PlanInputs` and returns the plans, or
-    None for a launch it does not support (:func:`pallas_kernels.plan.build_plans_pallas`). ``platform``: where the batch lives (None: JAX's
-    default backend); it decides interpret mode as for :func:`implementation`.
+    None for a launch it does not support (:func:`pallas_kernels.plan.build_plans_pallas`). ``platform``: where
+    the batch lives (None: JAX's default backend); it decides interpret mode as for :func:`implementation`.
 
     Raises:
       ValueError: an unknown backend name.
