@@ -48,9 +48,11 @@ class PallasConfig:
       write_block: entries per block of the parallel write passes (power of 2).
       write_max_programs: grid cap of the write passes.
       write_fused_max_tokens: launches of at most this many tokens that need no long-request role run as one
-        program (:mod:`pallas_kernels.write_fused`: one kernel, nothing before or after it); 0 = never (the
-        default: on the H200 the one program was not faster, 13.5 us against 12.8 us at 128 one-token requests
-        and 70 us against 13.5 us at 4096, see ``benchmarks/results/2026-12-04_h200_write_fused.md``).
+        program (:mod:`pallas_kernels.write_fused`: one kernel, nothing before or after it); 0 = never. The
+        default, 128, covers a decode step's write: in the H200 serving step the fused HEAD write took 7.9 / 10.5
+        us of kernels against 14.3 / 15.3 us for the multi-launch write at batch 1 / 128
+        (``benchmarks/results/2026-12-05_h200_plan_kernel.md``); alone, at 4096 one-token requests, the one
+        program is 5x slower (70 us against 13.5 us, ``benchmarks/results/2026-12-04_h200_write_fused.md``).
       write_fused_max_hashed: the same bound for launches with real-KV sources, whose fingerprints the one
         program then computes alone (0 = never fused with sources).
       write_fused_num_warps: warps of the fused program (power of 2).
@@ -86,7 +88,7 @@ class PallasConfig:
     write_long_threshold: int = 64
     write_block: int = 128
     write_max_programs: int = 2048
-    write_fused_max_tokens: int = 0
+    write_fused_max_tokens: int = 128
     write_fused_max_hashed: int = 0
     write_fused_num_warps: int = 16
     gather: str = "pair"

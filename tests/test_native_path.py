@@ -177,13 +177,13 @@ def test_a_value_read_after_the_scatter_is_not_overwritten():
 def test_the_compiled_write_donates_the_canary_buffer_to_its_kernels(fused, monkeypatch):
     """Traced for CUDA (compiled kernels), the write's memory plan hands every kernel the canary words, the ring
     and the write index in place: no launch copies the pool (planned on CPU with stand-in kernels). A small
-    launch is one kernel with the fused write on (``fused``); by default, the three launches and the claim between
+    launch is one kernel with the fused write on (``fused``); with it off, the three launches and the claim between
     them."""
     from pallas_kernels import config as pallas_config
 
-    if fused:
-        on = pallas_config.PallasConfig(write_fused_max_tokens=512, write_fused_max_hashed=256)
-        monkeypatch.setattr(pallas_config, "DEFAULT_CONFIG", on)
+    fuse = 512 if fused else 0
+    cfg = pallas_config.PallasConfig(write_fused_max_tokens=fuse, write_fused_max_hashed=fuse // 2)
+    monkeypatch.setattr(pallas_config, "DEFAULT_CONFIG", cfg)
     rng = random.Random(16)
     w = World.make(rng, num_slots=4096)
     plan, kw = random_write_args(rng, w)

@@ -1,8 +1,11 @@
-"""The shared backend suites (``tests/helpers/*_suite.py``) against the Pallas kernels, default configuration.
+"""The shared backend suites (``tests/helpers/*_suite.py``) against the Pallas kernels, default configuration with
+the multi-launch write for every launch (``tests/test_pallas_write_fused.py`` runs the write suite fused).
 
 On a machine without a GPU (CI) the kernels run with ``interpret=True``; on a GPU they run compiled (and
 ``tests/test_gpu_pallas.py`` adds the large GPU-only cases).
 """
+
+import dataclasses
 
 from absl.testing import absltest
 
@@ -21,7 +24,7 @@ class PallasBackendTest(
     BACKEND = "pallas"
     VERIFY_IMPL = staticmethod(backends.implementation("verify", "pallas"))
     WRITE_IMPL = staticmethod(backends.implementation("write", "pallas"))
-    CONFIG = DEFAULT_CONFIG
+    CONFIG = dataclasses.replace(DEFAULT_CONFIG, write_fused_max_tokens=0)
 
 
 if __name__ == "__main__":
