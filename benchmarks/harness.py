@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import json
 import os
 import platform
 import subprocess
@@ -290,6 +291,21 @@ def write_inputs(case: Case, data: Data, args: Args, fill) -> WriteInputs:
 
 
 # --- environment -------------------------------------------------------------------------------------------
+def apply_pallas_config(fields_json: str | None) -> dict:
+    """Replaces ``pallas_kernels.config.DEFAULT_CONFIG``'s fields with ``fields_json`` (a JSON object of
+    ``PallasConfig`` fields) for every later launch of the process that is given no config; returns the fields
+    (``{}`` for None). Raises ``ValueError`` / ``TypeError`` on an unknown field or a bad value
+    (``PallasConfig``'s own checks)."""
+    from pallas_kernels import config as pallas_config
+
+    if not fields_json:
+        return {}
+    fields = json.loads(fields_json)
+    # every launch reads the module's DEFAULT_CONFIG when it is given no config (config.launch_options)
+    pallas_config.DEFAULT_CONFIG = dataclasses.replace(pallas_config.DEFAULT_CONFIG, **fields)
+    return fields
+
+
 def command_line() -> list[str]:
     """The command as run from the repository root: ``python -m benchmarks.X ARGS`` (no machine path)."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)

@@ -37,7 +37,7 @@ import traceback
 import jax
 import torch
 
-from benchmarks import interop_setup
+from benchmarks import harness, interop_setup
 from benchmarks.interop_setup import DEV, Setup, sync
 from interop import runner, sglang
 from interop.native import launch as native
@@ -248,7 +248,11 @@ def main():
     ap.add_argument("--cap", type=int, default=32768)
     ap.add_argument("--decode-bs", type=int, default=128)
     ap.add_argument("--decode-ctx", type=int, default=256)
+    ap.add_argument(
+        "--pallas-config", default=None, help="JSON of PallasConfig fields replacing the defaults for every launch"
+    )
     a = ap.parse_args()
+    harness.apply_pallas_config(a.pallas_config)
     os.makedirs(a.out, exist_ok=True)
     log = interop_setup.tee_log(os.path.join(a.out, "native_bench_log.txt"), "w")
 
@@ -267,6 +271,7 @@ def main():
         python=platform.python_version(),
         slots=a.slots,
         cap=a.cap,
+        pallas_config=a.pallas_config,
     )
     log(json.dumps(meta))
     results: list = []

@@ -124,12 +124,7 @@ def main(argv=None) -> dict:
             json.dump(out, fh, indent=1, default=str)
         print(tables(out))
         return out
-    if args.pallas_config:
-        from pallas_kernels import config as pallas_config
-
-        # every launch reads the module's DEFAULT_CONFIG when it is given no config (config.launch_options)
-        fields = json.loads(args.pallas_config)
-        pallas_config.DEFAULT_CONFIG = dataclasses.replace(pallas_config.DEFAULT_CONFIG, **fields)
+    harness.apply_pallas_config(args.pallas_config)
     t0 = time.perf_counter()
     on_gpu = jax.default_backend() == "gpu"
     if args.profile is None:
