@@ -1,16 +1,22 @@
-"""Where a replayed native launch spends host time (issue #15): the launch, its replay key alone, the graph
-replay alone, and a cProfile of 1000 launches. Usage: ``python -m benchmarks.replay_profile`` on a GPU."""
+"""Where a replayed native launch spends host time (issues #15, #26): per launcher (verify, write, plan), the whole
+replayed launch, its replay key alone, the key's graph lookup and replay, and ``graph.replay()`` alone; then a
+cProfile of 1000 replayed write launches. Usage: ``python -m benchmarks.replay_profile [--inference]`` on a GPU
+(``--inference``: every launch inside ``torch.inference_mode()``, as serving engines run)."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import cProfile
+import json
 import pstats
 
 import torch
 
 from benchmarks.interop_setup import Setup, sync
-from benchmarks.native_bench import host_and_wall
-from interop import arguments, sglang
+from benchmarks.native_bench import host_and_wall, plan_args
+from canary_jax.contract import validation
+from interop import sglang, sglang_launch
 from interop.native import replay
 
 
@@ -19,34 +25,77 @@ def per_call_us(fn, n=2000):
     return host_and_wall(fn, n=n, warm=20)[0]
 
 
-def main():
-    s = Setup(1 << 20, 32768)
-    vp = s.verify_plan(True)
-
-    def verify():
-        sglang.launch_canary_verify_kernel(context=s.ctx, plan=vp, check_verify_expected_token=False)
-
-    def key():
-        return sglang.verify_replay_key(s.ctx, vp, False, backend=None, path=None)
-
-    verify()
-    verify()
+def _split(name, launch, key) -> dict:
+    launch()
+    launch()
     k = key()
-    assert k is not None and replay.GRAPHS.replay(k), "no graph for the verify launch"
+    assert k is not None and replay.GRAPHS.replay(k), f"no graph for the {name} launch"
     entry = replay.GRAPHS._graphs[k]
-    print("launch (replayed) us", per_call_us(verify))
-    print("replay key us", per_call_us(key))
-    print("GRAPHS.replay(key) us", per_call_us(lambda: replay.GRAPHS.replay(k)))
-    print("graph.replay() us", per_call_us(entry.graph.replay))
-    print("is_current_stream_capturing us", per_call_us(torch.cuda.is_current_stream_capturing))
-    print("context field reads us", per_call_us(lambda: [getattr(s.ctx, f) for f in arguments.CONTEXT_FIELDS]))
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(1000):
-        verify()
-    pr.disable()
-    sync()
-    pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+    out = {
+        "launch_replayed_us": per_call_us(launch),
+        "key_us": per_call_us(key),
+        "lookup_and_replay_us": per_call_us(lambda: replay.GRAPHS.replay(k)),
+        "graph_replay_us": per_call_us(entry.graph.replay),
+    }
+    print(name, json.dumps(out), flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--inference", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    mode = torch.inference_mode() if a.inference else contextlib.nullcontext()
+    with mode:
+        s = Setup(1 << 20, 32768)
+        vp = s.verify_plan(True)
+        write, _, _ = s.write_args(False, "pallas")
+        cl = dict(zip(write.__code__.co_freevars, (c.cell_contents for c in write.__closure__)))
+        wp, kw = cl["wp"], cl["kw"]
+        pa = plan_args(s, 32768)
+        res = {"inference_mode": a.inference}
+
+        def verify():
+            sglang.launch_canary_verify_kernel(context=s.ctx, plan=vp, check_verify_expected_token=False)
+
+        def verify_key():
+            return sglang.verify_replay_key(s.ctx, vp, False, backend=None, path=None)
+
+        def write_key():
+            return sglang_launch._replay_key(
+                "write",
+                None,
+                "pallas",
+                s.ctx.canary_buf,
+                lambda k: (
+                    sglang_launch._context_key(s.ctx, sglang._WRITE_CONTEXT_FIELDS, k),
+                    replay.fields_sig(wp, validation.WRITE_PLAN_FIELDS, (), k),
+                    replay.sig((kw["input_ids"], kw["positions"], kw["out_cache_loc"], None, None), k),
+                    replay.value_sig(False),
+                ),
+            )
+
+        def plan():
+            sglang.launch_canary_plan_kernels(**pa)
+
+        res["verify"] = _split("verify", verify, verify_key)
+        res["write"] = _split("write", write, write_key)
+        res["plan_launch_replayed_us"] = per_call_us(plan)
+        print("plan launch replayed us", res["plan_launch_replayed_us"])
+        res["is_current_stream_capturing_us"] = per_call_us(torch.cuda.is_current_stream_capturing)
+        res["current_device_us"] = per_call_us(torch.cuda.current_device)
+        print(json.dumps(res), flush=True)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(1000):
+            write()
+        pr.disable()
+        sync()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(res, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -105,9 +105,9 @@ def verify_replay_key(
         path,
         backend,
         getattr(context, "canary_buf", None),
-        lambda: (
-            _context_key(context, arguments.CONTEXT_FIELDS),
-            replay.fields_sig(plan, validation.VERIFY_PLAN_FIELDS),
+        lambda k: (
+            _context_key(context, arguments.CONTEXT_FIELDS, k),
+            replay.fields_sig(plan, validation.VERIFY_PLAN_FIELDS, (), k),
             replay.value_sig(check_verify_expected_token),
         ),
     )
@@ -176,6 +176,9 @@ def launch_canary_verify_kernel(
 
 
 # --- write -----------------------------------------------------------------------------------------------
+_WRITE_CONTEXT_FIELDS = (*arguments.CONTEXT_FIELDS, "enable_chain_position_assert")
+
+
 def launch_canary_write_kernel(
     *,
     context: Any,
@@ -203,19 +206,18 @@ def launch_canary_write_kernel(
         path,
         backend,
         getattr(context, "canary_buf", None),
-        lambda: (
-            _context_key(context, (*arguments.CONTEXT_FIELDS, "enable_chain_position_assert")),
-            replay.fields_sig(plan, validation.WRITE_PLAN_FIELDS),
-            replay.sig((input_ids, positions, out_cache_loc)),
+        lambda k: (
+            _context_key(context, _WRITE_CONTEXT_FIELDS, k),
+            replay.fields_sig(plan, validation.WRITE_PLAN_FIELDS, (), k),
+            replay.sig((input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions), k),
             replay.value_sig(enable_write_input_assert),
-            replay.sig((expected_input_tokens, expected_input_positions)),
         ),
     )
     if replay.GRAPHS.replay(key):
         return
     sources = _sources(context)
     validation.check_source_count(len(sources))
-    ctx = arguments.tensors(context, (*arguments.CONTEXT_FIELDS, "enable_chain_position_assert"))
+    ctx = arguments.tensors(context, _WRITE_CONTEXT_FIELDS)
     pl = arguments.tensors(plan, validation.WRITE_PLAN_FIELDS, "plan.")
     toks = {
         "input_ids": tensor(input_ids, "input_ids"),

@@ -66,29 +66,50 @@ def _run(op: str, statics: Any, body_factory: Any, args: list, path: str | None)
     return False
 
 
+_RESOLVED: dict = {}  # (op, path, backend, env) -> whether the launch takes the native path (or the error)
+
+
+def _native_for(op: str, path: str | None, backend: str | None, env: tuple, device: torch.device) -> bool:
+    """Whether a CUDA launch with these names runs on the native path (memoised: the answer depends only on
+    them); raises the resolution's ``ValueError`` for a bad name."""
+    k = (op, path, backend, env)
+    hit = _RESOLVED.get(k)
+    if hit is None:
+        try:
+            b = backends.resolve_backend(backend, platform="cuda") if op != "plan" else "pallas"
+            hit = native.resolve_path(path, device, b) == "native"
+        except (ValueError, TypeError) as e:
+            hit = e
+        if len(_RESOLVED) < 256:
+            _RESOLVED[k] = hit
+    if isinstance(hit, Exception):
+        raise hit
+    return hit
+
+
 def _replay_key(op: str, path: str | None, backend: str | None, first: Any, parts: Any) -> tuple | None:
     """The launch's replay key (:mod:`interop.native.replay`), or None where replay does not apply: not CUDA
     tensors, not the native path, an argument the key cannot name, or a bad name (the checks will raise).
-    ``parts()`` gives the launch's arguments already keyed (:func:`interop.native.replay.sig`); it is called only
-    where replay applies."""
-    if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
+    ``parts(tkey)`` gives the launch's arguments already keyed, tensors by ``tkey``
+    (:func:`interop.native.replay.tensor_key` for this launch's torch modes, which the key names); it is called
+    only where replay applies."""
+    if not isinstance(first, torch.Tensor) or not first.is_cuda:
         return None
     if first.get_device() != torch.cuda.current_device():  # replay runs on the current device's stream: eager
         return None
     try:
-        b = backends.resolve_backend(backend, platform="cuda") if op != "plan" else "pallas"
-        if native.resolve_path(path, first.device, b) != "native":
-            return None
         env = (os.environ.get(native.PATH_ENV), os.environ.get(backends.BACKEND_ENV))
-        x64 = bool(jax.config.jax_enable_x64)
+        if not _native_for(op, path, backend, env, first.device):
+            return None
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
         # the process-wide bucket policy decides the staging copies a graph captures
-        modes = (x64, torch.is_inference_mode_enabled(), torch.is_grad_enabled(), buckets.default_buckets())
-        return (op, path, backend, env, modes, parts())
+        modes = (bool(jax.config.jax_enable_x64), inference, grad, buckets.default_buckets())
+        return (op, path, backend, env, modes, parts(replay.tensor_key(inference, grad)))
     except (ValueError, TypeError, replay.NotKeyable):
         return None
 
 
-def _context_key(context: Any, fields: tuple[str, ...]) -> tuple:
+def _context_key(context: Any, fields: tuple[str, ...], tkey: Any = replay.full_tensor_key) -> tuple:
     # _sources' TypeError (not a sequence) means no key: the eager checks then raise it
     srcs = _sources(context)
     if srcs and _int(getattr(context, "real_kv_hash_mode", 0), "real_kv_hash_mode") != 0:
@@ -98,8 +119,8 @@ def _context_key(context: Any, fields: tuple[str, ...]) -> tuple:
             t = getattr(x, "tensor", None)
             if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] * _int(x.page_size, "page_size") < n:
                 raise replay.NotKeyable("real_kv_sources")
-    src = tuple(replay.fields_sig(x, ("tensor",), _SOURCE_VALUES) for x in srcs)
-    return (replay.fields_sig(context, fields, ("kernel_kind", "real_kv_hash_mode")), src)
+    src = tuple([replay.fields_sig(x, ("tensor",), _SOURCE_VALUES, tkey) for x in srcs])
+    return (replay.fields_sig(context, fields, ("kernel_kind", "real_kv_hash_mode"), tkey), src)
 
 
 _SOURCE_VALUES = ("page_size", "num_bytes_per_token", "read_bytes")

@@ -56,12 +56,24 @@ def launch_canary_plan_kernels(
         path,
         None,
         getattr(verify_plan_out, "verify_slot_indices", None),
-        lambda: (
-            replay.fields_sig(verify_plan_out, validation.VERIFY_PLAN_FIELDS),
-            replay.fields_sig(write_plan_out, validation.WRITE_PLAN_FIELDS),
-            replay.sig((req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, full_to_swa_index_mapping)),
-            replay.sig((req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens)),
-            tuple(replay.value_sig(v) for v in (swa_window_size, verify_capacity, kv_token_id_vs_position_offset)),
+        lambda k: (
+            replay.fields_sig(verify_plan_out, validation.VERIFY_PLAN_FIELDS, (), k),
+            replay.fields_sig(write_plan_out, validation.WRITE_PLAN_FIELDS, (), k),
+            replay.sig(
+                (
+                    req_pool_indices,
+                    prefix_lens,
+                    extend_seq_lens,
+                    req_to_token,
+                    full_to_swa_index_mapping,
+                    req_to_verify_expected_tokens,
+                    req_to_verify_expected_tokens_valid_lens,
+                ),
+                k,
+            ),
+            replay.value_sig(swa_window_size),
+            replay.value_sig(verify_capacity),
+            replay.value_sig(kv_token_id_vs_position_offset),
         ),
     )
     if replay.GRAPHS.replay(key):

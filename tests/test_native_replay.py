@@ -40,6 +40,22 @@ def test_the_key_names_memory_layout_and_values():
         replay.sig({"a": 1})
 
 
+def test_the_lean_tensor_keys_name_what_each_torch_mode_needs():
+    t = torch.zeros(4, 6, dtype=torch.int64)
+    with torch.inference_mode():
+        inf = torch.zeros(4, 6, dtype=torch.int64)
+    full = replay.full_tensor_key
+    lean = replay.tensor_key(True, False)  # inside inference mode every tensor may be updated in place
+    assert lean(t) == (t.data_ptr(), (4, 6), (6, 1), torch.int64)
+    assert lean(t.view(torch.int32)) != lean(t) and lean(t.t()) != lean(t) and lean(t[1:]) != lean(t)
+    no_grad = replay.tensor_key(False, False)  # outside it an inference tensor is refused, so it is named
+    assert no_grad(inf)[-1] is True and no_grad(t)[-1] is False
+    assert replay.tensor_key(False, True) is full  # with grad mode, requires_grad too
+    assert full(torch.zeros(3, requires_grad=True))[-1] is True
+    assert replay.sig((t, None, 3), lean) == (lean(t), None, 3)
+    assert replay.fields_sig(replay, ("GRAPHS_ENV",), (), lean)[1] == replay.GRAPHS_ENV
+
+
 def test_fields_sig_marks_a_missing_field():
     class Ctx:
         canary_buf = torch.zeros(2, 32, dtype=torch.uint8)
@@ -50,7 +66,7 @@ def test_fields_sig_marks_a_missing_field():
 
 def test_no_key_for_cpu_tensors_or_the_dlpack_path():
     buf = torch.zeros(8, 32, dtype=torch.uint8)
-    never = lambda: pytest.fail("parts() is only asked for where replay applies")  # noqa: E731
+    never = lambda k: pytest.fail("parts() is only asked for where replay applies")  # noqa: E731
     assert sglang._replay_key("verify", None, None, buf, never) is None
     assert sglang._replay_key("verify", "dlpack", None, buf, never) is None
     assert sglang._replay_key("verify", None, None, object(), never) is None
@@ -72,7 +88,7 @@ def test_cuda_key_separates_what_the_checks_and_program_depend_on(monkeypatch):
     buf = torch.zeros(8, 32, dtype=torch.uint8, device="cuda")
 
     def key(flag, path=None):
-        return sglang._replay_key("verify", path, None, buf, lambda: (replay.sig(buf), flag))
+        return sglang._replay_key("verify", path, None, buf, lambda k: (replay.sig(buf, k), flag))
 
     k = key(True)
     assert k is not None
@@ -93,8 +109,8 @@ def test_cuda_key_separates_what_the_checks_and_program_depend_on(monkeypatch):
     finally:
         buckets.set_default_buckets(old.sizes, minimum=old.minimum)
     assert k == key(True)
-    assert sglang._replay_key("verify", "dlpack", None, buf, lambda: ()) is None
-    assert sglang._replay_key("verify", None, "reference", buf, lambda: ()) is None  # the jnp reference: DLPack
+    assert sglang._replay_key("verify", "dlpack", None, buf, lambda k: ()) is None
+    assert sglang._replay_key("verify", None, "reference", buf, lambda k: ()) is None  # the jnp reference: DLPack
 
 
 def test_a_tensor_passed_as_a_scalar_is_not_keyed():

@@ -29,6 +29,8 @@ before :data:`MIN_REPLAYS` replays leaves its key eager: more keys rotate than t
 from __future__ import annotations
 
 import collections
+import functools
+import operator
 import os
 import threading
 import warnings
@@ -69,19 +71,44 @@ class NotKeyable(Exception):
     """An argument the replay key cannot name (not a torch tensor, an unhashable field): launch eagerly."""
 
 
-def sig(x: Any) -> Hashable:
-    """The replay key of one launcher argument: a tensor by its memory and layout, a sequence item by item,
-    a scalar by value.
+def full_tensor_key(x: torch.Tensor) -> Hashable:
+    """A tensor's key in any mode: its memory (address and device), layout, dtype, and the two properties that
+    decide whether torch lets the launch update it in place (inference tensor, requires grad)."""
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.get_device(), x.is_inference(), x.requires_grad)
+
+
+def _key_inference(x: torch.Tensor) -> Hashable:
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype)
+
+
+def _key_no_grad(x: torch.Tensor) -> Hashable:
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.is_inference())
+
+
+def tensor_key(inference_mode: bool, grad_mode: bool) -> Callable[[torch.Tensor], Hashable]:
+    """The cheapest tensor key for launches in these torch modes (which the launch key names): the address,
+    shape, strides and dtype always; ``is_inference()`` only outside inference mode (where
+    :func:`interop.native.launch.check_writable` refuses an inference tensor it would update), ``requires_grad``
+    only with grad mode on. No device: CUDA's unified addressing gives every device's and the host's memory
+    distinct addresses in one process, and the launch key names the canary buffer's device."""
+    if inference_mode:
+        return _key_inference
+    return _key_no_grad if not grad_mode else full_tensor_key
+
+
+def sig(x: Any, tkey: Callable[[torch.Tensor], Hashable] = full_tensor_key) -> Hashable:
+    """The replay key of one launcher argument: a tensor by ``tkey`` (its memory and layout), a sequence item by
+    item, a scalar by value.
 
     Raises:
       NotKeyable: anything else (a DLPack object, an unhashable value).
     """
     if isinstance(x, torch.Tensor):
-        return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.get_device(), x.is_inference(), x.requires_grad)
+        return tkey(x)
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, (tuple, list)):
-        return tuple(sig(v) for v in x)
+        return tuple([sig(v, tkey) for v in x])
     try:
         hash(x)
     except TypeError:
@@ -96,6 +123,8 @@ def value_sig(x: Any) -> Hashable:
       NotKeyable: a tensor (a 0-d tensor passed as a scalar is read at every eager launch; a graph would keep the
         value it saw at capture), or anything :func:`sig` cannot key.
     """
+    if isinstance(x, (int, float, str)):  # enums of these too (a tensor is none of them)
+        return (x.__class__, x)
     if isinstance(x, torch.Tensor):
         raise NotKeyable("a tensor passed as a scalar")
     if x is None or isinstance(x, (tuple, list)):
@@ -103,14 +132,34 @@ def value_sig(x: Any) -> Hashable:
     return (type(x), sig(x))  # by type too: 8 and 8.0 are equal keys, but the checks take only the int
 
 
-def fields_sig(obj: Any, fields: Iterable[str], values: Iterable[str] = ()) -> tuple:
-    """:func:`sig` of ``obj``'s attributes ``fields`` and :func:`value_sig` of its attributes ``values`` (a missing
-    one keys as a marker; the checks will raise)."""
+def fields_sig(
+    obj: Any,
+    fields: tuple[str, ...],
+    values: tuple[str, ...] = (),
+    tkey: Callable[[torch.Tensor], Hashable] = full_tensor_key,
+) -> tuple:
+    """:func:`sig` of ``obj``'s attributes ``fields`` (tensors by ``tkey``) and :func:`value_sig` of its attributes
+    ``values`` (a missing one keys as a marker; the checks will raise)."""
+    try:
+        got = _getter(fields, values)(obj)  # one C call for every attribute
+    except AttributeError:
+        got = tuple(getattr(obj, f, _MISSING) for f in (*fields, *values))
+    if len(fields) + len(values) == 1:
+        got = (got,)
+    n = len(fields)
     return (
         type(obj),
-        *(sig(getattr(obj, f, _MISSING)) for f in fields),
-        *(value_sig(getattr(obj, f, _MISSING)) for f in values),
+        *[tkey(x) if x.__class__ is _TENSOR else sig(x, tkey) for x in got[:n]],
+        *[value_sig(x) for x in got[n:]],
     )
+
+
+_TENSOR = torch.Tensor
+
+
+@functools.cache
+def _getter(fields: tuple[str, ...], values: tuple[str, ...]) -> Callable[[Any], Any]:
+    return operator.attrgetter(*fields, *values)
 
 
 _MISSING = ("<missing>",)

@@ -1,0 +1,35 @@
+#!/bin/bash
+# Device calls for issues #25 / #26 (stop 34): the fused decode write's tests and the replay-key tests on CUDA, the
+# serving step's decode scenarios with the default configuration and with the one-launch write for launches with
+# real-KV sources too, where a replayed native launch spends host time, and the native bench.
+# Usage (repository root, on the GPU machine): OUT=DIR bash benchmarks/glue_session.sh; SKIP="NAME ..." skips steps.
+# Logs are gathered into $OUT/logs.txt at the end (the device returns at most 8 files).
+set -u -o pipefail
+OUT=${OUT:-./glue_out}
+mkdir -p "$OUT"
+CACHE=${CACHE:-/tmp/canary_gpu_cache}
+mkdir -p "$CACHE/jax" "$CACHE/triton"
+export JAX_COMPILATION_CACHE_DIR="$CACHE/jax" CANARY_JAX_TRITON_CACHE="$CACHE/triton"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+SKIP=${SKIP:-}
+STEP_DIR="$OUT" STEP_TAIL=${STEP_TAIL:-6}
+. "$(dirname "${BASH_SOURCE[0]}")/session_step.sh"
+python3 -c "import jax, torch, triton; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__, 'triton', triton.__version__)" \
+  > "$OUT/00_env.log" 2>&1; cat "$OUT/00_env.log"
+HASHED=${HASHED:-128}
+step 01_tests "${CAP1:-150}" python3 -m pytest -o addopts= -q -p no:cacheprovider -rf tests/test_native_triton.py \
+  tests/test_native_replay.py tests/test_pallas_write_fused.py
+step 02_serving_step "${CAP2:-150}" python3 -X faulthandler -m benchmarks.serving_step --scenario "${SCN:-decode1,decode128}" \
+  --budget-s 130 --json "$OUT/serving_step.json"
+step 03_serving_step_hashed "${CAP3:-150}" python3 -X faulthandler -m benchmarks.serving_step \
+  --scenario "${SCN:-decode1,decode128}" --budget-s 130 --json "$OUT/serving_step_hashed.json" \
+  --pallas-config "{\"write_fused_max_hashed\": $HASHED}"
+step 04_replay_profile "${CAP4:-90}" python3 -m benchmarks.replay_profile --inference --json "$OUT/replay_profile.json"
+step 05_native_bench "${CAP5:-170}" python3 -m benchmarks.native_bench --out "$OUT/native"
+step 06_native_bench_hashed "${CAP6:-170}" python3 -m benchmarks.native_bench --out "$OUT/native_hashed" \
+  --pallas-config "{\"write_fused_max_hashed\": 256}"
+echo "== summary"; cat "$OUT/steps.tsv"
+for f in "$OUT"/*.log; do echo "=== $(basename "$f")"; cat "$f"; done > "$OUT/logs.txt" && rm -f "$OUT"/*.log
+for d in native native_hashed; do
+  [ -f "$OUT/$d/native_bench.json" ] && mv "$OUT/$d/native_bench.json" "$OUT/${d}_bench.json"; rm -rf "${OUT:?}/$d"
+done
