@@ -20,9 +20,9 @@ HASHED=${HASHED:-128}
 step 01_tests "${CAP1:-150}" python3 -m pytest -o addopts= -q -p no:cacheprovider -rf tests/test_native_triton.py \
   tests/test_native_replay.py tests/test_pallas_write_fused.py
 step 02_serving_step "${CAP2:-150}" python3 -X faulthandler -m benchmarks.serving_step --scenario "${SCN:-decode1,decode128}" \
-  --budget-s 130 --json "$OUT/serving_step.json"
+  --pool-for chosen --budget-s 120 --json "$OUT/serving_step.json"
 step 03_serving_step_hashed "${CAP3:-150}" python3 -X faulthandler -m benchmarks.serving_step \
-  --scenario "${SCN:-decode1,decode128}" --budget-s 130 --json "$OUT/serving_step_hashed.json" \
+  --scenario "${SCN:-decode1,decode128}" --pool-for chosen --budget-s 120 --json "$OUT/serving_step_hashed.json" \
   --pallas-config "{\"write_fused_max_hashed\": $HASHED}"
 step 04_replay_profile "${CAP4:-90}" python3 -m benchmarks.replay_profile --inference --json "$OUT/replay_profile.json"
 step 05_native_bench "${CAP5:-170}" python3 -m benchmarks.native_bench --out "$OUT/native"

@@ -495,7 +495,7 @@ def test_every_spec_compiles_offline_for_sm90(specs, record_property):
     record_property("compiled", json.dumps(list(done.values())))
     scratch = sorted({r["name"] for r in done.values() if r["global_scratch_size"]})
     assert scratch == [], f"kernels needing global scratch on sm_90: {scratch}"
-    assert {r["name"] for r in done.values()} == set(VERIFY) | set(WRITE_LONG)
+    assert {r["name"] for r in done.values()} == set(VERIFY) | set(WRITE_LONG) | set(WRITE_FUSED)
 
 
 # --- the verify kernels from torch tensors -----------------------------------------------------------------
