@@ -18,28 +18,39 @@ from canary_jax.ops import backends, plan_launch
 from canary_jax.planning.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
 
 
-def _counters(c: jnp.ndarray, tag: int, num_tags: int) -> jnp.ndarray:
-    """One int64 counter ``uint32[1, 2]`` placed at row ``tag`` of a ``uint32[num_tags, 2]`` array."""
-    return jnp.zeros((num_tags, 2), jnp.uint32).at[tag].set(c[0])
+def _counters(c: jnp.ndarray, row: int, num_tags: int) -> jnp.ndarray:
+    """One int64 counter ``uint32[1, 2]`` as the log's counter array: itself where ``row`` is 0 and the array
+    has one row (the Pallas kernels bump the one row of a one-row array, :class:`pallas_kernels.calls.Prologue`:
+    no scatter around the launch), else placed at row ``row`` of a ``uint32[num_tags, 2]`` array."""
+    if num_tags == 1:
+        return c
+    return jnp.zeros((num_tags, 2), jnp.uint32).at[row].set(c[0])
 
 
-def _log(v: dict, tag: int, flag) -> ViolationLog:
-    n = max(constants.NUM_LAUNCH_TAGS, tag + 1)
+def _counter_rows(backend: str, tag: int) -> tuple[int, int]:
+    """``(row, rows)`` of the launch's counter in the log built for ``backend``: the Pallas kernels take the
+    counter alone; the jnp reference indexes the full per-tag arrays by tag."""
+    return (0, 1) if backend == "pallas" else (tag, max(constants.NUM_LAUNCH_TAGS, tag + 1))
+
+
+def _log(v: dict, backend: str, tag: int, flag) -> ViolationLog:
+    row, n = _counter_rows(backend, tag)
     return ViolationLog(
         ring=v["violation_ring"],
         write_index=v["violation_write_index"],
-        slot_run_counters=_counters(v["slot_run_counter"], tag, n),
-        kernel_run_counters=_counters(v["kernel_run_counter"], tag, n),
+        slot_run_counters=_counters(v["slot_run_counter"], row, n),
+        kernel_run_counters=_counters(v["kernel_run_counter"], row, n),
         enable_chain_position_assert=flag,
     )
 
 
-def _log_out(log: ViolationLog, tag: int) -> dict:
+def _log_out(log: ViolationLog, backend: str, tag: int) -> dict:
+    row, _ = _counter_rows(backend, tag)
     return {
         "violation_ring": log.ring,
         "violation_write_index": log.write_index,
-        "slot_run_counter": log.slot_run_counters[tag][None],
-        "kernel_run_counter": log.kernel_run_counters[tag][None],
+        "slot_run_counter": log.slot_run_counters[row][None],
+        "kernel_run_counter": log.kernel_run_counters[row][None],
     }
 
 
@@ -50,12 +61,12 @@ def _sources(v: dict, source_meta: tuple) -> tuple:
     )
 
 
-def _context(v: dict, tag: int, mode: int, source_meta: tuple, flag) -> VerifyOrWriteContext:
+def _context(v: dict, backend: str, tag: int, mode: int, source_meta: tuple, flag) -> VerifyOrWriteContext:
     """canary-jax's launch context from the launch's values (``flag``: the chain-position assert)."""
     return VerifyOrWriteContext(
         canary_buf=v["canary_buf"],
         kernel_kind=constants.CanaryLaunchTag(tag),
-        log=_log(v, tag, flag),
+        log=_log(v, backend, tag, flag),
         real_kv_sources=_sources(v, source_meta),
         real_kv_hash_mode=constants.RealKvHashMode(mode),
     )
@@ -69,9 +80,9 @@ def verify_body_factory(statics):
 
     def body(v: dict) -> dict:
         plan = VerifyPlan(**{f: v[f"plan.{f}"] for f in validation.VERIFY_PLAN_FIELDS})
-        ctx = _context(v, tag, mode, source_meta, jnp.ones((1,), jnp.int32))
+        ctx = _context(v, backend, tag, mode, source_meta, jnp.ones((1,), jnp.int32))
         out = impl(ctx, plan, check_verify_expected_token=check)
-        return _log_out(out.log, tag)
+        return _log_out(out.log, backend, tag)
 
     return body
 
@@ -84,7 +95,7 @@ def write_body_factory(statics):
 
     def body(v: dict) -> dict:
         plan = WritePlan(**{f: v[f"plan.{f}"] for f in validation.WRITE_PLAN_FIELDS})
-        ctx = _context(v, tag, mode, source_meta, v["enable_chain_position_assert"])
+        ctx = _context(v, backend, tag, mode, source_meta, v["enable_chain_position_assert"])
         out = impl(
             ctx,
             plan,
@@ -95,7 +106,7 @@ def write_body_factory(statics):
             expected_input_tokens=v.get("expected_input_tokens"),
             expected_input_positions=v.get("expected_input_positions"),
         )
-        res = _log_out(out.log, tag)
+        res = _log_out(out.log, backend, tag)
         res["canary_buf"] = out.canary_buf
         return res
 

@@ -30,6 +30,9 @@ class Prologue(NamedTuple):
     Fields:
       descs: the real-KV source descriptors (:func:`canary_jax.contract.sources.source_descriptors`), static.
       tag: the launch tag (``int(context.kernel_kind)``), static.
+      counter_row: the row of the log's counter arrays this launch bumps, static: ``tag``, or 0 where the arrays
+        have one row (the torch launchers pass SGLang's per-tag counter views as they are; the public entry points
+        refuse counter arrays without a row for the tag before any kernel is traced).
       log: the context's :class:`~canary_jax.contract.layout.ViolationLog`.
       words: ``uint32[N, S/4]`` the canary buffer as words (:func:`canary_jax.contract.layout.canary_words`).
       n_slots: ``N``, static.
@@ -39,6 +42,7 @@ class Prologue(NamedTuple):
 
     descs: tuple
     tag: int
+    counter_row: int
     log: layout.ViolationLog
     words: jax.Array
     n_slots: int
@@ -60,6 +64,7 @@ def prologue(context: VerifyOrWriteContext, config: PallasConfig, interpret: boo
     return Prologue(
         descs=descs,
         tag=int(context.kernel_kind),
+        counter_row=int(context.kernel_kind) if context.log.kernel_run_counters.shape[0] > 1 else 0,
         log=context.log,
         words=words,
         n_slots=int(words.shape[0]),

@@ -152,6 +152,7 @@ def _verify_rows_kernel(
     kernel_counters_ref,  # u32[2 * tags]
     *,
     tag,
+    counter_row,
     check,
     n_slots,
     cap,
@@ -169,8 +170,8 @@ def _verify_rows_kernel(
     def _():
         total = refs.sum_counts(counts_ref, 0, num_blocks)
         wi_ref[0] = base + total
-        refs.bump_pair_scalar(slot_counters_ref, 2 * tag, active)
-        refs.bump_pair_scalar(kernel_counters_ref, 2 * tag, jnp.int32(1))
+        refs.bump_pair_scalar(slot_counters_ref, 2 * counter_row, active)
+        refs.bump_pair_scalar(kernel_counters_ref, 2 * counter_row, jnp.int32(1))
 
     def block_body(b):
         @pl.when(counts_ref[b] > 0)
@@ -271,7 +272,7 @@ def _verify_pallas(
         base=base,
     )
     _, new_log = calls.call_with_log(
-        functools.partial(_verify_rows_kernel, tag=pro.tag, **statics),
+        functools.partial(_verify_rows_kernel, tag=pro.tag, counter_row=pro.counter_row, **statics),
         args,
         pro.log,
         grid=grid,

@@ -67,7 +67,8 @@ def _write_pallas(
     reuse, ``emit_chain`` to make one. Returns ``(context, the hint made or None)``."""
     num_tokens = int(input_ids.shape[0])
     if num_tokens == 0:  # nothing to store or check: only the launch counter moves
-        return context.replace(log=layout.bump_counters(context.log, int(context.kernel_kind), jnp.uint32(0))), None
+        row = int(context.kernel_kind) if context.log.kernel_run_counters.shape[0] > 1 else 0  # calls.Prologue
+        return context.replace(log=layout.bump_counters(context.log, row, jnp.uint32(0))), None
     pro = calls.prologue(context, config, interpret)
     descs, log, words, n_slots, hasher = pro.descs, pro.log, pro.words, pro.n_slots, pro.hasher
     cw = int(plan.write_seed_slot_indices.shape[0])
@@ -261,6 +262,7 @@ def _write_pallas(
             write_commit_kernel,
             has_rkv=has_rkv,
             tag=pro.tag,
+            counter_row=pro.counter_row,
             num_tokens=num_tokens,
             block=block,
             gather=gather,

@@ -30,6 +30,7 @@ def write_commit_kernel(
     # counters u32[2 * tags] (in, aliased), then the same as outputs
     has_rkv,
     tag,
+    counter_row,
     num_tokens,
     block,
     ring_capacity,
@@ -48,8 +49,8 @@ def write_commit_kernel(
         rows = refs.sum_counts(counts_ref, 0, num_blocks, column=0)
         written = refs.sum_counts(counts_ref, 0, num_blocks, column=1)
         wi_ref[0] = base + rows
-        refs.bump_pair_scalar(slot_counters_ref, 2 * tag, written)
-        refs.bump_pair_scalar(kernel_counters_ref, 2 * tag, jnp.int32(1))
+        refs.bump_pair_scalar(slot_counters_ref, 2 * counter_row, written)
+        refs.bump_pair_scalar(kernel_counters_ref, 2 * counter_row, jnp.int32(1))
 
     def block_body(b):
         i = b * block + refs.iota(block)
