@@ -25,11 +25,21 @@ def claim_slots(words, out_cache_loc, flags, *, num_tokens: int):
     writing a slot wins, as in the reference. XLA's scatter-max is exact with duplicate slots on every
     backend (it uses atomicMax on the GPU); Pallas-Triton's vector atomics do not lower for integer vectors
     in the JAX versions we run (see README).
+
+    The update of an entry that does not write is 0, which leaves any claim word as it is, so its slot needs no
+    masking: the index is the slot's low word as it stands (an index outside the buffer, a negative int32
+    included, is dropped). Two elementwise ops, the index column and the scatter: the torch path runs each as
+    one kernel.
     """
-    n_slots = words.shape[0]
-    i = jnp.arange(num_tokens, dtype=jnp.int32)
-    dest = jnp.where((flags & WriteFlag.WRITTEN) != 0, out_cache_loc[:, 0].astype(jnp.int32), n_slots)
-    return words.at[dest, CLAIM_WORD].max((i + 1).astype(jnp.uint32), mode="drop")
+    assert WriteFlag.WRITTEN == 1  # the update is the WRITTEN bit times entry + 1
+    i1 = jnp.arange(1, num_tokens + 1, dtype=jnp.uint32)
+    update = (flags & jnp.uint32(WriteFlag.WRITTEN)) * i1
+    lo = jax.lax.bitcast_convert_type(out_cache_loc[:, 0], jnp.int32)[:, None]
+    index = jnp.concatenate([lo, jnp.full((num_tokens, 1), CLAIM_WORD, jnp.int32)], axis=1)
+    dnums = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(), inserted_window_dims=(0, 1), scatter_dims_to_operand_dims=(0, 1)
+    )
+    return jax.lax.scatter_max(words, index, update, dnums, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def write_won_kernel(
