@@ -17,19 +17,25 @@ STEP_DIR="$OUT" STEP_TAIL=${STEP_TAIL:-6}
 python3 -c "import jax, torch, triton; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__, 'triton', triton.__version__)" \
   > "$OUT/00_env.log" 2>&1; cat "$OUT/00_env.log"
 HASHED=${HASHED:-128}
-step 01_tests "${CAP1:-150}" python3 -m pytest -o addopts= -q -p no:cacheprovider -rf tests/test_native_triton.py \
-  tests/test_native_replay.py tests/test_pallas_write_fused.py
-step 02_serving_step "${CAP2:-150}" python3 -X faulthandler -m benchmarks.serving_step --scenario "${SCN:-decode1,decode128}" \
-  --pool-for chosen --budget-s 120 --json "$OUT/serving_step.json"
-step 03_serving_step_hashed "${CAP3:-150}" python3 -X faulthandler -m benchmarks.serving_step \
-  --scenario "${SCN:-decode1,decode128}" --pool-for chosen --budget-s 120 --json "$OUT/serving_step_hashed.json" \
+step 01_tests "${CAP1:-130}" bash -c 'python3 -m pytest -o addopts= -q -p no:cacheprovider -rf tests/test_native_triton.py \
+  -k "sm90 or every_pallas_call"; python3 -m pytest -o addopts= -q -p no:cacheprovider -rf tests/test_native_replay.py \
+  tests/test_interop_cuda.py::test_cuda_native_path_random_launches_match_sglang_reference'
+step 02_serving_step "${CAP2:-110}" python3 -X faulthandler -m benchmarks.serving_step --scenario "${SCN:-decode1}" \
+  --pool-for chosen --budget-s 90 --json "$OUT/serving_step.json"
+step 03_serving_step_hashed "${CAP3:-110}" python3 -X faulthandler -m benchmarks.serving_step \
+  --scenario "${SCN:-decode1}" --pool-for chosen --budget-s 90 --json "$OUT/serving_step_hashed.json" \
   --pallas-config "{\"write_fused_max_hashed\": $HASHED}"
 step 04_replay_profile "${CAP4:-90}" python3 -m benchmarks.replay_profile --inference --json "$OUT/replay_profile.json"
 step 05_native_bench "${CAP5:-170}" python3 -m benchmarks.native_bench --out "$OUT/native"
 step 06_native_bench_hashed "${CAP6:-170}" python3 -m benchmarks.native_bench --out "$OUT/native_hashed" \
   --pallas-config "{\"write_fused_max_hashed\": 256}"
+# the decode write alone (JAX path, same process): the default against the one-launch write with sources
+step 07_bench_write "${CAP7:-100}" python3 -m benchmarks.bench --quick --decode-reqs 128 --only write_128x1 --x64 off \
+  --skip-reference --no-peer --out "$OUT/bench" --probe mini --probe-cases write_128x1_partial_x4,write_128x1_all_x1 \
+  --probe-json "{\"write\": [{\"write_fused_max_hashed\": 128}]}"
 echo "== summary"; cat "$OUT/steps.tsv"
 for f in "$OUT"/*.log; do echo "=== $(basename "$f")"; cat "$f"; done > "$OUT/logs.txt" && rm -f "$OUT"/*.log
+for f in "$OUT"/bench/*.json; do [ -f "$f" ] && mv "$f" "$OUT/bench_$(basename "$f")"; done; rm -rf "${OUT:?}/bench"
 for d in native native_hashed; do
   [ -f "$OUT/$d/native_bench.json" ] && mv "$OUT/$d/native_bench.json" "$OUT/${d}_bench.json"; rm -rf "${OUT:?}/$d"
 done
