@@ -56,7 +56,14 @@ def max_graphs() -> int:
       ValueError: not a non-negative integer, naming the variable.
     """
     raw = os.environ.get(GRAPHS_ENV)
-    if raw is None or raw.strip() == "":
+    if raw is None:
+        return DEFAULT_MAX_GRAPHS
+    return _parse_max_graphs(raw)
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_max_graphs(raw: str) -> int:  # memoised: replay reads the variable on every launch
+    if raw.strip() == "":
         return DEFAULT_MAX_GRAPHS
     try:
         n = int(raw)
