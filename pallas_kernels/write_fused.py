@@ -1,13 +1,15 @@
 """Write in one launch, ``canary_write_fused`` (:func:`write_fused_kernel`): for small launches (a decode step),
 every pass of :mod:`pallas_kernels.write` in a single program, with block barriers where the passes were launches.
 
-The default for sourceless launches of at most ``PallasConfig.write_fused_max_tokens`` (128) tokens, a decode
-step's write; launches with real-KV sources only up to ``write_fused_max_hashed`` (0 by default). Bit-identical.
-Inside the H200 serving step it took 7.9 / 10.5 us of kernels against 14.3 / 15.3 us for the multi-launch write at
-batch 1 / 128 (``benchmarks/results/2026-12-05_h200_plan_kernel.md``). Alone and large it loses: one program
-serialises about ten dependent global-memory round trips and every entry's scattered loads and stores go through one
-SM, 70 us against 13.5 us at 4096 one-token requests (``benchmarks/results/2026-12-04_h200_write_fused.md``). The
-serving-step compile crash once seen with it on was most likely a one-request launch's one-element Triton tensors
+The default for launches of at most ``PallasConfig.write_fused_max_tokens`` (128) tokens without real-KV sources and
+``write_fused_max_hashed`` (128) with them, a decode step's writes. Bit-identical. With a source, the torch
+launchers' captured decode step took 59.7 us of device time against 90.4 us on an H100
+(``benchmarks/results/2026-12-05_h100_glue.md``). Without sources, inside the H200 serving step, it took 7.9 / 10.5
+us of kernels against 14.3 / 15.3 us for the multi-launch write at batch 1 / 128
+(``benchmarks/results/2026-12-05_h200_plan_kernel.md``). Alone and large it loses: one program serialises about ten
+dependent global-memory round trips and every entry's scattered loads and stores go through one SM, 70 us against
+13.5 us at 4096 one-token requests (``benchmarks/results/2026-12-04_h200_write_fused.md``). The serving-step compile
+crash once seen with it on was most likely a one-request launch's one-element Triton tensors
 (blocks are now at least :data:`MIN_BLOCK` wide; ``benchmarks/plan_lanes_probe.py``).
 
 The multi-launch write needs launch boundaries for two global orders: every chain must read its seed before any

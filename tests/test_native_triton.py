@@ -39,7 +39,7 @@ BF16 = (torch.bfloat16, 1, 64, 32, 0)  # (dtype, page_size, num_bytes_per_token,
 F32 = (torch.float32, 4, 32, 32, 16)
 VERIFY = ("canary_verify", "canary_verify_rows")
 WRITE = ("canary_write_chain", "canary_write_won", "canary_write_store")
-WRITE_FUSED = ("canary_write_fused",)  # a sourceless launch of at most write_fused_max_tokens tokens
+WRITE_FUSED = ("canary_write_fused",)  # a launch of at most write_fused_max_tokens / _hashed tokens
 WRITE_LONG = ("canary_write_chain", "canary_write_long", "canary_write_won", "canary_write_store")
 
 
@@ -168,8 +168,8 @@ CASES = {
     "verify_partial_1src_check": (lambda: verify_launch((BF16,), 1, True), VERIFY),
     "verify_all_2src": (lambda: verify_launch((BF16, F32), 2, False), VERIFY),
     "write_none": (lambda: write_launch((), 0, False), WRITE_FUSED),
-    "write_partial_1src": (lambda: write_launch((BF16,), 1, False), WRITE),
-    "write_input_assert_2src": (lambda: write_launch((BF16, F32), 2, True), WRITE),
+    "write_partial_1src": (lambda: write_launch((BF16,), 1, False), WRITE_FUSED),
+    "write_input_assert_2src": (lambda: write_launch((BF16, F32), 2, True), WRITE_FUSED),
     "write_long": (long_write_launch, WRITE_LONG),
     "write_multi": (multi_write_launch, WRITE),
 }

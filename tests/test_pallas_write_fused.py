@@ -22,7 +22,7 @@ from pallas_kernels.config import PallasConfig
 from pallas_kernels.write import write_pallas
 
 FUSED = PallasConfig(write_fused_max_tokens=512, write_fused_max_hashed=256)
-MULTI = PallasConfig(write_fused_max_tokens=0)  # the multi-launch write
+MULTI = PallasConfig(write_fused_max_tokens=0, write_fused_max_hashed=0)  # the multi-launch write
 N_SLOTS = 64
 
 
