@@ -511,8 +511,8 @@ def verify_operands(w: World, plan, eqns) -> list[tuple[list, list]]:
     ``_verify_pallas``'s order; outputs aliased to inputs (the log) are the input tensors themselves.
 
     Every int64 tensor is passed as its int32 (lo, hi) words, the canary buffer as ``int32[N, S/4]``, each
-    real-KV source (only with a hash mode) as ``int32[rows, row_bytes/4]``, the per-tag counters as the whole
-    ``int64[tags]`` arrays' words (the kernels bump row ``tag`` only).
+    real-KV source (only with a hash mode) as ``int32[rows, row_bytes/4]``, the launch's counters as SGLang's
+    one-element per-tag views' words (a one-row counter array: the kernels bump that row).
     """
     words32 = lambda t: t.view(torch.int32)  # noqa: E731 - int64 [n] -> int32 [2n]; same bytes
     st, dev = w.state, w.buf.device
@@ -533,8 +533,8 @@ def verify_operands(w: World, plan, eqns) -> list[tuple[list, list]]:
     log = [
         st.violation_ring.view(torch.int32),
         st.violation_write_index,
-        words32(st.slot_run_counters),
-        words32(st.kernel_run_counters),
+        words32(st.slot_run_counters[TAG : TAG + 1]),
+        words32(st.kernel_run_counters[TAG : TAG + 1]),
     ]
     in2 = [
         *head,
