@@ -15,8 +15,7 @@ import torch
 
 from benchmarks.interop_setup import Setup, sync
 from benchmarks.native_bench import host_and_wall, plan_args
-from canary_jax.contract import validation
-from interop import sglang, sglang_launch
+from interop import sglang
 from interop.native import replay
 
 
@@ -63,18 +62,8 @@ def main():
             return sglang.verify_replay_key(s.ctx, vp, False, backend=None, path=None)
 
         def write_key():
-            return sglang_launch._replay_key(
-                "write",
-                None,
-                "pallas",
-                s.ctx.canary_buf,
-                lambda k: (
-                    sglang_launch._context_key(s.ctx, sglang._WRITE_CONTEXT_FIELDS, k),
-                    replay.fields_sig(wp, validation.WRITE_PLAN_FIELDS, (), k),
-                    replay.sig((kw["input_ids"], kw["positions"], kw["out_cache_loc"], None, None), k),
-                    replay.value_sig(False),
-                ),
-            )
+            tokens = (kw["input_ids"], kw["positions"], kw["out_cache_loc"], None, None)
+            return sglang.write_replay_key(s.ctx, wp, tokens, False, backend="pallas", path=None)
 
         def plan():
             sglang.launch_canary_plan_kernels(**pa)

@@ -179,6 +179,32 @@ def launch_canary_verify_kernel(
 _WRITE_CONTEXT_FIELDS = (*arguments.CONTEXT_FIELDS, "enable_chain_position_assert")
 
 
+def write_replay_key(
+    context: Any,
+    plan: Any,
+    tokens: tuple,
+    enable_write_input_assert: Any,
+    *,
+    backend: str | None,
+    path: str | None,
+) -> tuple | None:
+    """The replay key of a write launch (:mod:`interop.native.replay`), None where replay does not apply;
+    ``tokens`` = ``(input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)`` (for
+    :func:`launch_canary_write_kernel` and ``benchmarks/replay_profile.py``)."""
+    return _replay_key(
+        "write",
+        path,
+        backend,
+        getattr(context, "canary_buf", None),
+        lambda k: (
+            _context_key(context, _WRITE_CONTEXT_FIELDS, k),
+            replay.fields_sig(plan, validation.WRITE_PLAN_FIELDS, (), k),
+            replay.sig(tokens, k),
+            replay.value_sig(enable_write_input_assert),
+        ),
+    )
+
+
 def launch_canary_write_kernel(
     *,
     context: Any,
@@ -201,18 +227,8 @@ def launch_canary_write_kernel(
     Raises:
       ValueError / TypeError: SGLang's errors and the interop's (see the module docstring); nothing runs.
     """
-    key = _replay_key(
-        "write",
-        path,
-        backend,
-        getattr(context, "canary_buf", None),
-        lambda k: (
-            _context_key(context, _WRITE_CONTEXT_FIELDS, k),
-            replay.fields_sig(plan, validation.WRITE_PLAN_FIELDS, (), k),
-            replay.sig((input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions), k),
-            replay.value_sig(enable_write_input_assert),
-        ),
-    )
+    tokens = (input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)
+    key = write_replay_key(context, plan, tokens, enable_write_input_assert, backend=backend, path=path)
     if replay.GRAPHS.replay(key):
         return
     sources = _sources(context)

@@ -50,6 +50,12 @@ class Prologue(NamedTuple):
     srcs: list
 
 
+def counter_row(context: VerifyOrWriteContext) -> int:
+    """The row of the context's counter arrays a launch bumps: the tag, or 0 for one-row arrays (SGLang's per-tag
+    views, as the torch launchers pass them; the public entry points refuse arrays without a row for the tag)."""
+    return int(context.kernel_kind) if context.log.kernel_run_counters.shape[0] > 1 else 0
+
+
 def prologue(context: VerifyOrWriteContext, config: PallasConfig, interpret: bool) -> Prologue:
     """The operands and statics every verify and write launch starts from (the sources past the descriptors'
     count, which the hash mode leaves unread, are dropped).
@@ -64,7 +70,7 @@ def prologue(context: VerifyOrWriteContext, config: PallasConfig, interpret: boo
     return Prologue(
         descs=descs,
         tag=int(context.kernel_kind),
-        counter_row=int(context.kernel_kind) if context.log.kernel_run_counters.shape[0] > 1 else 0,
+        counter_row=counter_row(context),
         log=context.log,
         words=words,
         n_slots=int(words.shape[0]),

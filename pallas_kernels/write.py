@@ -67,8 +67,8 @@ def _write_pallas(
     reuse, ``emit_chain`` to make one. Returns ``(context, the hint made or None)``."""
     num_tokens = int(input_ids.shape[0])
     if num_tokens == 0:  # nothing to store or check: only the launch counter moves
-        row = int(context.kernel_kind) if context.log.kernel_run_counters.shape[0] > 1 else 0  # calls.Prologue
-        return context.replace(log=layout.bump_counters(context.log, row, jnp.uint32(0))), None
+        log = layout.bump_counters(context.log, calls.counter_row(context), jnp.uint32(0))
+        return context.replace(log=log), None
     pro = calls.prologue(context, config, interpret)
     descs, log, words, n_slots, hasher = pro.descs, pro.log, pro.words, pro.n_slots, pro.hasher
     cw = int(plan.write_seed_slot_indices.shape[0])

@@ -62,6 +62,7 @@ def test_fields_sig_marks_a_missing_field():
 
     a = replay.fields_sig(Ctx(), ("canary_buf", "violation_ring"))
     assert a[0] is Ctx and a[2] == replay._MISSING
+    assert replay.fields_sig(Ctx(), ("violation_ring",)) == (Ctx, replay._MISSING)  # one name, missing
 
 
 def test_no_key_for_cpu_tensors_or_the_dlpack_path():

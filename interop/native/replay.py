@@ -149,10 +149,10 @@ def fields_sig(
     ``values`` (a missing one keys as a marker; the checks will raise)."""
     try:
         got = _getter(fields, values)(obj)  # one C call for every attribute
+        if len(fields) + len(values) == 1:  # attrgetter of one name returns the value itself
+            got = (got,)
     except AttributeError:
         got = tuple(getattr(obj, f, _MISSING) for f in (*fields, *values))
-    if len(fields) + len(values) == 1:
-        got = (got,)
     n = len(fields)
     return (
         type(obj),
