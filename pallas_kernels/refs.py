@@ -11,6 +11,7 @@ Shapes: ``B`` is a block of lanes (entries or requests); 64-bit values are :clas
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -251,11 +252,12 @@ def aliases(args: dict, outs: Sequence[str]) -> dict[int, int]:
 
 
 def updated_log(log: layout.ViolationLog, *, ring, write_index, slot_counters, kernel_counters) -> layout.ViolationLog:
-    """The log after a launch: the aliased kernel outputs reshaped back to the log's shapes."""
-    return layout.ViolationLog(
+    """The log after a launch: the aliased kernel outputs reshaped back to the log's shapes (the assert flag and
+    the launch ticket as they were)."""
+    return dataclasses.replace(
+        log,
         ring=ring.reshape(log.ring.shape),
         write_index=write_index,
         slot_run_counters=slot_counters.reshape(log.slot_run_counters.shape),
         kernel_run_counters=kernel_counters.reshape(log.kernel_run_counters.shape),
-        enable_chain_position_assert=log.enable_chain_position_assert,
     )

@@ -97,6 +97,10 @@ class ViolationLog:
         ``CanaryLaunchTag`` value (as are the kernel counters).
       kernel_run_counters: ``uint32[num_tags, 2]``: per-tag int64 count of launches.
       enable_chain_position_assert: ``int32[1]``: write-kernel chain-position assert gate (1 = on).
+      launch_ticket: ``int32[1]``, zero between launches, or None. Not SGLang state: the arrival counter of the
+        Pallas backend's one-launch HEAD / TAIL (:mod:`pallas_kernels.phase`), whose last verify program to arrive
+        writes the rows and runs the write, then zeroes it. A log without one (built from SGLang's tensors, say)
+        runs a phase as separate verify and write launches, with the same bytes.
     """
 
     ring: jax.Array
@@ -104,6 +108,7 @@ class ViolationLog:
     slot_run_counters: jax.Array
     kernel_run_counters: jax.Array
     enable_chain_position_assert: jax.Array
+    launch_ticket: jax.Array | None = None
 
     @classmethod
     def allocate(
@@ -113,7 +118,7 @@ class ViolationLog:
         num_tags: int = constants.NUM_LAUNCH_TAGS,
         enable_chain_position_assert: bool = True,
     ) -> ViolationLog:
-        """Zeroed ring, index and counters; the assert flag starts at 1 as in SGLang.
+        """Zeroed ring, index, counters and launch ticket; the assert flag starts at 1 as in SGLang.
 
         Raises:
           ValueError: ``ring_capacity <= 0`` or ``num_tags <= 0`` (SGLang's messages).
@@ -130,6 +135,7 @@ class ViolationLog:
             slot_run_counters=jnp.zeros((int(num_tags), 2), jnp.uint32),
             kernel_run_counters=jnp.zeros((int(num_tags), 2), jnp.uint32),
             enable_chain_position_assert=jnp.full((1,), 1 if enable_chain_position_assert else 0, jnp.int32),
+            launch_ticket=jnp.zeros((1,), jnp.int32),
         )
 
     @property
@@ -149,6 +155,8 @@ class ViolationLog:
         validation.check_array(fact(self.slot_run_counters), "slot_run_counters", "uint32", (None, 2))
         validation.check_array(fact(self.kernel_run_counters), "kernel_run_counters", "uint32", (None, 2))
         validation.check_array(fact(self.enable_chain_position_assert), "enable_chain_position_assert", "int32", (1,))
+        if self.launch_ticket is not None:
+            validation.check_array(fact(self.launch_ticket), "launch_ticket", "int32", (1,))
         if self.slot_run_counters.shape != self.kernel_run_counters.shape:
             raise ValueError(
                 f"kv-canary: slot_run_counters shape {self.slot_run_counters.shape} != kernel_run_counters shape "
