@@ -74,16 +74,18 @@ def _active(num_valid_ref, enable_ref, cap):
     return jnp.where(enable_ref[0] != 0, jnp.clip(num_valid_ref[0], 0, cap), 0)
 
 
-def _verify_kernel(
-    num_valid_ref,  # i32[1]
-    enable_ref,  # i32[1]
-    write_index_ref,  # i32[1], read only here
-    slot_ref,  # u32[C, 2]
-    exp_tok_ref,  # u32[C, 2], read only when check
-    exp_pos_ref,  # u32[C, 2]
-    prev_ref,  # u32[C, 2]
-    words_ref,  # u32[N, S/4]
-    *more_refs,  # u32[rows_s, row_words_s] per source; outputs bits_ref u8[C], counts_ref i32[NB], base_ref i32[1]
+def verify_block(
+    b,
+    active,
+    slot_ref,
+    exp_tok_ref,
+    exp_pos_ref,
+    prev_ref,
+    words_ref,
+    src_refs,
+    bits_ref,
+    counts_ref,
+    *,
     descs,
     check,
     n_slots,
@@ -95,39 +97,126 @@ def _verify_kernel(
     source_unroll,
     source_tile_words,
 ):
+    """Block ``b`` of ``block`` entries (of ``active``): one fail-bit byte per entry into ``bits_ref`` u8[C] and the
+    block's number of failing entries into ``counts_ref[b]`` (the verify pass of :func:`_verify_kernel` and of
+    :mod:`pallas_kernels.phase`)."""
+    idx = b * block + refs.iota(block)
+    live = idx < active
+    e = _entry_state(
+        idx, live, slot_ref, prev_ref, words_ref, n_slots=n_slots, hasher=hasher, gather=gather, with_rkv_field=True
+    )
+    considered = e["considered"]
+    exp_pos = refs.load_pair(exp_pos_ref, idx, 0, considered, gather)
+    exp_rkv = real_kv.real_kv_hash(
+        src_refs, descs, e["s"], e["m"], hasher, source_gather, source_unroll, source_tile_words
+    )
+    bits = (
+        jnp.where(e["reachable"] & pairs.ne(e["prev_h"], e["exp_chain"]), int(FailReason.VERIFY_CHAIN_HASH_MISMATCH), 0)
+        | jnp.where(pairs.ne(e["pos"], exp_pos), int(FailReason.VERIFY_POSITION_MISMATCH), 0)
+        | jnp.where(pairs.ne(e["rkv"], exp_rkv), int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH), 0)
+    ).astype(jnp.int32)
+    if check:
+        exp_tok = refs.load_pair(exp_tok_ref, idx, 0, considered, gather)
+        tok_fail = ~pairs.is_minus_one(exp_tok) & pairs.ne(e["tok"], exp_tok)
+        bits = bits | jnp.where(tok_fail, int(FailReason.VERIFY_TOKEN_MISMATCH), 0).astype(jnp.int32)
+    bits = jnp.where(considered, bits, 0)
+    refs.store_vec(bits_ref, idx, bits.astype(jnp.uint8), idx < cap)
+    counts_ref[b] = jnp.sum((bits != 0).astype(jnp.int32), dtype=jnp.int32)
+
+
+def store_rows(
+    b,
+    start,
+    active,
+    slot_ref,
+    exp_tok_ref,
+    prev_ref,
+    words_ref,
+    bits_ref,
+    ring_ref,
+    *,
+    tag,
+    check,
+    n_slots,
+    block,
+    ring_capacity,
+    hasher,
+    gather,
+):
+    """The violation rows of block ``b``'s failing entries, ranked in entry order from ring row ``start``
+    (fill-once: rows past ``ring_capacity`` are dropped). The rows pass of :func:`_verify_rows_kernel` and of
+    :mod:`pallas_kernels.phase`."""
+    idx = b * block + refs.iota(block)
+    live = idx < active
+    bits = refs.load_vec(bits_ref, idx, live, 0).astype(jnp.int32)
+    flag = (bits != 0).astype(jnp.int32)
+    dest = start + jnp.cumsum(flag, axis=0) - flag
+    keep = (flag != 0) & (dest >= 0) & (dest < ring_capacity)
+    e = _entry_state(
+        idx, keep, slot_ref, prev_ref, words_ref, n_slots=n_slots, hasher=hasher, gather=gather, with_rkv_field=False
+    )
+    exp_tok = refs.load_pair(exp_tok_ref, idx, 0, keep, gather) if check else pairs.const(-1, idx.shape)
+    zero = jnp.zeros(idx.shape, jnp.uint32)
+    cols = [  # the 8 int64 fields of a violation row (constants.VIOLATION_FIELD_*), as lo, hi words
+        jnp.full(idx.shape, tag, jnp.uint32),
+        zero,
+        e["slot"].lo,
+        e["slot"].hi,
+        e["pos"].lo,
+        e["pos"].hi,
+        e["tok"].lo,
+        e["tok"].hi,
+        exp_tok.lo,
+        exp_tok.hi,
+        e["prev_h"].lo,
+        e["prev_h"].hi,
+        e["exp_chain"].lo,
+        e["exp_chain"].hi,
+        bits.astype(jnp.uint32),
+        zero,
+    ]
+    for k, v in enumerate(cols):
+        refs.store_word(ring_ref, dest, k, v, keep)
+
+
+def _verify_kernel(
+    num_valid_ref,  # i32[1]
+    enable_ref,  # i32[1]
+    write_index_ref,  # i32[1], read only here
+    slot_ref,  # u32[C, 2]
+    exp_tok_ref,  # u32[C, 2], read only when check
+    exp_pos_ref,  # u32[C, 2]
+    prev_ref,  # u32[C, 2]
+    words_ref,  # u32[N, S/4]
+    *more_refs,  # u32[rows_s, row_words_s] per source; outputs bits_ref u8[C], counts_ref i32[NB], base_ref i32[1]
+    descs,
+    block,
+    **statics,
+):
     src_refs = more_refs[: len(descs)]
     bits_ref, counts_ref, base_ref = more_refs[len(descs) :]
-    active = _active(num_valid_ref, enable_ref, cap)
+    active = _active(num_valid_ref, enable_ref, statics["cap"])
 
     @pl.when(refs.program_id() == 0)
     def _():
         base_ref[0] = write_index_ref[0]
 
     def block_body(b):
-        idx = b * block + refs.iota(block)
-        live = idx < active
-        e = _entry_state(
-            idx, live, slot_ref, prev_ref, words_ref, n_slots=n_slots, hasher=hasher, gather=gather, with_rkv_field=True
+        verify_block(
+            b,
+            active,
+            slot_ref,
+            exp_tok_ref,
+            exp_pos_ref,
+            prev_ref,
+            words_ref,
+            src_refs,
+            bits_ref,
+            counts_ref,
+            descs=descs,
+            block=block,
+            **statics,
         )
-        considered = e["considered"]
-        exp_pos = refs.load_pair(exp_pos_ref, idx, 0, considered, gather)
-        exp_rkv = real_kv.real_kv_hash(
-            src_refs, descs, e["s"], e["m"], hasher, source_gather, source_unroll, source_tile_words
-        )
-        bits = (
-            jnp.where(
-                e["reachable"] & pairs.ne(e["prev_h"], e["exp_chain"]), int(FailReason.VERIFY_CHAIN_HASH_MISMATCH), 0
-            )
-            | jnp.where(pairs.ne(e["pos"], exp_pos), int(FailReason.VERIFY_POSITION_MISMATCH), 0)
-            | jnp.where(pairs.ne(e["rkv"], exp_rkv), int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH), 0)
-        ).astype(jnp.int32)
-        if check:
-            exp_tok = refs.load_pair(exp_tok_ref, idx, 0, considered, gather)
-            tok_fail = ~pairs.is_minus_one(exp_tok) & pairs.ne(e["tok"], exp_tok)
-            bits = bits | jnp.where(tok_fail, int(FailReason.VERIFY_TOKEN_MISMATCH), 0).astype(jnp.int32)
-        bits = jnp.where(considered, bits, 0)
-        refs.store_vec(bits_ref, idx, bits.astype(jnp.uint8), idx < cap)
-        counts_ref[b] = jnp.sum((bits != 0).astype(jnp.int32), dtype=jnp.int32)
 
     refs.for_each_block(refs.cdiv(active, block), block_body)
 
@@ -177,48 +266,24 @@ def _verify_rows_kernel(
         @pl.when(counts_ref[b] > 0)
         def _():
             start = base + refs.sum_counts(counts_ref, 0, b)
-            idx = b * block + refs.iota(block)
-            live = idx < active
-            bits = refs.load_vec(bits_ref, idx, live, 0).astype(jnp.int32)
-            flag = (bits != 0).astype(jnp.int32)
-            dest = start + jnp.cumsum(flag, axis=0) - flag
-            keep = (flag != 0) & (dest >= 0) & (dest < ring_capacity)
-            e = _entry_state(
-                idx,
-                keep,
+            store_rows(
+                b,
+                start,
+                active,
                 slot_ref,
+                exp_tok_ref,
                 prev_ref,
                 words_ref,
+                bits_ref,
+                ring_ref,
+                tag=tag,
+                check=check,
                 n_slots=n_slots,
+                block=block,
+                ring_capacity=ring_capacity,
                 hasher=hasher,
                 gather=gather,
-                with_rkv_field=False,
             )
-            if check:
-                exp_tok = refs.load_pair(exp_tok_ref, idx, 0, keep, gather)
-            else:
-                exp_tok = pairs.const(-1, idx.shape)
-            zero = jnp.zeros(idx.shape, jnp.uint32)
-            cols = [  # the 8 int64 fields of a violation row (constants.VIOLATION_FIELD_*), as lo, hi words
-                jnp.full(idx.shape, tag, jnp.uint32),
-                zero,
-                e["slot"].lo,
-                e["slot"].hi,
-                e["pos"].lo,
-                e["pos"].hi,
-                e["tok"].lo,
-                e["tok"].hi,
-                exp_tok.lo,
-                exp_tok.hi,
-                e["prev_h"].lo,
-                e["prev_h"].hi,
-                e["exp_chain"].lo,
-                e["exp_chain"].hi,
-                bits.astype(jnp.uint32),
-                zero,
-            ]
-            for k, v in enumerate(cols):
-                refs.store_word(ring_ref, dest, k, v, keep)
 
     refs.for_each_block(num_blocks, block_body)
 

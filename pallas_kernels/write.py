@@ -47,6 +47,25 @@ from pallas_kernels.write_long import write_long_kernel
 from pallas_kernels.write_won import claim_slots, write_won_kernel
 
 
+def flat_operands(ids, pos, loc, exp_tok, exp_pos, *, assert_inputs: bool) -> dict:
+    """The write's token operands as flat ``uint32[2 T]`` words by kernel name; without the input assert the
+    actual tokens and positions stand in for the expected ones (never read)."""
+    if not assert_inputs:
+        exp_tok, exp_pos = ids, pos
+    named = dict(ids=ids, pos=pos, loc=loc, exp_tok=exp_tok, exp_pos=exp_pos)
+    return {k: v.reshape(-1) for k, v in named.items()}
+
+
+def takes_fused(num_tokens: int, cw: int, has_rkv: bool, config: PallasConfig) -> bool:
+    """Whether a write of ``num_tokens`` tokens over a plan of ``cw`` request rows (with real-KV sources iff
+    ``has_rkv``) runs as the one program of :mod:`pallas_kernels.write_fused`: at least one and at most
+    ``write_fused_max_tokens`` (``write_fused_max_hashed``) tokens, and no long-request role (see
+    :func:`_write_pallas`)."""
+    long_on = num_tokens > config.write_long_threshold and num_tokens >= 2 * cw
+    bound = config.write_fused_max_hashed if has_rkv else config.write_fused_max_tokens
+    return 0 < num_tokens <= bound and not long_on
+
+
 def _write_pallas(
     context: VerifyOrWriteContext,
     plan: WritePlan,
@@ -91,14 +110,10 @@ def _write_pallas(
     entry_programs = (
         max(1, min(-(-num_tokens // config.write_entry_block), config.write_max_programs)) if has_rkv else 0
     )
-    flat = dict(
-        ids=input_ids.reshape(-1),
-        pos=positions.reshape(-1),
-        loc=out_cache_loc.reshape(-1),
-        exp_tok=expected_input_tokens.reshape(-1),
-        exp_pos=expected_input_positions.reshape(-1),
+    flat = flat_operands(
+        input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions, assert_inputs=True
     )
-    if not long_on and num_tokens <= (config.write_fused_max_hashed if has_rkv else config.write_fused_max_tokens):
+    if takes_fused(num_tokens, cw, has_rkv, config):
         # A small launch (a decode step): every pass in one program, one kernel (pallas_kernels.write_fused).
         words, new_log = write_fused(pro, plan, flat, assert_inputs=assert_inputs, interpret=interpret, config=config)
         return context.replace(canary_buf=layout.canary_bytes(words), log=new_log), None

@@ -36,15 +36,17 @@ def write_commit_kernel(
     ring_capacity,
     gather,
     assert_inputs,
+    pid=None,
 ):
     """Winners store their records; blocks with violations scatter their rows; program 0 moves the write index
-    and bumps the counters."""
+    and bumps the counters. ``pid``: this program's id in the pass (None: the grid's), for a kernel that runs the
+    pass in one of its programs (:mod:`pallas_kernels.phase`)."""
     rkv_ref = more_refs[0] if has_rkv else None
     words_ref, ring_ref, wi_ref, slot_counters_ref, kernel_counters_ref = more_refs[len(more_refs) - 5 :]
     num_blocks = refs.cdiv(num_tokens, block)
     base = base_ref[0]
 
-    @pl.when(refs.program_id() == 0)
+    @pl.when((refs.program_id() if pid is None else pid) == 0)
     def _():
         rows = refs.sum_counts(counts_ref, 0, num_blocks, column=0)
         written = refs.sum_counts(counts_ref, 0, num_blocks, column=1)
@@ -99,4 +101,4 @@ def write_commit_kernel(
             for k, v in enumerate(ch_cols):
                 refs.store_word(ring_ref, d_ch, k, v, keep_ch)
 
-    refs.for_each_block(num_blocks, block_body)
+    refs.for_each_block(num_blocks, block_body, pid=pid, programs=None if pid is None else 1)

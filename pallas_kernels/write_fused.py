@@ -115,6 +115,33 @@ def write_fused_kernel(
     # outputs: words, flags u32[T], prev_at / chain_exp u32[2 T], counts i32[NB, 2] [, rkv u32[T, 2]], ring,
     # write index, slot counters, kernel counters
     descs,
+    **statics,
+):
+    """The whole write of :func:`pallas_kernels.write._write_pallas` in one program (see the module docstring)."""
+    inputs = (
+        num_reqs_ref,
+        assert_flag_ref,
+        offsets_ref,
+        seeds_ref,
+        ids_ref,
+        pos_ref,
+        loc_ref,
+        exp_tok_ref,
+        exp_pos_ref,
+    )
+    src_refs = more_refs[: len(descs)]
+    wi_in_ref = more_refs[len(descs) + 2]
+    scratch = more_refs[len(descs) + 5 :]
+    write_body(inputs, src_refs, wi_in_ref, scratch, descs=descs, **statics)
+
+
+def write_body(
+    inputs,
+    src_refs,
+    base_ref,
+    scratch,
+    *,
+    descs,
     n_slots,
     cw,
     num_tokens,
@@ -133,10 +160,14 @@ def write_fused_kernel(
     ring_capacity,
     interpret,
 ):
-    """The whole write of :func:`pallas_kernels.write._write_pallas` in one program (see the module docstring)."""
-    src_refs = more_refs[: len(descs)]
-    wi_in_ref = more_refs[len(descs) + 2]
-    words_ref, flags_ref, prev_at_ref, chain_exp_ref, counts_ref, *rest = more_refs[len(descs) + 5 :]
+    """Every pass of the write, run by one program: :func:`write_fused_kernel`'s, and the last verify program's in
+    :mod:`pallas_kernels.phase`.
+
+    Refs: ``inputs`` the 9 write operands of :func:`write_fused_kernel` in its order, ``src_refs`` the sources,
+    ``base_ref`` the write index rows are appended at (i32[1]: the input, or the output a verify pass before this
+    one has moved), ``scratch`` the outputs: words, flags, prev_at, chain_exp, counts [, rkv], ring, write index,
+    slot counters, kernel counters."""
+    words_ref, flags_ref, prev_at_ref, chain_exp_ref, counts_ref, *rest = scratch
     rkv_ref = rest[0] if descs else None
     log_refs = rest[len(rest) - 4 :]
     zero = jnp.int32(0)
@@ -144,9 +175,8 @@ def write_fused_kernel(
     i = refs.iota(-(-num_tokens // block) * block)
     refs.store_vec(flags_ref, i, jnp.zeros(i.shape, jnp.uint32), i < num_tokens)
     barrier(interpret)
-    inputs = (ids_ref, pos_ref, loc_ref, exp_tok_ref, exp_pos_ref)
     _chain_role(
-        (num_reqs_ref, assert_flag_ref, offsets_ref, seeds_ref, *inputs),
+        inputs,
         (words_ref, flags_ref, prev_at_ref, chain_exp_ref),
         pid=zero,
         programs=1,
@@ -160,6 +190,7 @@ def write_fused_kernel(
         assert_inputs=assert_inputs,
         long_threshold=None,
     )
+    loc_ref = inputs[6]
     if descs:
         _entry_role(
             loc_ref,
@@ -180,7 +211,7 @@ def write_fused_kernel(
     barrier(interpret)
     _claim_pass(loc_ref, words_ref, flags_ref, counts_ref, num_tokens=num_tokens, block=block, interpret=interpret)
     barrier(interpret)
-    commit_refs = (wi_in_ref, *inputs, prev_at_ref, chain_exp_ref, flags_ref, counts_ref)
+    commit_refs = (base_ref, *inputs[4:], prev_at_ref, chain_exp_ref, flags_ref, counts_ref)
     write_commit_kernel(
         *commit_refs,
         *([rkv_ref] if descs else []),
@@ -194,6 +225,7 @@ def write_fused_kernel(
         ring_capacity=ring_capacity,
         gather=gather,
         assert_inputs=assert_inputs,
+        pid=zero,
     )
 
 
@@ -205,11 +237,10 @@ def fused_shape(cw: int, prefetch: int) -> tuple[int, int]:
     return lanes, max(1, min(prefetch, MAX_PREFETCH, MAX_LANES // lanes))
 
 
-def write_fused(pro, plan, flat: dict, *, assert_inputs: bool, interpret: bool, config) -> tuple:
-    """The one launch: ``(words, log)`` after the write. ``pro`` is the launch's
-    :class:`~pallas_kernels.calls.Prologue`, ``flat`` the flat ``uint32[2 T]`` operands ``ids``, ``pos``,
-    ``loc``, ``exp_tok``, ``exp_pos`` (the expected ones standing in for themselves without the assert), and
-    ``plan`` the :class:`~canary_jax.planning.plans.WritePlan`; traced under the write's ``jax.jit``."""
+def fused_operands(pro, plan, flat: dict, *, assert_inputs: bool, interpret: bool, config) -> tuple[dict, dict, dict]:
+    """``(args, scratch, statics)`` of the one-program write: its operands by name (the canary words last), its
+    scratch outputs and the statics of :func:`write_body` (``ring_capacity`` aside). Arguments as
+    :func:`write_fused`; shared with :mod:`pallas_kernels.phase`."""
     num_tokens = flat["ids"].shape[0] // 2
     cw = int(plan.write_seed_slot_indices.shape[0])
     lanes, prefetch = fused_shape(cw, config.write_prefetch)
@@ -233,27 +264,38 @@ def write_fused(pro, plan, flat: dict, *, assert_inputs: bool, interpret: bool, 
     )
     if pro.descs:
         scratch["rkv"] = sds((num_tokens, 2), u32)
+    statics = dict(
+        descs=pro.descs,
+        n_slots=pro.n_slots,
+        cw=cw,
+        num_tokens=num_tokens,
+        lanes=lanes,
+        prefetch=prefetch,
+        entry_block=min(128, max(MIN_BLOCK, pow2_tokens)),
+        block=block,
+        tag=pro.tag,
+        counter_row=pro.counter_row,
+        hasher=pro.hasher,
+        gather=config.gather,
+        source_gather=config.source_gather,
+        source_unroll=config.source_unroll,
+        source_tile_words=config.write_source_tile_words,
+        assert_inputs=assert_inputs,
+        interpret=interpret,
+    )
+    return args, scratch, statics
+
+
+def write_fused(pro, plan, flat: dict, *, assert_inputs: bool, interpret: bool, config) -> tuple:
+    """The one launch: ``(words, log)`` after the write. ``pro`` is the launch's
+    :class:`~pallas_kernels.calls.Prologue`, ``flat`` the flat ``uint32[2 T]`` operands ``ids``, ``pos``,
+    ``loc``, ``exp_tok``, ``exp_pos`` (the expected ones standing in for themselves without the assert), and
+    ``plan`` the :class:`~canary_jax.planning.plans.WritePlan`; traced under the write's ``jax.jit``."""
+    args, scratch, statics = fused_operands(
+        pro, plan, flat, assert_inputs=assert_inputs, interpret=interpret, config=config
+    )
     (words, *_), log = calls.call_with_log(
-        functools.partial(
-            write_fused_kernel,
-            descs=pro.descs,
-            n_slots=pro.n_slots,
-            cw=cw,
-            num_tokens=num_tokens,
-            lanes=lanes,
-            prefetch=prefetch,
-            entry_block=min(128, max(MIN_BLOCK, pow2_tokens)),
-            block=block,
-            tag=pro.tag,
-            counter_row=pro.counter_row,
-            hasher=pro.hasher,
-            gather=config.gather,
-            source_gather=config.source_gather,
-            source_unroll=config.source_unroll,
-            source_tile_words=config.write_source_tile_words,
-            assert_inputs=assert_inputs,
-            interpret=interpret,
-        ),
+        functools.partial(write_fused_kernel, **statics),
         args,
         pro.log,
         outs=("words",),
