@@ -60,6 +60,11 @@ class PallasConfig:
         (``benchmarks/results/2026-12-05_h100_glue.md``); alone at 128 one-token requests with 4 sources the H200
         gave 18.1 us fused against 14.0 us (``benchmarks/results/2026-12-04_h200_write_fused.md``).
       write_fused_num_warps: warps of the fused program (power of 2).
+      phase_one_launch: a HEAD / TAIL phase (verify, then write: :func:`canary_jax.verify_then_write`) whose write
+        takes the one program (``write_fused_max_tokens`` / ``write_fused_max_hashed``), on a log with a launch
+        ticket, runs as one kernel, ``canary_phase`` (:mod:`pallas_kernels.phase`): the last verify program to
+        arrive writes the rows and runs the write. False: a verify launch and a write launch, the same bytes.
+      phase_num_warps: warps per program of ``canary_phase`` (power of 2).
       gather: canary records and plan fields: ``quad`` (16-byte), ``pair`` (8-byte) vector gathers or ``word``.
       source_gather: how real-KV bytes are loaded (:mod:`pallas_kernels.real_kv`): ``tile`` (default: 2-D
         ``[block, source_tile_words]`` tiles of each entry's row, loaded 4 bytes per thread and row),
@@ -95,6 +100,8 @@ class PallasConfig:
     write_fused_max_tokens: int = 128
     write_fused_max_hashed: int = 128
     write_fused_num_warps: int = 16
+    phase_one_launch: bool = True
+    phase_num_warps: int = 8
     gather: str = "pair"
     source_gather: str = "tile"
     source_unroll: int = 1
@@ -119,6 +126,7 @@ class PallasConfig:
             "write_long_chunk",
             "write_source_tile_words",
             "write_fused_num_warps",
+            "phase_num_warps",
             "plan_block",
             "plan_num_warps",
         ):
@@ -141,6 +149,8 @@ class PallasConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a non-negative int, got {v!r}")
+        if not isinstance(self.phase_one_launch, bool):
+            raise ValueError(f"kv-canary: PallasConfig.phase_one_launch must be a bool, got {self.phase_one_launch!r}")
         if not isinstance(self.source_unroll, int) or isinstance(self.source_unroll, bool) or self.source_unroll < 0:
             raise ValueError(
                 f"kv-canary: PallasConfig.source_unroll must be a non-negative int, got {self.source_unroll!r}"

@@ -58,6 +58,10 @@ PLAN_KERNELS: dict[str, str] = {"pallas": "pallas_kernels.plan:build_plans_palla
 """The plan build's kernel per backend (:func:`plan_kernel`). A backend without one (``reference``, and
 ``pallas_tpu``: no TPU plan kernel yet) builds plans with the jnp builder, the same bytes in more launches."""
 
+PHASE_KERNELS: dict[str, str] = {"pallas": "pallas_kernels.phase:phase_pallas"}
+"""A HEAD / TAIL phase (verify, then write) as one launch, per backend (:func:`phase_kernel`). A backend without
+one runs the phase as its verify, then its write: the same bytes in more launches."""
+
 REFERENCE_FALLBACKS: frozenset[tuple[str, str]] = frozenset(
     key for key, name in IMPLEMENTATIONS.items() if key[0] != "reference" and name.startswith("canary_jax.ops.")
 )
@@ -182,6 +186,25 @@ def plan_kernel(backend: str | None = None, *, platform: str | None = None) -> C
     if name is None:
         return None
     return functools.partial(_resolve(name), interpret=default_interpret_for(backend, platform))
+
+
+def phase_kernel(backend: str, *, platform: str | None = None) -> Callable | None:
+    """The one-launch phase of ``backend`` (a name from :data:`BACKENDS`), or None where it has none.
+
+    It takes ``(context, verify_plan, write_plan, input_ids, positions, out_cache_loc, *,
+    check_verify_expected_token, enable_write_input_assert, expected_input_tokens, expected_input_positions)`` and
+    returns the context after the verify and the write (:func:`pallas_kernels.phase.phase_pallas`). ``platform``
+    decides interpret mode as for :func:`implementation`.
+
+    Raises:
+      ValueError: an unknown backend name.
+    """
+    backend = check_backend_name(backend)
+    name = PHASE_KERNELS.get(backend)
+    if name is None:
+        return None
+    fn = _resolve(name)
+    return fn if platform is None else functools.partial(fn, interpret=default_interpret_for(backend, platform))
 
 
 @functools.cache

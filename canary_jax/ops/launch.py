@@ -45,7 +45,8 @@ except AttributeError:  # pragma: no cover
     from jax._src.core import Tracer as _Tracer
 
 
-def _is_tracing(*xs: Any) -> bool:
+def is_tracing(*xs: Any) -> bool:
+    """Whether any leaf of ``xs`` is a JAX tracer (the launch is being traced under a caller's ``jit``)."""
     return any(isinstance(x, _Tracer) for x in jax.tree_util.tree_leaves(xs))
 
 
@@ -206,19 +207,7 @@ def verify(
       TypeError / ValueError: any static check (dtype, shape, stride, more than 4 sources, ...), before
       tracing; nothing is mutated.
     """
-    check_context(context)
-    context = context.replace(real_kv_sources=sources.device_sources(context.real_kv_sources))
-    if not isinstance(plan, VerifyPlan):
-        raise TypeError(f"kv-canary: plan must be a VerifyPlan, got {type(plan).__name__}")
-    plan.check()
-    tracing = _is_tracing(context, plan)
-    check_coverage(
-        context,
-        tracing=tracing,
-        op="verify",
-        name="plan.verify_slot_indices",
-        hashed=lambda n: verify_plan_hashed(plan, n),
-    )
+    context, tracing = checked_verify(context, plan)
     fn = _implementation("verify", backend, context)
     if tracing:
         return fn(context, plan, check_verify_expected_token=bool(check_verify_expected_token))
@@ -227,6 +216,28 @@ def verify(
     dynamic = (context.canary_buf, context.log, tuple(context.real_kv_sources), plan)
     log = _program("verify", _verify_body, statics, dynamic, donate_argnums=(1,))(*dynamic)
     return context.replace(log=log)
+
+
+def checked_verify(context: VerifyOrWriteContext, plan: VerifyPlan) -> tuple[VerifyOrWriteContext, bool]:
+    """:func:`verify`'s checks before any tracing: ``(context with device sources, whether tracing)``.
+
+    Raises:
+      TypeError / ValueError: as :func:`verify`.
+    """
+    check_context(context)
+    context = context.replace(real_kv_sources=sources.device_sources(context.real_kv_sources))
+    if not isinstance(plan, VerifyPlan):
+        raise TypeError(f"kv-canary: plan must be a VerifyPlan, got {type(plan).__name__}")
+    plan.check()
+    tracing = is_tracing(context, plan)
+    check_coverage(
+        context,
+        tracing=tracing,
+        op="verify",
+        name="plan.verify_slot_indices",
+        hashed=lambda n: verify_plan_hashed(plan, n),
+    )
+    return context, tracing
 
 
 def _verify_body(fn, check, kind, mode, canary_buf, log, sources, plan):
@@ -316,28 +327,15 @@ def write(
       TypeError / ValueError: any static check (dtype, shape, stride, more than 4 sources, expected tensors
       present without the assert or missing with it), before tracing; nothing is mutated.
     """
-    check_context(context)
-    context = context.replace(real_kv_sources=sources.device_sources(context.real_kv_sources))
-    if not isinstance(plan, WritePlan):
-        raise TypeError(f"kv-canary: plan must be a WritePlan, got {type(plan).__name__}")
-    plan.check()
-    raw = (input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)
-    tracing = _is_tracing(context, plan, *(x for x in raw if isinstance(x, jax.Array)))
-    ids, pos, loc, et, ep = normalize_write_inputs(
+    context, tracing, (ids, pos, loc, et, ep) = checked_write(
+        context,
+        plan,
         input_ids,
         positions,
         out_cache_loc,
         enable_write_input_assert=enable_write_input_assert,
         expected_input_tokens=expected_input_tokens,
         expected_input_positions=expected_input_positions,
-        host=not tracing,
-    )
-    check_coverage(
-        context,
-        tracing=tracing,
-        op="write",
-        name="out_cache_loc",
-        hashed=lambda n: write_plan_hashed(plan, ints.pairs_to_int64_np(loc), n),
     )
     fn = _implementation("write", backend, context)
     flag = bool(enable_write_input_assert)
@@ -366,6 +364,51 @@ def write(
     dynamic = (context.canary_buf, context.log, tuple(context.real_kv_sources), plan, arrays)
     buf, log = _program("write", _write_body, statics, dynamic, donate_argnums=(0, 1))(*dynamic)
     return context.replace(canary_buf=buf, log=log)
+
+
+def checked_write(
+    context: VerifyOrWriteContext,
+    plan: WritePlan,
+    input_ids,
+    positions,
+    out_cache_loc,
+    *,
+    enable_write_input_assert: bool,
+    expected_input_tokens,
+    expected_input_positions,
+) -> tuple[VerifyOrWriteContext, bool, tuple]:
+    """:func:`write`'s checks before any tracing: ``(context with device sources, whether tracing, the token
+    arrays as int64 pairs: ids, positions, out_cache_loc, expected tokens, expected positions (None without the
+    assert))``.
+
+    Raises:
+      TypeError / ValueError: as :func:`write`.
+    """
+    check_context(context)
+    context = context.replace(real_kv_sources=sources.device_sources(context.real_kv_sources))
+    if not isinstance(plan, WritePlan):
+        raise TypeError(f"kv-canary: plan must be a WritePlan, got {type(plan).__name__}")
+    plan.check()
+    raw = (input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)
+    tracing = is_tracing(context, plan, *(x for x in raw if isinstance(x, jax.Array)))
+    arrays = normalize_write_inputs(
+        input_ids,
+        positions,
+        out_cache_loc,
+        enable_write_input_assert=enable_write_input_assert,
+        expected_input_tokens=expected_input_tokens,
+        expected_input_positions=expected_input_positions,
+        host=not tracing,
+    )
+    loc = arrays[2]
+    check_coverage(
+        context,
+        tracing=tracing,
+        op="write",
+        name="out_cache_loc",
+        hashed=lambda n: write_plan_hashed(plan, ints.pairs_to_int64_np(loc), n),
+    )
+    return context, tracing, arrays
 
 
 def _write_body(fn, flag, kind, mode, canary_buf, log, sources, plan, arrays):

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from canary_jax.contract import constants, ints, layout, validation
-from canary_jax.ops import launch
+from canary_jax.ops import launch, phase_launch
 from canary_jax.planning.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
 from canary_jax.planning.slot_tables import swa_translate
 
@@ -91,7 +91,8 @@ class CanaryEndpoint:
         (1) verify with the token check iff ``enable_verify_token_assert``; (2) SWA endpoints translate
         ``out_cache_loc`` through the LUT (negative stays negative = write skip; a slot past the LUT clamps
         to its last entry, never reading outside it); (3) write, with the expected tensors only when
-        ``enable_write_input_assert``.
+        ``enable_write_input_assert``. Traced, the Pallas backend runs (1) and (3) as one launch where it can
+        (:func:`canary_jax.ops.phase_launch.verify_then_write`); the bytes are the same.
 
         Args:
           input_ids, positions, out_cache_loc: int64-valued ``[T]`` ForwardBatch arrays (out_cache_loc in
@@ -112,12 +113,6 @@ class CanaryEndpoint:
         if enable_write_input_assert:
             has = expected_inputs is not None
             validation.check_expected_inputs(True, has_tokens=has, has_positions=has)
-        ctx = launch.verify(
-            self._context(violation_log, real_kv_hash_mode),
-            verify_plan,
-            check_verify_expected_token=bool(enable_verify_token_assert),
-            backend=backend,
-        )
         loc = out_cache_loc
         if self.full_to_swa_index_mapping is not None:
             loc = swa_translate(
@@ -127,12 +122,14 @@ class CanaryEndpoint:
             et, ep = expected_inputs.tokens, expected_inputs.positions
         else:
             et = ep = None
-        ctx = launch.write(
-            ctx,
+        ctx = phase_launch.verify_then_write(
+            self._context(violation_log, real_kv_hash_mode),
+            verify_plan,
             write_plan,
             input_ids,
             positions,
             loc,
+            check_verify_expected_token=bool(enable_verify_token_assert),
             enable_write_input_assert=bool(enable_write_input_assert),
             expected_input_tokens=et,
             expected_input_positions=ep,

@@ -1,0 +1,71 @@
+"""A HEAD / TAIL phase, verify then write, as the backend's one launch where it has one.
+
+:func:`verify_then_write` is :func:`canary_jax.verify` followed by :func:`canary_jax.write` on its result (SGLang's
+``launch_per_forward``, SPEC 8.2), with the same checks, arguments and bytes. Under ``jit`` a backend with a phase
+kernel (:data:`canary_jax.ops.backends.PHASE_KERNELS`: the Pallas backend's ``canary_phase``) runs both in one
+launch; outside ``jit``, and on the other backends, it makes the two calls.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from canary_jax.ops import backends, launch
+from canary_jax.planning.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
+
+
+def verify_then_write(
+    context: VerifyOrWriteContext,
+    verify_plan: VerifyPlan,
+    write_plan: WritePlan,
+    input_ids,
+    positions,
+    out_cache_loc,
+    *,
+    check_verify_expected_token: bool = False,
+    enable_write_input_assert: bool = False,
+    expected_input_tokens=None,
+    expected_input_positions=None,
+    backend: str | None = None,
+) -> VerifyOrWriteContext:
+    """Verifies ``verify_plan``, then writes the step's tokens by ``write_plan``: :func:`canary_jax.verify`, then
+    :func:`canary_jax.write` on the context it returns.
+
+    Args:
+      context: as for :func:`canary_jax.verify`; the canary buffer receives the write's stamps.
+      verify_plan, write_plan: the phase's plans.
+      input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions,
+      enable_write_input_assert: as for :func:`canary_jax.write`.
+      check_verify_expected_token: as for :func:`canary_jax.verify`.
+      backend: as for :func:`canary_jax.verify`. Traced, a backend with a phase kernel
+        (:func:`canary_jax.ops.backends.phase_kernel`) runs the phase as one launch where the launch allows
+        (:func:`pallas_kernels.phase.takes_one_launch`).
+
+    Returns:
+      The context with the new canary buffer and violation log. Outside ``jit`` both are donated, as for
+      :func:`canary_jax.write`.
+
+    Raises:
+      TypeError / ValueError: any check of :func:`canary_jax.verify` or :func:`canary_jax.write`, before tracing;
+      nothing is mutated.
+    """
+    verify_args = dict(check_verify_expected_token=bool(check_verify_expected_token))
+    write_args = dict(
+        enable_write_input_assert=bool(enable_write_input_assert),
+        expected_input_tokens=expected_input_tokens,
+        expected_input_positions=expected_input_positions,
+    )
+    raw = (input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)
+    fn = None
+    if launch.is_tracing(context, verify_plan, write_plan, *(x for x in raw if isinstance(x, jax.Array))):
+        platform = backends.array_platform(context.canary_buf)
+        fn = backends.phase_kernel(backends.resolve_backend(backend, platform=platform), platform=platform)
+    if fn is None:
+        ctx = launch.verify(context, verify_plan, backend=backend, **verify_args)
+        return launch.write(ctx, write_plan, input_ids, positions, out_cache_loc, backend=backend, **write_args)
+    context, _ = launch.checked_verify(context, verify_plan)
+    context, _, (ids, pos, loc, et, ep) = launch.checked_write(
+        context, write_plan, input_ids, positions, out_cache_loc, **write_args
+    )
+    write_args.update(expected_input_tokens=et, expected_input_positions=ep)
+    return fn(context, verify_plan, write_plan, ids, pos, loc, **verify_args, **write_args)
