@@ -7,17 +7,9 @@
 # of step 03, default 128) pick the serving-step runs.
 # Logs are gathered into $OUT/logs.txt at the end (the device returns at most 8 files).
 set -u -o pipefail
-OUT=${OUT:-./glue_out}
-mkdir -p "$OUT"
-CACHE=${CACHE:-/tmp/canary_gpu_cache}
-mkdir -p "$CACHE/jax" "$CACHE/triton"
-export JAX_COMPILATION_CACHE_DIR="$CACHE/jax" CANARY_JAX_TRITON_CACHE="$CACHE/triton"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-SKIP=${SKIP:-}
-STEP_DIR="$OUT" STEP_TAIL=${STEP_TAIL:-6}
+STEP_TAIL=${STEP_TAIL:-6}
 . "$(dirname "${BASH_SOURCE[0]}")/session_step.sh"
-python3 -c "import jax, torch, triton; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__, 'triton', triton.__version__)" \
-  > "$OUT/00_env.log" 2>&1; cat "$OUT/00_env.log"
+session_begin ./glue_out
 HASHED=${HASHED:-128}
 step 01_tests "${CAP1:-130}" bash -c 'python3 -m pytest -o addopts= -q -p no:cacheprovider -rf tests/test_native_triton.py \
   -k "sm90 or every_pallas_call"; python3 -m pytest -o addopts= -q -p no:cacheprovider -rf tests/test_native_replay.py \
@@ -35,8 +27,7 @@ step 06_native_bench_hashed "${CAP6:-170}" python3 -m benchmarks.native_bench --
 step 07_bench_write "${CAP7:-100}" python3 -m benchmarks.bench --quick --decode-reqs 128 --only write_128x1 --x64 off \
   --skip-reference --no-peer --out "$OUT/bench" --probe mini --probe-cases write_128x1_partial_x4,write_128x1_all_x1 \
   --probe-json "{\"write\": [{\"write_fused_max_hashed\": 128}]}"
-echo "== summary"; cat "$OUT/steps.tsv"
-for f in "$OUT"/*.log; do echo "=== $(basename "$f")"; cat "$f"; done > "$OUT/logs.txt" && rm -f "$OUT"/*.log
+session_end
 for f in "$OUT"/bench/*.json; do [ -f "$f" ] && mv "$f" "$OUT/bench_$(basename "$f")"; done; rm -rf "${OUT:?}/bench"
 for d in native native_hashed; do
   [ -f "$OUT/$d/native_bench.json" ] && mv "$OUT/$d/native_bench.json" "$OUT/${d}_bench.json"; rm -rf "${OUT:?}/$d"

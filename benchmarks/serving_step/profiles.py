@@ -116,12 +116,13 @@ def _canary_phase(name: str, region: str | None) -> tuple[str, str] | None:
     """``(phase, kind)`` of a Pallas canary kernel without an op_name. XLA names identical kernels once and the
     others ``__1``, ``__2`` in program order, and the step's order is HEAD, TAIL, sweep: so index 0 is HEAD,
     1 TAIL, 2 the sweep; a kernel HEAD and TAIL share (``_SHARED``), and a TAIL kernel the sweep reuses (same
-    shapes), take the phase of where they run in the timeline (``region``)."""
+    shapes), take the phase of where they run in the timeline (``region``). Kinds: ``verify``, ``write``, and
+    ``phase`` for ``canary_phase`` (a phase's verify and write in one kernel)."""
     mt = _CANARY_KERNEL.match(name)
     if not mt:
         return None
     base, idx = mt.group(1), int(mt.group(2) or 0)
-    kind = "verify" if "verify" in base else "write"
+    kind = "phase" if base == "canary_phase" else "verify" if "verify" in base else "write"
     if base in _SHARED or region == "sweep":
         phase = {"plan": "head", "model": "tail"}.get(region, region) or ("head" if idx == 0 else "tail")
     else:
