@@ -10,6 +10,7 @@ buffer, ring, write index and counters the references leave, and the launch tick
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import unittest
 
 import jax
@@ -161,6 +162,33 @@ class PhaseTest(absltest.TestCase):
         got = _phase(no_ticket, vplan, wplan, tokens, expected, check=False, assert_inputs=False)
         np.testing.assert_array_equal(np.asarray(got.log.ring), np.asarray(want.log.ring))
         self.assertIsNone(got.log.launch_ticket)
+
+
+@unittest.skipUnless(
+    importlib.util.find_spec("triton") and importlib.util.find_spec("torch"), "needs the triton and torch packages"
+)
+class OfflineCompileTest(absltest.TestCase):
+    def test_phase_compiles_for_sm90_with_one_release_acquire_ticket(self):
+        """The TTIR of ``canary_phase`` (default config, a source and both asserts) compiles for sm_90 with
+        triton's ptxas, no GPU needed; its PTX draws the ticket with one GPU-scope acquire-release atomic."""
+        from interop.native import triton_kernels as tk
+        from interop.native import triton_ttir as tt
+
+        rng = np.random.default_rng(13)
+        data = jnp.asarray(rng.integers(0, 256, (N_SLOTS + 4, 48), dtype=np.uint8))
+        src = canary_jax.RealKvSource(tensor=data, page_size=1, num_bytes_per_token=48, read_bytes=32)
+        ctx, vplan, wplan, tokens, exp = _phase_inputs(rng, n_verify=1000, counts=[1] * 128, sources=(src,))
+
+        def run(c, vp):
+            kw = dict(check=True, assert_inputs=True, interpret=False, config=PallasConfig())
+            return phase._phase(c, vp, wplan, *tokens, *exp, **kw)
+
+        eqns = [e for e in jax.make_jaxpr(run)(ctx, vplan).jaxpr.eqns if e.primitive.name == "pallas_call"]
+        self.assertEqual([e.params["name"] for e in eqns], ["canary_phase"])
+        spec = tt.kernel_spec(eqns[0])
+        self.assertEqual(tk.compile_offline(spec, 90)["global_scratch_size"], 0)
+        ptx = tk._compile(spec, 90)[0].asm["ptx"]
+        self.assertEqual(ptx.count("atom.global.gpu.acq_rel.add"), 1)
 
 
 @unittest.skipUnless(backends.is_gpu_platform(), "compiled phase: needs a GPU")
