@@ -154,9 +154,7 @@ def _phase(context, vplan, wplan, ids, pos, loc, et, ep, *, check, assert_inputs
         pro, wplan, flat, assert_inputs=assert_inputs, interpret=interpret, config=config
     )
     cap = int(vplan.verify_slot_indices.shape[0])
-    block = config.verify_source_block if pro.descs else config.verify_block
-    num_blocks = -(-cap // block)
-    programs = max(1, min(num_blocks, config.verify_max_programs))
+    block, num_blocks, programs = verify.verify_grid(cap, bool(pro.descs), config)
     sds = jax.ShapeDtypeStruct
     words = w_args.pop("words")
     args = dict(

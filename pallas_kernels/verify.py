@@ -288,15 +288,22 @@ def _verify_rows_kernel(
     refs.for_each_block(num_blocks, block_body)
 
 
+def verify_grid(cap: int, has_sources: bool, config: PallasConfig) -> tuple[int, int, int]:
+    """``(block, blocks, programs)`` of a verify over a plan of capacity ``cap``: entries per block (the config's
+    source block with real-KV sources), blocks covering the capacity, and the persistent grid's programs."""
+    block = config.verify_source_block if has_sources else config.verify_block
+    num_blocks = -(-cap // block)
+    return block, num_blocks, max(1, min(num_blocks, config.verify_max_programs))
+
+
 def _verify_pallas(
     context: VerifyOrWriteContext, plan: VerifyPlan, *, check: bool, interpret: bool, config: PallasConfig
 ):
     """Both ``pallas_call`` s of a verify launch (traced under ``jax.jit``, statics bound)."""
     pro = calls.prologue(context, config, interpret)
     cap = int(plan.verify_slot_indices.shape[0])
-    block = config.verify_source_block if pro.descs else config.verify_block
-    num_blocks = -(-cap // block)
-    grid = (max(1, min(num_blocks, config.verify_max_programs)),)
+    block, num_blocks, programs = verify_grid(cap, bool(pro.descs), config)
+    grid = (programs,)
     params = pltriton.CompilerParams(num_warps=config.verify_num_warps, num_stages=1)
     sds = jax.ShapeDtypeStruct
     statics = dict(check=check, n_slots=pro.n_slots, cap=cap, block=block, hasher=pro.hasher, gather=config.gather)
