@@ -1,6 +1,5 @@
 """Test-session settings shared by every test module."""
 
-import contextlib
 import os
 import shutil
 
@@ -14,13 +13,10 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# jax 0.12's Pallas imports its fuser (which registers the `pallas_fuser_disable_nested_fuse` trace-context flag)
-# on first use, inside the first Pallas trace: every jit traced before that (the process's first step programs)
-# misses its cache once afterwards and compiles again ("tracing context values differ" with
-# JAX_EXPLAIN_CACHE_MISSES=1; 7.9 s for the second HEAD program of test_chain_reuse's step case). Registered up
-# front, each process compiles its programs once.
-with contextlib.suppress(ImportError):
-    import jax.experimental.pallas.fuser  # noqa: E402, F401
+# jax 0.12 registers a Pallas trace-context flag inside the first Pallas trace, after which programs traced before it
+# miss their cache once and compile again; canary_jax registers it at import (canary_jax._compat.jax_version), so
+# import it before any test traces.
+import canary_jax  # noqa: E402, F401
 
 
 @pytest.fixture(autouse=True, scope="module")

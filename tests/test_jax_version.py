@@ -47,3 +47,28 @@ def test_import_refuses_an_older_jax():
         "ImportError: canary-jax needs jax >= 0.8.3 (the oldest release its tests run on), but jax 0.7.2 is "
         "installed: pip install 'jax>=0.8.3' 'jaxlib>=0.8.3'"
     )
+
+
+def test_a_jitted_step_with_a_pallas_launch_compiles_once():
+    """In a fresh process (no conftest), a jitted function whose first trace launches a Pallas kernel compiles once
+    over three calls: jax 0.12 registers a trace-context flag inside the first Pallas trace, which made the second
+    call miss the cache and compile again until canary_jax registered it at import."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    code = """
+import jax, jax.numpy as jnp
+import canary_jax as cj
+traces = []
+plan = cj.VerifyPlan.from_entries(slots=[1, 2, 3], positions=[0, 1, 2], prev_slots=[-1, 1, 2], verify_capacity=8)
+@jax.jit
+def step(buf, log):
+    traces.append(1)
+    ctx = cj.VerifyOrWriteContext(canary_buf=buf, kernel_kind=cj.CanaryLaunchTag.HEAD_K_FULL, log=log)
+    return cj.verify(ctx, plan, backend="pallas").log
+buf, log = jnp.zeros((16, 32), jnp.uint8), cj.ViolationLog.allocate(ring_capacity=8)
+for _ in range(3):
+    log = step(buf, log)
+print(len(traces), step._cache_size(), int(log.kernel_run_counter(0)))
+"""
+    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["1", "1", "3"]
