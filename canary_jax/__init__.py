@@ -34,6 +34,7 @@ from canary_jax.contract.layout import (
 from canary_jax.contract.sources import RealKvSource, SlotChunks, SourceDescriptor, check_real_kv_sources
 from canary_jax.ops.backends import resolve_backend
 from canary_jax.ops.launch import verify, write
+from canary_jax.ops.phase_launch import verify_then_write
 from canary_jax.ops.reference import verify_reference, write_reference
 from canary_jax.planning.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
 
@@ -69,6 +70,7 @@ __all__ = [
     "resolve_backend",
     "verify",
     "verify_reference",
+    "verify_then_write",
     "write",
     "write_reference",
 ]

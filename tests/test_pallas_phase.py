@@ -164,6 +164,25 @@ class PhaseTest(absltest.TestCase):
         self.assertIsNone(got.log.launch_ticket)
 
 
+class VerifyThenWriteChecksTest(absltest.TestCase):
+    def test_every_check_runs_before_either_launch(self):
+        # Outside jit the verify donates the log: a bad write argument must be refused before it runs, and a plan
+        # of the wrong kind is named by its argument.
+        rng = np.random.default_rng(14)
+        ctx, vplan, wplan, tokens, _ = _phase_inputs(rng, n_verify=8, counts=[1, 1])
+        ids, pos, loc = (canary_jax.pairs_to_int64_np(np.asarray(t)) for t in tokens)  # host int64 arrays
+        for backend in ("reference", "pallas"):
+            with self.subTest(backend=backend):
+                with self.assertRaisesRegex(ValueError, r"input_ids \(2 entries\) is shorter than positions"):
+                    canary_jax.verify_then_write(ctx, vplan, wplan, ids, np.append(pos, 0), loc, backend=backend)
+                self.assertEqual(int(ctx.log.write_index[0]), 0)  # the caller's log is still there, unchanged
+                with self.assertRaisesRegex(TypeError, r"^kv-canary: write_plan must be a WritePlan, got VerifyPlan"):
+                    canary_jax.verify_then_write(ctx, vplan, vplan, ids, pos, loc, backend=backend)
+        want = _reference(ctx, vplan, wplan, tokens, None, check=False, assert_inputs=False)
+        out = canary_jax.verify_then_write(ctx, vplan, wplan, ids, pos, loc, backend="pallas")  # donates ctx's arrays
+        np.testing.assert_array_equal(np.asarray(out.log.ring), np.asarray(want.log.ring))
+
+
 @unittest.skipUnless(
     importlib.util.find_spec("triton") and importlib.util.find_spec("torch"), "needs the triton and torch packages"
 )

@@ -329,6 +329,15 @@ class HealthTest(absltest.TestCase):
         with self.assertRaisesRegex(RuntimeError, r"tags=\[HEAD_K_FULL\] at step=21"):
             hc.step(make_log([], kernel_runs=self.counters(HEAD_K_FULL=9)), step=21)
 
+    def test_a_nonzero_launch_ticket_is_refused_at_a_check(self):
+        # A ticket left non-zero makes every one-launch phase misjudge its last program; the due check says so.
+        grown = make_log([], kernel_runs=self.counters(HEAD_K_FULL=3))
+        hc = HealthChecker([T.HEAD_K_FULL], every_n_steps=10, warmup_steps=10)
+        hc.step(dataclasses.replace(grown, launch_ticket=jnp.array([3], jnp.int32)), step=9)  # not due: not read
+        with self.assertRaisesRegex(RuntimeError, r"^kv-canary: launch_ticket is 3 between launches at step=10 "):
+            hc.step(dataclasses.replace(grown, launch_ticket=jnp.array([3], jnp.int32)), step=10)
+        hc.step(dataclasses.replace(grown, launch_ticket=None), step=20)  # a log without a ticket: counters only
+
 
 if __name__ == "__main__":
     absltest.main()

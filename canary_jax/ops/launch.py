@@ -218,8 +218,11 @@ def verify(
     return context.replace(log=log)
 
 
-def checked_verify(context: VerifyOrWriteContext, plan: VerifyPlan) -> tuple[VerifyOrWriteContext, bool]:
-    """:func:`verify`'s checks before any tracing: ``(context with device sources, whether tracing)``.
+def checked_verify(
+    context: VerifyOrWriteContext, plan: VerifyPlan, *, name: str = "plan"
+) -> tuple[VerifyOrWriteContext, bool]:
+    """:func:`verify`'s checks before any tracing: ``(context with device sources, whether tracing)``; ``name``
+    is the plan argument's name in the messages.
 
     Raises:
       TypeError / ValueError: as :func:`verify`.
@@ -227,7 +230,7 @@ def checked_verify(context: VerifyOrWriteContext, plan: VerifyPlan) -> tuple[Ver
     check_context(context)
     context = context.replace(real_kv_sources=sources.device_sources(context.real_kv_sources))
     if not isinstance(plan, VerifyPlan):
-        raise TypeError(f"kv-canary: plan must be a VerifyPlan, got {type(plan).__name__}")
+        raise TypeError(f"kv-canary: {name} must be a VerifyPlan, got {type(plan).__name__}")
     plan.check()
     tracing = is_tracing(context, plan)
     check_coverage(
@@ -376,10 +379,11 @@ def checked_write(
     enable_write_input_assert: bool,
     expected_input_tokens,
     expected_input_positions,
+    name: str = "plan",
 ) -> tuple[VerifyOrWriteContext, bool, tuple]:
     """:func:`write`'s checks before any tracing: ``(context with device sources, whether tracing, the token
     arrays as int64 pairs: ids, positions, out_cache_loc, expected tokens, expected positions (None without the
-    assert))``.
+    assert))``; ``name`` is the plan argument's name in the messages.
 
     Raises:
       TypeError / ValueError: as :func:`write`.
@@ -387,7 +391,7 @@ def checked_write(
     check_context(context)
     context = context.replace(real_kv_sources=sources.device_sources(context.real_kv_sources))
     if not isinstance(plan, WritePlan):
-        raise TypeError(f"kv-canary: plan must be a WritePlan, got {type(plan).__name__}")
+        raise TypeError(f"kv-canary: {name} must be a WritePlan, got {type(plan).__name__}")
     plan.check()
     raw = (input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)
     tracing = is_tracing(context, plan, *(x for x in raw if isinstance(x, jax.Array)))

@@ -8,8 +8,6 @@ launch; outside ``jit``, and on the other backends, it makes the two calls.
 
 from __future__ import annotations
 
-import jax
-
 from canary_jax.ops import backends, launch
 from canary_jax.planning.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
 
@@ -46,8 +44,8 @@ def verify_then_write(
       :func:`canary_jax.write`.
 
     Raises:
-      TypeError / ValueError: any check of :func:`canary_jax.verify` or :func:`canary_jax.write`, before tracing;
-      nothing is mutated.
+      TypeError / ValueError: any check of :func:`canary_jax.verify` or :func:`canary_jax.write` (the plans named
+      ``verify_plan`` / ``write_plan``), all before either launch runs or anything is traced; nothing is mutated.
     """
     verify_args = dict(check_verify_expected_token=bool(check_verify_expected_token))
     write_args = dict(
@@ -55,17 +53,18 @@ def verify_then_write(
         expected_input_tokens=expected_input_tokens,
         expected_input_positions=expected_input_positions,
     )
-    raw = (input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)
+    # Both launches' checks before either runs: outside jit the verify donates the log, so a bad write argument
+    # found after it would lose the caller's log.
+    checked, tracing = launch.checked_verify(context, verify_plan, name="verify_plan")
+    checked, tokens_traced, (ids, pos, loc, et, ep) = launch.checked_write(
+        checked, write_plan, input_ids, positions, out_cache_loc, name="write_plan", **write_args
+    )
     fn = None
-    if launch.is_tracing(context, verify_plan, write_plan, *(x for x in raw if isinstance(x, jax.Array))):
-        platform = backends.array_platform(context.canary_buf)
+    if tracing or tokens_traced:
+        platform = backends.array_platform(checked.canary_buf)
         fn = backends.phase_kernel(backends.resolve_backend(backend, platform=platform), platform=platform)
     if fn is None:
         ctx = launch.verify(context, verify_plan, backend=backend, **verify_args)
         return launch.write(ctx, write_plan, input_ids, positions, out_cache_loc, backend=backend, **write_args)
-    context, _ = launch.checked_verify(context, verify_plan)
-    context, _, (ids, pos, loc, et, ep) = launch.checked_write(
-        context, write_plan, input_ids, positions, out_cache_loc, **write_args
-    )
     write_args.update(expected_input_tokens=et, expected_input_positions=ep)
-    return fn(context, verify_plan, write_plan, ids, pos, loc, **verify_args, **write_args)
+    return fn(checked, verify_plan, write_plan, ids, pos, loc, **verify_args, **write_args)

@@ -340,6 +340,7 @@ def load_dump(path: str | os.PathLike) -> CanaryDump:
             enable_chain_position_assert=ints.to_device(
                 np.asarray(_need(data, "enable_chain_position_assert"), np.int32).reshape(1)
             ),
+            launch_ticket=ints.to_device(np.zeros((1,), np.int32)),  # zero between launches, as allocate() makes it
         )
         log.check()
     except (TypeError, ValueError) as e:

@@ -3,6 +3,7 @@
 * :class:`HealthChecker` (SGLang ``KernelRunCounterHealthChecker``): every 100 steps from step 100, every
   expected tag's kernel_run_counter must have grown since the previous check, else RuntimeError
   (:func:`expected_health_tags` says which tags are expected).
+  It also refuses a log whose launch ticket is not zero (:func:`check_launch_ticket`).
 * :class:`EnableWarner` (SGLang ``CanaryEnableWarner``): one step late, SGLang's warning when a per-forward
   verify plan overflowed its capacity and the verify was skipped.
 
@@ -22,7 +23,7 @@ from canary_jax.runtime.snapshots import _snapshot
 
 logger = logging.getLogger("canary_jax")
 
-__all__ = ["EnableWarner", "HealthChecker", "expected_health_tags"]
+__all__ = ["EnableWarner", "HealthChecker", "check_launch_ticket", "expected_health_tags"]
 
 HEALTH_CHECK_EVERY_N_STEPS = 100
 HEALTH_CHECK_WARMUP_STEPS = 100
@@ -71,6 +72,23 @@ class EnableWarner:
             self.verify_capacity,
         )
         return True
+
+
+def check_launch_ticket(ticket: Any, *, step: int) -> None:
+    """The log's launch ticket (host ``int32[1]``) is zero between launches, as every one-launch phase
+    (:mod:`pallas_kernels.phase`) leaves it and needs it: with another value its last program is misjudged, and
+    phases finish early (rows from unfinished counts) or never (nothing recorded, nothing written).
+
+    Raises:
+      RuntimeError: ``kv-canary: launch_ticket is V between launches at step=S (expected 0): ...``.
+    """
+    v = int(np.asarray(ticket).reshape(-1)[0])
+    if v != 0:
+        raise RuntimeError(
+            f"kv-canary: launch_ticket is {v} between launches at step={step} (expected 0): the one-launch HEAD / "
+            "TAIL phases cannot tell their last program; the log was built or changed by hand, or memory is "
+            "corrupt. Zero it (dataclasses.replace(log, launch_ticket=jnp.zeros((1,), jnp.int32)))"
+        )
 
 
 def expected_health_tags(
@@ -134,13 +152,20 @@ class HealthChecker:
 
         Raises:
           RuntimeError: ``kv-canary: kernel_run_counter did not increase since previous check for
-            tags=[...] at step=S; canary path is not executing``.
+            tags=[...] at step=S; canary path is not executing``; or the log's launch ticket is not zero
+            (:func:`check_launch_ticket`).
         """
-        snap = _snapshot(log.kernel_run_counters) if self.due(step) else None
+        snap = None
+        if self.due(step):
+            ticket = None if log.launch_ticket is None else _snapshot(log.launch_ticket)
+            snap = (_snapshot(log.kernel_run_counters), ticket)
         if self.delayed:
             snap, self._pending = self._pending, snap
         if snap is not None:
-            self.check(ints.pairs_to_int64_np(np.asarray(snap)), step=step)
+            counters, ticket = snap
+            if ticket is not None:
+                check_launch_ticket(np.asarray(ticket), step=step)
+            self.check(ints.pairs_to_int64_np(np.asarray(counters)), step=step)
 
     def check(self, kernel_run_counters: Any, *, step: int) -> None:
         """Compares host counters (int64 ``[12]``, or a ViolationLog) with the previous check.
