@@ -322,6 +322,12 @@ class TpuPipelineTest(pipeline_suite.PipelineSuite, absltest.TestCase):
     VERIFY_IMPL = staticmethod(backends.implementation("verify", "pallas_tpu"))
     WRITE_IMPL = staticmethod(backends.implementation("write", "pallas_tpu"))
     CONFIG = TpuConfig(verify_block=16, write_block=16, write_req_block=8, write_prefetch_entries=24)
+    # Interpreted TPU launches cost time per entry (the emulated copies), not just per compile: 32 tokens and 32
+    # verify entries are still two blocks of 16 on each side (and two store calls of 24 and 8 entries), and three
+    # fuzz seeds (the ring-overflow fuzz's count) of six launches each (CI time).
+    NUM_TOKENS = 32
+    VERIFY_CAPACITY = 32
+    FUZZ_SEEDS = (0, 1, 2)
 
 
 class TpuPublicEntryTest(public_suite.PublicEntrySuite, absltest.TestCase):

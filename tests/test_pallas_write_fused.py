@@ -24,6 +24,11 @@ from pallas_kernels.write import write_pallas
 FUSED = PallasConfig(write_fused_max_tokens=512, write_fused_max_hashed=256)
 MULTI = PallasConfig(write_fused_max_tokens=0, write_fused_max_hashed=0)  # the multi-launch write
 N_SLOTS = 64
+# Every launch below has this request capacity and token count (counts padded with the plan's capacity, token
+# arrays with a tail past the offsets that no request claims): one compiled program per config and assert
+# setting, shared by every case (CI time).
+REQ_CAPACITY = 12
+NUM_TOKENS = 18
 
 
 def _pairs(values) -> jax.Array:
@@ -47,9 +52,11 @@ def _primitives(fn, *args) -> list[str]:
 
 def _launch(rng, *, counts, dup_slot, sources=()):
     """A write launch of ``sum(counts)`` entries over ``N_SLOTS`` slots; ``dup_slot`` is written by one entry of
-    every request (so by several requests, and twice by request 0)."""
+    every request (so by several requests, and twice by request 0). Token arrays have ``NUM_TOKENS`` rows: the
+    tail past the last request holds random entries no request claims."""
     t = int(sum(counts))
-    slots = rng.integers(1, N_SLOTS, t)
+    assert t <= NUM_TOKENS and len(counts) <= REQ_CAPACITY, counts
+    slots = rng.integers(1, N_SLOTS, NUM_TOKENS)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     for s, c in zip(starts, counts):
         if c:
@@ -59,7 +66,7 @@ def _launch(rng, *, counts, dup_slot, sources=()):
     slots[rng.integers(0, t)] = -1  # a skipped entry
     slots[rng.integers(0, t)] = N_SLOTS + 3  # an out-of-range slot: not stored, not counted
     seeds = [-1] + [int(x) for x in rng.integers(1, N_SLOTS, len(counts) - 1)]
-    plan = canary_jax.WritePlan.from_requests(counts=list(counts), seed_slots=seeds)
+    plan = canary_jax.WritePlan.from_requests(counts=list(counts), seed_slots=seeds, write_req_capacity=REQ_CAPACITY)
     buf = jnp.asarray(rng.integers(0, 256, (N_SLOTS, 32), dtype=np.uint8))
     log = canary_jax.ViolationLog.allocate(ring_capacity=16)  # the chain-position assert is on (SGLang's default)
     mode = canary_jax.RealKvHashMode.ALL if sources else canary_jax.RealKvHashMode.NONE
@@ -70,9 +77,9 @@ def _launch(rng, *, counts, dup_slot, sources=()):
         real_kv_sources=tuple(sources),
         real_kv_hash_mode=mode,
     )
-    ids = rng.integers(0, 1 << 40, t)
-    pos = rng.integers(0, 6, t)  # mostly not seed position + 1: chain-position rows (more than the ring holds)
-    exp_ids = np.where(rng.random(t) < 0.2, ids + 1, ids)  # some input-assert rows
+    ids = rng.integers(0, 1 << 40, NUM_TOKENS)
+    pos = rng.integers(0, 6, NUM_TOKENS)  # mostly not seed position + 1: chain-position rows (more than the ring holds)
+    exp_ids = np.where(rng.random(NUM_TOKENS) < 0.2, ids + 1, ids)  # some input-assert rows
     return ctx, plan, _pairs(ids), _pairs(pos), _pairs(slots), _pairs(exp_ids), _pairs(pos)
 
 
@@ -99,7 +106,7 @@ class FusedWriteTest(absltest.TestCase):
 
     def test_random_launches_match_reference_and_multi_launch(self):
         rng = np.random.default_rng(11)
-        # Each shape with one input-assert setting (both settings appear): every case compiles twice (CI time).
+        # Each shape with one input-assert setting (both settings appear); one capacity and token count for all.
         cases = (([1] * 12, False), ([3, 1, 4, 1, 5], True), ([2, 0, 7, 1], False), ([6, 6, 6], True))
         for counts, assert_inputs in cases:
             dup = int(rng.integers(1, N_SLOTS))
@@ -115,16 +122,20 @@ class FusedWriteTest(absltest.TestCase):
 
     def test_many_writers_of_one_slot_last_wins(self):
         # Seven entries in three requests write slot 9; the last (request 2's only entry) owns it: its record is
-        # (token, position, prev_hash = ANCHOR_HASH, 0) with the seed -1.
-        plan = canary_jax.WritePlan.from_requests(counts=[4, 2, 1], seed_slots=[-1, -1, -1])
-        ctx = canary_jax.VerifyOrWriteContext(
-            canary_buf=jnp.zeros((16, 32), jnp.uint8),
-            kernel_kind=canary_jax.CanaryLaunchTag.HEAD_K_FULL,
-            log=canary_jax.ViolationLog.allocate(ring_capacity=4),
+        # (token, position, prev_hash = ANCHOR_HASH, 0) with the seed -1. The shapes are _launch's (its programs);
+        # the token tail past the three requests would write slots 1..11 if it were read.
+        plan = canary_jax.WritePlan.from_requests(
+            counts=[4, 2, 1], seed_slots=[-1, -1, -1], write_req_capacity=REQ_CAPACITY
         )
-        ids = _pairs([100, 101, 102, 103, 200, 201, 300])
-        pos = _pairs([0, 1, 2, 3, 0, 1, 0])
-        loc = _pairs([9] * 7)
+        ctx = canary_jax.VerifyOrWriteContext(
+            canary_buf=jnp.zeros((N_SLOTS, 32), jnp.uint8),
+            kernel_kind=canary_jax.CanaryLaunchTag.HEAD_K_FULL,
+            log=canary_jax.ViolationLog.allocate(ring_capacity=16),
+        )
+        tail = NUM_TOKENS - 7
+        ids = _pairs([100, 101, 102, 103, 200, 201, 300] + [7777] * tail)
+        pos = _pairs([0, 1, 2, 3, 0, 1, 0] + [5] * tail)
+        loc = _pairs([9] * 7 + list(range(1, tail + 1)))
         for cfg in (FUSED, MULTI):
             out = write_pallas(ctx, plan, ids, pos, loc, config=cfg)
             rec = np.asarray(out.canary_buf)[9].view("<i8")
@@ -132,7 +143,7 @@ class FusedWriteTest(absltest.TestCase):
             self.assertEqual(rec.tolist(), [300, 0, anchor, 0])
             counters = np.ascontiguousarray(np.asarray(out.log.slot_run_counters)).reshape(-1).view("<i8")
             self.assertEqual(int(counters[int(ctx.kernel_kind)]), 7)  # every written entry counts
-            self.assertEqual(np.count_nonzero(np.asarray(out.canary_buf)[np.arange(16) != 9]), 0)
+            self.assertEqual(np.count_nonzero(np.asarray(out.canary_buf)[np.arange(N_SLOTS) != 9]), 0)
 
     def test_with_real_kv_sources(self):
         rng = np.random.default_rng(5)
