@@ -218,6 +218,16 @@ def verify(
     return context.replace(log=log)
 
 
+def _checked_context(context: VerifyOrWriteContext, plan, kind: type, name: str) -> VerifyOrWriteContext:
+    """The context's checks and the plan's (``kind``, named ``name``): the context with device sources."""
+    check_context(context)
+    context = context.replace(real_kv_sources=sources.device_sources(context.real_kv_sources))
+    if not isinstance(plan, kind):
+        raise TypeError(f"kv-canary: {name} must be a {kind.__name__}, got {type(plan).__name__}")
+    plan.check()
+    return context
+
+
 def checked_verify(
     context: VerifyOrWriteContext, plan: VerifyPlan, *, name: str = "plan"
 ) -> tuple[VerifyOrWriteContext, bool]:
@@ -227,11 +237,7 @@ def checked_verify(
     Raises:
       TypeError / ValueError: as :func:`verify`.
     """
-    check_context(context)
-    context = context.replace(real_kv_sources=sources.device_sources(context.real_kv_sources))
-    if not isinstance(plan, VerifyPlan):
-        raise TypeError(f"kv-canary: {name} must be a VerifyPlan, got {type(plan).__name__}")
-    plan.check()
+    context = _checked_context(context, plan, VerifyPlan, name)
     tracing = is_tracing(context, plan)
     check_coverage(
         context,
@@ -388,11 +394,7 @@ def checked_write(
     Raises:
       TypeError / ValueError: as :func:`write`.
     """
-    check_context(context)
-    context = context.replace(real_kv_sources=sources.device_sources(context.real_kv_sources))
-    if not isinstance(plan, WritePlan):
-        raise TypeError(f"kv-canary: {name} must be a WritePlan, got {type(plan).__name__}")
-    plan.check()
+    context = _checked_context(context, plan, WritePlan, name)
     raw = (input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)
     tracing = is_tracing(context, plan, *(x for x in raw if isinstance(x, jax.Array)))
     arrays = normalize_write_inputs(
