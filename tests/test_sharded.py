@@ -303,6 +303,22 @@ class LayoutErrorsTest(unittest.TestCase):
             sharded.ShardedHealthChecker([0], delayed=True)
         sharded.ShardedHealthChecker([0], delayed=False)
 
+    def test_health_checker_refuses_a_shard_whose_launch_ticket_is_not_zero(self):
+        import dataclasses
+
+        import jax
+        import jax.numpy as jnp
+
+        import canary_jax
+
+        log = jax.tree_util.tree_map(lambda x: x[None, None], canary_jax.ViolationLog.allocate(ring_capacity=4))
+        hc = sharded.ShardedHealthChecker([0], every_n_steps=1, warmup_steps=0)
+        bad = dataclasses.replace(log, launch_ticket=jnp.array([[[2]]], jnp.int32))
+        with self.assertRaisesRegex(
+            RuntimeError, r"^kv-canary: launch_ticket is 2 between launches at step=1 .* shard=\(0,0\)$"
+        ):
+            hc.step(bad, step=1)
+
 
 class DemoDevicesTest(unittest.TestCase):
     """``canary-jax demo --devices 4`` on forced CPU devices: the campaign passes and names each shard."""

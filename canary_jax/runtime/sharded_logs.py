@@ -29,13 +29,15 @@ def _by_shard(x: jax.Array) -> dict[Shard, Any]:
 def shard_logs(log: layout.ViolationLog) -> dict[Shard, layout.ViolationLog]:
     """The sharded log's addressable shards as host :class:`~canary_jax.contract.layout.ViolationLog` s (numpy leaves).
 
-    One device-to-host copy of each addressable shard's ring, index and counters (``jax.device_get``); shards
-    held by other processes are not in the result.
+    One device-to-host copy of each addressable shard's ring, index, counters and launch ticket
+    (``jax.device_get``); shards held by other processes are not in the result.
 
     Raises:
       ValueError: a log whose leaves are not laid out ``[dp, tp, ...]``.
     """
     names = ("ring", "write_index", "slot_run_counters", "kernel_run_counters", "enable_chain_position_assert")
+    if log.launch_ticket is not None:
+        names += ("launch_ticket",)
     if log.write_index.ndim != 3:
         raise ValueError(
             f"kv-canary: a sharded log has write_index int32[dp, tp, 1], got shape {tuple(log.write_index.shape)}"
