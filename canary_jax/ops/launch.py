@@ -208,11 +208,25 @@ def verify(
       tracing; nothing is mutated.
     """
     context, tracing = checked_verify(context, plan)
+    return run_verify(context, plan, tracing, check=bool(check_verify_expected_token), backend=backend, buckets=buckets)
+
+
+def run_verify(
+    context: VerifyOrWriteContext,
+    plan: VerifyPlan,
+    tracing: bool,
+    *,
+    check: bool,
+    backend: str | None,
+    buckets: Buckets | None = None,
+) -> VerifyOrWriteContext:
+    """:func:`verify` after its checks (:func:`checked_verify`, which gave ``context`` and ``tracing``): the
+    backend's kernel inline while tracing, else the padded launch program."""
     fn = _implementation("verify", backend, context)
     if tracing:
-        return fn(context, plan, check_verify_expected_token=bool(check_verify_expected_token))
+        return fn(context, plan, check_verify_expected_token=check)
     plan = padding.pad_verify_plan(plan, bucket_size(plan.verify_capacity, buckets), device=_placement(context))
-    statics = (fn, bool(check_verify_expected_token), context.kernel_kind, context.real_kv_hash_mode)
+    statics = (fn, check, context.kernel_kind, context.real_kv_hash_mode)
     dynamic = (context.canary_buf, context.log, tuple(context.real_kv_sources), plan)
     log = _program("verify", _verify_body, statics, dynamic, donate_argnums=(1,))(*dynamic)
     return context.replace(log=log)
@@ -346,8 +360,32 @@ def write(
         expected_input_tokens=expected_input_tokens,
         expected_input_positions=expected_input_positions,
     )
+    return run_write(
+        context,
+        plan,
+        tracing,
+        (ids, pos, loc, et, ep),
+        flag=bool(enable_write_input_assert),
+        backend=backend,
+        buckets=buckets,
+    )
+
+
+def run_write(
+    context: VerifyOrWriteContext,
+    plan: WritePlan,
+    tracing: bool,
+    arrays: tuple,
+    *,
+    flag: bool,
+    backend: str | None,
+    buckets: Buckets | None = None,
+) -> VerifyOrWriteContext:
+    """:func:`write` after its checks (:func:`checked_write`, which gave ``tracing`` and ``arrays``: ids,
+    positions, out_cache_loc, expected tokens, expected positions as int64 pairs): the backend's kernel inline
+    while tracing, else the padded launch program. ``flag``: ``enable_write_input_assert``."""
+    ids, pos, loc, et, ep = arrays
     fn = _implementation("write", backend, context)
-    flag = bool(enable_write_input_assert)
     if tracing:
         return fn(
             context,

@@ -47,24 +47,38 @@ def verify_then_write(
       TypeError / ValueError: any check of :func:`canary_jax.verify` or :func:`canary_jax.write` (the plans named
       ``verify_plan`` / ``write_plan``), all before either launch runs or anything is traced; nothing is mutated.
     """
-    verify_args = dict(check_verify_expected_token=bool(check_verify_expected_token))
-    write_args = dict(
-        enable_write_input_assert=bool(enable_write_input_assert),
-        expected_input_tokens=expected_input_tokens,
-        expected_input_positions=expected_input_positions,
-    )
+    check, flag = bool(check_verify_expected_token), bool(enable_write_input_assert)
     # Both launches' checks before either runs: outside jit the verify donates the log, so a bad write argument
     # found after it would lose the caller's log.
     checked, tracing = launch.checked_verify(context, verify_plan, name="verify_plan")
-    checked, tokens_traced, (ids, pos, loc, et, ep) = launch.checked_write(
-        checked, write_plan, input_ids, positions, out_cache_loc, name="write_plan", **write_args
+    checked, tokens_traced, arrays = launch.checked_write(
+        checked,
+        write_plan,
+        input_ids,
+        positions,
+        out_cache_loc,
+        enable_write_input_assert=flag,
+        expected_input_tokens=expected_input_tokens,
+        expected_input_positions=expected_input_positions,
+        name="write_plan",
     )
     fn = None
     if tracing or tokens_traced:
         platform = backends.array_platform(checked.canary_buf)
         fn = backends.phase_kernel(backends.resolve_backend(backend, platform=platform), platform=platform)
-    if fn is None:
-        ctx = launch.verify(context, verify_plan, backend=backend, **verify_args)
-        return launch.write(ctx, write_plan, input_ids, positions, out_cache_loc, backend=backend, **write_args)
-    write_args.update(expected_input_tokens=et, expected_input_positions=ep)
-    return fn(checked, verify_plan, write_plan, ids, pos, loc, **verify_args, **write_args)
+    if fn is None:  # the checks are done: the two launches as verify() and write() make them
+        ctx = launch.run_verify(checked, verify_plan, tracing, check=check, backend=backend)
+        return launch.run_write(ctx, write_plan, tokens_traced, arrays, flag=flag, backend=backend)
+    ids, pos, loc, et, ep = arrays
+    return fn(
+        checked,
+        verify_plan,
+        write_plan,
+        ids,
+        pos,
+        loc,
+        check_verify_expected_token=check,
+        enable_write_input_assert=flag,
+        expected_input_tokens=et,
+        expected_input_positions=ep,
+    )
