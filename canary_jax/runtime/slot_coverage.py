@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from canary_jax.contract import constants, coverage, ints, sources
-from canary_jax.ops import launch
+from canary_jax.ops import launch_coverage
 from canary_jax.planning.slot_tables import swa_translate
 from canary_jax.runtime.groups import PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryPlans, CanaryState, CanaryStepConfig
@@ -33,7 +33,7 @@ def _halves(state: CanaryState, srcs: Sequence, config: CanaryStepConfig):
 
 
 def _verify(covs, vp, n: int, what: str) -> None:
-    entries, slots = launch.verify_plan_hashed(vp, n)
+    entries, slots = launch_coverage.verify_plan_hashed(vp, n)
     coverage.check_slots(covs, entries, slots, op=f"{what} verify", name="plan.verify_slot_indices")
 
 
@@ -53,7 +53,7 @@ def check_tail(state: CanaryState, plans: CanaryPlans, batch: CanaryBatch, srcs:
         loc = ints.pairs_to_int64_np(batch.out_cache_loc)[: batch.num_tokens]
         if g.kind is PoolKind.SWA:
             loc = ints.pairs_to_int64_np(swa_translate(ints.as_int64_pairs(loc, name="out_cache_loc"), g.swa_index_lut))
-        entries, slots = launch.write_plan_hashed(wp, loc, n)
+        entries, slots = launch_coverage.write_plan_hashed(wp, loc, n)
         coverage.check_slots(covs, entries, slots, op=f"group {i} {half} TAIL write", name="out_cache_loc")
     return checked
 
