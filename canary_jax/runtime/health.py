@@ -163,18 +163,20 @@ class HealthChecker:
             snap, self._pending = self._pending, snap
         if snap is not None:
             counters, ticket = snap
-            if ticket is not None:
-                check_launch_ticket(np.asarray(ticket), step=step)
-            self.check(ints.pairs_to_int64_np(np.asarray(counters)), step=step)
+            self.check(ints.pairs_to_int64_np(np.asarray(counters)), step=step, launch_ticket=ticket)
 
-    def check(self, kernel_run_counters: Any, *, step: int) -> None:
-        """Compares host counters (int64 ``[12]``, or a ViolationLog) with the previous check.
+    def check(self, kernel_run_counters: Any, *, step: int, launch_ticket: Any = None) -> None:
+        """Compares host counters (int64 ``[12]``, or a ViolationLog) with the previous check, after the launch
+        ticket (``launch_ticket``, or the log's; None: none to check) is checked to be zero.
 
         Raises:
           RuntimeError: as :meth:`step`.
         """
         if isinstance(kernel_run_counters, layout.ViolationLog):
+            launch_ticket = kernel_run_counters.launch_ticket
             kernel_run_counters = kernel_run_counters.counters()[1]
+        if launch_ticket is not None:
+            check_launch_ticket(launch_ticket, step=step)
         cur = np.asarray(kernel_run_counters, np.int64).reshape(-1)
         delta = cur - self._prev[: cur.shape[0]] if cur.shape[0] <= self._prev.shape[0] else cur
         self._prev = cur.copy()

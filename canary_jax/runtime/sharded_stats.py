@@ -19,7 +19,6 @@ import jax
 import numpy as np
 
 from canary_jax.contract import constants, ints, layout
-from canary_jax.runtime.health import check_launch_ticket
 from canary_jax.runtime.report import CanaryStats, HealthChecker, format_stats
 from canary_jax.runtime.sharded_layout import Shard
 from canary_jax.runtime.sharded_logs import shard_logs
@@ -150,8 +149,6 @@ class ShardedHealthChecker:
         for s, slog in shard_logs(log).items():
             hc = self._per_shard.setdefault(s, HealthChecker(**self._kw))
             try:
-                if slog.launch_ticket is not None:
-                    check_launch_ticket(slog.launch_ticket, step=step)
-                hc.check(slog.counters()[1], step=step)
+                hc.check(slog, step=step)
             except RuntimeError as e:
                 raise RuntimeError(f"{e} shard=({s[0]},{s[1]})") from None
