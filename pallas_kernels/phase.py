@@ -133,9 +133,8 @@ def _phase_kernel(*all_refs, names, programs, block, cap, verify_statics, rows_s
             ring_capacity=ring_capacity,
         )
         write_fused.barrier(interpret)
-        inputs = tuple(
-            r[f"in_{k}"] for k in ("num_reqs", "assert_flag", "offsets", "seeds", "ids", "pos", "loc", "exp_tok")
-        ) + (r["in_exp_pos"],)
+        write_inputs = ("num_reqs", "assert_flag", "offsets", "seeds", "ids", "pos", "loc", "exp_tok", "exp_pos")
+        inputs = tuple(r[f"in_{k}"] for k in write_inputs)
         scratch = [r[f"out_{k}"] for k in ("words", "flags", "prev_at", "chain_exp", "w_counts")]
         if descs:
             scratch.append(r["out_rkv"])
