@@ -19,6 +19,25 @@ _FILL = lax.GatherScatterMode.FILL_OR_DROP
 _CLIP = lax.GatherScatterMode.CLIP
 _MODES = (_CLIP, _FILL, lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
+# jax 0.12.1 clamps unsigned FILL_OR_DROP gather indices above the index dtype's max before converting them
+# (``lax._clamp_and_cast_index`` in ``slicing._gather_fill``): a uint64 index 2**32 + 3 is then out of bounds; earlier
+# jax converts with wraparound and reads row 3.
+try:
+    from jax._src.lax import lax as _lax_impl
+except ImportError:  # another jax layout: assume the older wraparound
+    _lax_impl = None
+FILL_CLAMPS_UNSIGNED = hasattr(_lax_impl, "_clamp_and_cast_index")
+
+
+def fill_index_clamp(idt, target) -> int | None:
+    """The bound this jax clamps FILL_OR_DROP start indices of JAX dtype ``idt`` to before converting them to the
+    signed ``target`` dtype, or None where it converts with wraparound (signed indices; any index before 0.12.1)."""
+    idt, target = np.dtype(idt), np.dtype(target)
+    if FILL_CLAMPS_UNSIGNED and idt.kind == "u" and np.iinfo(idt).max > np.iinfo(target).max:
+        return int(np.iinfo(target).max)
+    return None
+
+
 SCATTERS = {"scatter": "replace", "scatter-add": "add", "scatter-sub": "sub", "scatter-mul": "prod"}
 SCATTERS |= {"scatter-max": "amax", "scatter-min": "amin"}
 """Scatter primitive -> its torch reduction (``replace``: last update in row-major update order wins)."""
@@ -33,12 +52,15 @@ def _arange_at(n: int, pos: int, rank: int, device, step: int = 1) -> torch.Tens
 
 def _starts(indices: torch.Tensor, idt, fill: bool, operand_shape) -> torch.Tensor:
     """Start indices as int64. jax lowers a FILL_OR_DROP gather by first converting them to int32 (int64 for an
-    operand dim past INT32_MAX), wrapping: an int64 index 2**32 + 3 reads row 3."""
-    if fill and max(operand_shape, default=0) <= np.iinfo(np.int32).max:
-        return _convert_value(indices, idt, np.dtype(np.int32)).long()
-    if fill:
-        return _convert_value(indices, idt, np.dtype(np.int64))
-    return _index(indices, idt)
+    operand dim past INT32_MAX), wrapping: an int64 index 2**32 + 3 reads row 3 (unsigned ones are clamped
+    first where :func:`fill_index_clamp` says so)."""
+    if not fill:
+        return _index(indices, idt)
+    target = np.dtype(np.int32 if max(operand_shape, default=0) <= np.iinfo(np.int32).max else np.int64)
+    bound = fill_index_clamp(idt, target)
+    if bound is not None:
+        return torch.clamp(_index(indices, idt), max=bound)
+    return _convert_value(indices, idt, target).long()
 
 
 def _window_terms(

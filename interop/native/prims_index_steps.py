@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from interop.native.prims_convert import _convert_fn
-from interop.native.prims_dtypes import _bits, _uis, storage_dtype
+from interop.native.prims_dtypes import _bits, _index, _uis, storage_dtype
+from interop.native.prims_index_core import fill_index_clamp
 
 
 # --- shared ---------------------------------------------------------------------------------------------------
@@ -25,6 +26,9 @@ def _starts_fn(ctx, idt, to_int32: bool, top: int):
     """``(indices -> start values, their torch dtype)``: the rules' ``_index`` (or, first, the int32 conversion a
     FILL_OR_DROP gather's lowering applies), kept int32 when they are and ``top`` (the largest clamp bound) fits,
     so the clamp and compare run without a widening op."""
+    if to_int32 and fill_index_clamp(idt, np.int32) is not None:
+        bound = fill_index_clamp(idt, np.int32)
+        return (lambda t: torch.clamp(_index(t, idt), max=bound)), torch.int64
     if to_int32:
         conv = _convert_fn(ctx, idt, np.dtype(np.int32))
         return conv, torch.int32
