@@ -150,7 +150,18 @@ class _CompileProxy:
 @contextlib.contextmanager
 def _gpu_info_without_a_gpu():
     """jax 0.12 refuses to lower a Triton ``pallas_call`` with no GPU present where earlier jax fell back to compute
-    capability 9.0; this restores that fallback (the H200's info) for the lowering when no GPU is found."""
+    capability 9.0; this restores that target (the H200's: sm_90) for the lowering when no GPU is found. jax 0.12.0
+    reads it from ``jax._src.pallas.triton.gpu_info`` (patched here); 0.12.1 and later from ``jax._src.gpu_info``,
+    which takes the target from the public abstract device (``jax.sharding.use_abstract_mesh`` with an
+    ``AbstractDevice``), as its error message asks."""
+    try:
+        from jax._src import gpu_info as gi  # jax >= 0.12.1
+    except ImportError:
+        gi = None
+    if gi is not None:
+        with _abstract_gpu_unless_present(gi):
+            yield
+        return
     try:
         from jax._src.pallas.triton import gpu_info as gi
     except ImportError:  # jax <= 0.11: the lowering falls back by itself
@@ -169,6 +180,21 @@ def _gpu_info_without_a_gpu():
         yield
     finally:
         gi.get_gpu_info = real
+
+
+@contextlib.contextmanager
+def _abstract_gpu_unless_present(gi):
+    """An abstract H200 device for the lowering where ``gi.get_gpu_info()`` finds no GPU; nothing otherwise."""
+    import jax
+
+    try:
+        gi.get_gpu_info()
+    except ValueError:  # no GPU device: lower for the H200 (sm_90)
+        device = jax.sharding.AbstractDevice(device_kind=str(gi.GpuVersion.H200), num_cores=None, platform="cuda")
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+            yield
+        return
+    yield
 
 
 @contextlib.contextmanager
