@@ -1,6 +1,7 @@
-"""The step's attention: decode over SGLang's token-major paged pool (JAX's Pallas paged-attention kernel body
-under a token-major wrapper, or an XLA gather + einsum), chunked prefill (``dot_product_attention`` over the
-prefix and the causal chunk, merged by log-sum-exp), an f32 reference, and the self-check that picks one."""
+"""The step's attention: decode over SGLang's token-major paged pool (our Pallas kernel,
+:mod:`benchmarks.serving_step.decode_kernel`, or an XLA gather + einsum), chunked prefill
+(``dot_product_attention`` over the prefix and the causal chunk, merged by log-sum-exp), an f32 reference, and
+the self-check that picks one."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.serving_step.decode_kernel import decode_attention_pallas
 from benchmarks.serving_step.timing import log
 
 
@@ -28,81 +30,6 @@ def decode_attention_xla(q, k_pages, v_pages, block_tables, lengths):
     p = jax.nn.softmax(s, axis=-1).astype(vc.dtype)
     o = jnp.einsum("bhgs,bshd->bhgd", p, vc, preferred_element_type=jnp.float32)
     return o.reshape(b, hq, d).astype(q.dtype)
-
-
-def _kv_splits(pages_per_seq: int) -> tuple[int, int]:
-    k_splits = next(k for k in (16, 8, 4, 2, 1) if pages_per_seq % k == 0)
-    return k_splits, max(1, min(8, pages_per_seq // k_splits))
-
-
-def decode_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, interpret=None):
-    """JAX's Pallas GPU paged-attention kernel body over SGLang's token-major pool.
-
-    ``jax.experimental.pallas.ops.gpu.paged_attention.paged_attention`` wants ``[Hk, pages, page_size, D]``;
-    this wrapper is its ``paged_attention_unbatched`` with the K / V block specs reading head ``h`` of
-    ``[pages, page_size, Hk, D]`` instead (the kernel body is JAX's, unchanged). ``q`` is pre-scaled.
-    """
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
-    from jax.experimental.pallas.ops.gpu import paged_attention as pa
-
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    b, hq, d = q.shape
-    num_pages, ps, hk, _ = k_pages.shape
-    pps = block_tables.shape[1]
-    k_splits, ppcb = _kv_splits(pps)
-    ppp = pps // k_splits
-    g = hq // hk
-    block_h = 16
-    head_splits = -(-g // block_h)
-    kernel = functools.partial(
-        pa.paged_attention_kernel,
-        num_heads=g,
-        pages_per_compute_block=ppcb,
-        mask_value=pa.DEFAULT_MASK_VALUE,
-        attn_logits_soft_cap=None,
-    )
-
-    def one(q1, bt, ln):  # q1 [Hq, D], bt [pps], ln [1]
-        qr = q1.reshape(hk, g, d)
-        if g % block_h:
-            qr = jnp.pad(qr, ((0, 0), (0, -g % block_h), (0, 0)))
-        o, l_, m_ = pl.pallas_call(
-            kernel,
-            grid=(hk, head_splits, k_splits),
-            in_specs=[
-                pl.BlockSpec((None, block_h, d), lambda h, i, k: (h, i, 0)),
-                pl.BlockSpec((num_pages, ps, None, d), lambda h, i, k: (0, 0, h, 0)),
-                None,
-                pl.BlockSpec((num_pages, ps, None, d), lambda h, i, k: (0, 0, h, 0)),
-                None,
-                pl.BlockSpec((None, ppp), lambda h, i, k: (k, 0)),
-                pl.BlockSpec((1,), lambda h, i, k: (0,)),
-            ],
-            out_specs=[
-                pl.BlockSpec((None, None, block_h, d), lambda h, i, k: (k, h, i, 0)),
-                pl.BlockSpec((None, None, block_h), lambda h, i, k: (k, h, i)),
-                pl.BlockSpec((None, None, block_h), lambda h, i, k: (k, h, i)),
-            ],
-            out_shape=[
-                jax.ShapeDtypeStruct((k_splits, *qr.shape), q.dtype),
-                jax.ShapeDtypeStruct((k_splits, *qr.shape[:-1]), jnp.float32),
-                jax.ShapeDtypeStruct((k_splits, *qr.shape[:-1]), jnp.float32),
-            ],
-            interpret=interpret,
-            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-            name="paged_attention_token_major",
-        )(qr, k_pages, None, v_pages, None, bt.reshape(k_splits, ppp), ln)
-        o, l_, m_ = o[..., :g, :], l_[..., :g], m_[..., :g]
-        m_next = m_.max(axis=0)
-        corr = jnp.exp(m_ - m_next[None])
-        o = o.astype(jnp.float32) * corr[..., None]
-        l_next = (l_ * corr).sum(axis=0)
-        o = o.sum(axis=0) / (l_next[..., None] + jnp.finfo(jnp.float32).eps)
-        return o.reshape(hq, d).astype(q.dtype)
-
-    return jax.vmap(one)(q, block_tables, lengths[:, None].astype(jnp.int32))
 
 
 def prefill_attention(q, k_prefix, v_prefix, k_new, v_new, *, impl):
@@ -192,7 +119,7 @@ def choose_attention(args, on_gpu: bool, t0: float) -> tuple[Attention, dict]:
 def attention_label(attn: Attention, kind: str) -> str:
     if kind == "decode":
         return (
-            "Pallas paged_attention_kernel (jax.experimental.pallas.ops.gpu.paged_attention), token-major wrapper"
+            "Pallas paged decode attention over the token-major pool (benchmarks/serving_step/decode_kernel.py)"
             if attn.decode == "pallas"
             else "XLA (page gather + einsum)"
         )
