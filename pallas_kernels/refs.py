@@ -100,8 +100,28 @@ def load_pair(ref, row: jax.Array, col: int, mask: jax.Array, mode: str) -> U64:
     return U64(lo, hi)
 
 
+def narrow(ref) -> bool:
+    """Whether a per-entry int64 operand is held narrow: ``int32[T]``, one word an entry, sign-extended on load
+    (a traced int32 field the caller's ``jit`` passes as it is, :func:`canary_jax.contract.ints.as_int64_field`),
+    rather than as ``uint32`` pairs."""
+    return jnp.dtype(ref.dtype) == jnp.dtype(I32)
+
+
+def entries(x) -> int:
+    """The entries of a flat per-entry operand: ``T`` of ``int32[T]`` (narrow) or of ``uint32[2 T]``."""
+    return int(x.shape[0]) if narrow(x) else int(x.shape[0]) // 2
+
+
+def widen(v: jax.Array) -> U64:
+    """``int32[B]`` values as int64, sign-extended (the high word all ones below 0)."""
+    return U64(v.astype(U32), jax.lax.shift_right_arithmetic(v, jnp.int32(31)).astype(U32))
+
+
 def load_pair_flat(ref, i: jax.Array, mask: jax.Array) -> U64:
-    """The int64 of entry ``i`` of a flat ``uint32[2 T]`` ref (a ``[T, 2]`` pair array reshaped)."""
+    """The int64 of entry ``i`` of a flat ``uint32[2 T]`` ref (a ``[T, 2]`` pair array reshaped), or of a
+    :func:`narrow` ``int32[T]`` one."""
+    if narrow(ref):
+        return widen(load_vec(ref, i, mask, 0))
     idx = 2 * jnp.where(mask, i, 0)[:, None] + iota(2)[None, :]
     m2 = jnp.broadcast_to(mask[:, None], idx.shape)
     lo, hi = unstack(pltriton.load(ref.at[idx], mask=m2, other=0), axis=1)
@@ -110,14 +130,20 @@ def load_pair_flat(ref, i: jax.Array, mask: jax.Array) -> U64:
 
 def load_entry(ref, i: jax.Array, mask: jax.Array, mode: str) -> U64:
     """The int64 of entry ``i`` of a per-entry pair ref: ``uint32[T, 2]`` (:func:`load_pair`) or its flat
-    ``uint32[2 T]`` form (:func:`load_pair_flat`); 0 where masked."""
+    ``uint32[2 T]`` form, or a :func:`narrow` ``int32[T]`` one (:func:`load_pair_flat`); 0 where masked."""
     return load_pair_flat(ref, i, mask) if len(ref.shape) == 1 else load_pair(ref, i, 0, mask, mode)
 
 
 def load_pair_run(ref, start: jax.Array, first: jax.Array, n: int, count: jax.Array) -> list[U64]:
     """Entries ``start + first + k`` (``k < n``, a power of 2) of a flat ``uint32[2 T]`` pair ref for each
     lane, as ``n`` U64 (0 where ``first + k >= count``): one ``[B, 2 n]`` load of contiguous words per lane
-    (a single memory op, so Triton's per-op compile passes see ``1`` op instead of ``n``)."""
+    (a single memory op, so Triton's per-op compile passes see ``1`` op instead of ``n``). A :func:`narrow` ref
+    gives one ``[B, n]`` load of its words, sign-extended."""
+    if narrow(ref):
+        k = iota(n)
+        m = (first + k)[None, :] < count[:, None]
+        idx = jnp.where(m, start[:, None] + (first + k)[None, :], 0)
+        return [widen(c) for c in columns(pltriton.load(ref.at[idx], mask=m, other=0))]
     k = iota(2 * n)
     step = first + jax.lax.div(k, jnp.int32(2))
     m = step[None, :] < count[:, None]

@@ -40,9 +40,14 @@ assert max(WriteFlag) < 1 << LONG_SHIFT
 
 
 def load_flagged(flags_ref, loc_ref, i: jax.Array, inw: jax.Array, bit: WriteFlag):
-    """Flag words of entries ``i[B]`` (``flags_ref`` u32[T], ``loc_ref`` u32[T, 2] or its flat u32[2 T]), which of
-    them carry ``bit``, and their slots (int32, 0 where not)."""
+    """Flag words of entries ``i[B]`` (``flags_ref`` u32[T], ``loc_ref`` u32[T, 2], its flat u32[2 T] or a narrow
+    i32[T], :func:`pallas_kernels.refs.narrow`), which of them carry ``bit``, and their slots (int32, 0 where not)."""
     fl = refs.load_vec(flags_ref, i, inw, 0)
     has = inw & ((fl & bit) != 0)
-    lo = refs.load_vec(loc_ref, 2 * i, has, 0) if len(loc_ref.shape) == 1 else refs.load_word(loc_ref, i, 0, has)
+    if refs.narrow(loc_ref):
+        lo = refs.load_vec(loc_ref, i, has, 0).astype(jnp.uint32)
+    elif len(loc_ref.shape) == 1:
+        lo = refs.load_vec(loc_ref, 2 * i, has, 0)
+    else:
+        lo = refs.load_word(loc_ref, i, 0, has)
     return fl, has, jnp.where(has, lo, pairs.u32(0)).astype(jnp.int32)

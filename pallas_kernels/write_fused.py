@@ -241,7 +241,7 @@ def fused_operands(pro, plan, flat: dict, *, assert_inputs: bool, interpret: boo
     """``(args, scratch, statics)`` of the one-program write: its operands by name (the canary words last), its
     scratch outputs and the statics of :func:`write_body` (``ring_capacity`` aside). Arguments as
     :func:`write_fused`; shared with :mod:`pallas_kernels.phase`."""
-    num_tokens = flat["ids"].shape[0] // 2
+    num_tokens = refs.entries(flat["ids"])
     cw = int(plan.write_seed_slot_indices.shape[0])
     lanes, prefetch = fused_shape(cw, config.write_prefetch)
     pow2_tokens = 1 << max(0, (num_tokens - 1).bit_length())
