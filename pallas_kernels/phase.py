@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from canary_jax.contract import layout, sources, validation
+from canary_jax.contract import ints, layout, sources, validation
 from canary_jax.planning.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
 from pallas_kernels import calls, refs, verify, write, write_fused
 from pallas_kernels.config import PallasConfig, launch_options
@@ -244,7 +244,9 @@ def phase_pallas(
     Args:
       context: the launch context; at most 4 real-KV sources (checked before tracing).
       verify_plan, write_plan: the phase's plans.
-      input_ids, positions, out_cache_loc: ``uint32[T, 2]`` int64 pairs; ``out_cache_loc < 0`` = skip.
+      input_ids, positions, out_cache_loc: ``uint32[T, 2]`` int64 pairs, or narrow ``int32[T]`` (each entry
+        sign-extended: :func:`canary_jax.contract.ints.as_int64_field`, read as it is by the one launch); so may
+        be the expected ones. ``out_cache_loc < 0`` = skip.
       check_verify_expected_token: static; the verify's token check.
       enable_write_input_assert: static; the write's input assert, with the expected tensors iff on.
       interpret, config: static, as for :func:`pallas_kernels.verify.verify_pallas`.
@@ -264,6 +266,10 @@ def phase_pallas(
     )
     check, assert_inputs = bool(check_verify_expected_token), bool(enable_write_input_assert)
     if not takes_one_launch(context, write_plan, int(input_ids.shape[0]), config):
+        input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions = (
+            ints.widen(a)
+            for a in (input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)
+        )
         ctx = verify.verify_pallas(
             context, verify_plan, check_verify_expected_token=check, interpret=interpret, config=config
         )

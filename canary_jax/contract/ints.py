@@ -201,6 +201,37 @@ def as_int64_pairs(
     return out
 
 
+def is_traced_int32(x: Any) -> bool:
+    """Whether ``x`` is a traced JAX ``int32`` vector. Such an int64-valued per-entry field can stay *narrow*: the
+    Pallas plan and phase kernels read it as it is, one word an entry, sign-extended (exact: every int32 is an
+    int64), so inside a caller's ``jit`` no widening op runs before them (on a GPU each would be a kernel launch
+    of its own)."""
+    return isinstance(x, jax.core.Tracer) and np.dtype(x.dtype) == np.dtype(np.int32) and x.ndim == 1
+
+
+def as_int64_field(x: Any, *, name: str, shape: Sequence[int | None]) -> jax.Array | np.ndarray:
+    """:func:`as_int64_pairs` for a per-entry field of logical shape ``shape`` (one dim), except that a traced
+    int32 vector (:func:`is_traced_int32`) is returned as it is, narrow; :func:`widen` makes its pairs.
+
+    Raises:
+      TypeError / ValueError: as :func:`as_int64_pairs`.
+    """
+    if len(shape) == 1 and is_traced_int32(x):
+        if not arrays.shape_matches(x.shape, shape):
+            want, got = arrays.format_shape(shape), arrays.format_shape(x.shape)
+            raise ValueError(f"kv-canary: {name} must have shape {want} (int64), got shape {got}")
+        return x
+    return as_int64_pairs(x, name=name, shape=shape)
+
+
+def widen(x: Any) -> Any:
+    """The ``uint32[N, 2]`` pairs of a narrow field (a JAX ``int32[N]``, :func:`as_int64_field`), sign-extended;
+    anything else (pairs, None) unchanged."""
+    if isinstance(x, jax.Array) and np.dtype(x.dtype) == np.dtype(np.int32) and x.ndim == 1:
+        return pairs.pack(pairs.from_int32(x))
+    return x
+
+
 _PAIR_DTYPES = (np.dtype(np.uint32), np.dtype(np.int32))
 
 

@@ -223,9 +223,11 @@ def normalize_write_inputs(
     expected_input_tokens=None,
     expected_input_positions=None,
     host: bool = False,
+    keep_int32: bool = False,
 ):
     """Checks the token arrays and converts them to int64 pairs ``uint32[T, 2]`` (host data stays numpy when
-    ``host``, see :func:`canary_jax.contract.ints.as_int64_pairs`).
+    ``host``, see :func:`canary_jax.contract.ints.as_int64_pairs`); with ``keep_int32`` traced int32 vectors stay
+    narrow (:func:`canary_jax.contract.ints.as_int64_field`).
 
     Raises:
       ValueError: expected tensors present/absent against the flag (SGLang's messages), or lengths differ
@@ -242,7 +244,10 @@ def normalize_write_inputs(
         named.update(expected_input_tokens=expected_input_tokens, expected_input_positions=expected_input_positions)
     out = {}
     for name, x in named.items():  # SGLang's order: input_ids fixes T, the others must match it
-        out[name] = ints.as_int64_pairs(x, name=name, shape=(None,), host=host)
+        if keep_int32 and ints.is_traced_int32(x):
+            out[name] = ints.as_int64_field(x, name=name, shape=(None,))
+        else:
+            out[name] = ints.as_int64_pairs(x, name=name, shape=(None,), host=host)
         t = int(out["input_ids"].shape[0])
         validation.check_same_length(name, int(out[name].shape[0]), ref_name="input_ids", ref_length=t)
     et, ep = out.get("expected_input_tokens"), out.get("expected_input_positions")
@@ -367,10 +372,12 @@ def checked_write(
     expected_input_tokens,
     expected_input_positions,
     name: str = "plan",
+    keep_int32: bool = False,
 ) -> tuple[VerifyOrWriteContext, bool, tuple]:
     """:func:`write`'s checks before any tracing: ``(context with device sources, whether tracing, the token
     arrays as int64 pairs: ids, positions, out_cache_loc, expected tokens, expected positions (None without the
-    assert))``; ``name`` is the plan argument's name in the messages.
+    assert))``; ``name`` is the plan argument's name in the messages. With ``keep_int32`` traced int32 vectors
+    stay narrow (:func:`normalize_write_inputs`).
 
     Raises:
       TypeError / ValueError: as :func:`write`.
@@ -386,6 +393,7 @@ def checked_write(
         expected_input_tokens=expected_input_tokens,
         expected_input_positions=expected_input_positions,
         host=not tracing,
+        keep_int32=keep_int32,
     )
     loc = arrays[2]
     check_coverage(

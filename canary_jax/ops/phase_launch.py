@@ -8,6 +8,7 @@ launch; outside ``jit``, and on the other backends, it makes the two calls.
 
 from __future__ import annotations
 
+from canary_jax.contract import ints
 from canary_jax.ops import backends, launch
 from canary_jax.planning.plans import VerifyOrWriteContext, VerifyPlan, WritePlan
 
@@ -61,6 +62,7 @@ def verify_then_write(
         expected_input_tokens=expected_input_tokens,
         expected_input_positions=expected_input_positions,
         name="write_plan",
+        keep_int32=True,  # traced int32 token arrays reach the phase kernel as they are (no widening launches)
     )
     fn = None
     if tracing or tokens_traced:
@@ -68,6 +70,7 @@ def verify_then_write(
         fn = backends.phase_kernel(backends.resolve_backend(backend, platform=platform), platform=platform)
     if fn is None:  # the checks are done: the two launches as verify() and write() make them
         ctx = launch.run_verify(checked, verify_plan, tracing, check=check, backend=backend)
+        arrays = tuple(ints.widen(a) for a in arrays)
         return launch.run_write(ctx, write_plan, tokens_traced, arrays, flag=flag, backend=backend)
     ids, pos, loc, et, ep = arrays
     return fn(

@@ -41,7 +41,7 @@ def build_plans(
     Raises:
       ValueError / TypeError: the jnp builder's (SGLang's messages), and an unknown backend name.
     """
-    inputs = check_plan_inputs(**kwargs)
+    inputs = check_plan_inputs(keep_int32=True, **kwargs)  # narrow traced int32 rows: the kernel reads them so
     if platform is None:
         leaves = jax.tree_util.tree_leaves(inputs.table)
         platform = backends.array_platform(leaves[0]) if leaves else None
@@ -50,4 +50,4 @@ def build_plans(
         plans = kernel(inputs)
         if plans is not None:
             return plans
-    return plan_builder._build_plans_impl(*inputs[:-2], cap=inputs.cap, cw=inputs.cw)
+    return plan_builder._build_plans_impl(*inputs.widened()[:-2], cap=inputs.cap, cw=inputs.cw)

@@ -24,9 +24,10 @@ __all__ = ["PlanInputs", "check_plan_inputs"]
 
 class PlanInputs(NamedTuple):
     """A plan launch's checked operands (:func:`check_plan_inputs`): the old plans (None = fresh), the per-row
-    int64 pairs ``rpi`` / ``prefix`` / ``extend`` (``uint32[bs, 2]``), the :class:`SlotTable`, the LUT
-    (``uint32[L, 2]`` or None), the expected-token pool and its valid lengths (or None), the window ``w`` and
-    ``k`` (``np.int32``), and the static capacities ``cap`` (C) and ``cw`` (Cw)."""
+    int64 pairs ``rpi`` / ``prefix`` / ``extend`` (``uint32[bs, 2]``, or narrow ``int32[bs]`` with
+    ``keep_int32``), the :class:`SlotTable`, the LUT (``uint32[L, 2]`` or None), the expected-token pool and its
+    valid lengths (or None), the window ``w`` and ``k`` (``np.int32``), and the static capacities ``cap`` (C) and
+    ``cw`` (Cw)."""
 
     verify_out: VerifyPlan | None
     write_out: WritePlan | None
@@ -41,6 +42,11 @@ class PlanInputs(NamedTuple):
     k: np.int32
     cap: int
     cw: int
+
+    def widened(self) -> PlanInputs:
+        """These inputs with ``rpi`` / ``prefix`` / ``extend`` as pairs where they are narrow (traced int32
+        vectors that :func:`check_plan_inputs` kept with ``keep_int32``): what the jnp builder takes."""
+        return self._replace(rpi=ints.widen(self.rpi), prefix=ints.widen(self.prefix), extend=ints.widen(self.extend))
 
 
 def _resolve_table(req_to_token: Any, swa_window_size: int) -> tuple[SlotTable, bool]:
@@ -95,9 +101,12 @@ def check_plan_inputs(
     kv_token_id_vs_position_offset: int = 0,
     verify_plan_out: VerifyPlan | None = None,
     write_plan_out: WritePlan | None = None,
+    keep_int32: bool = False,
 ) -> PlanInputs:
     """:func:`build_plans`' checks and conversions (arguments and errors as there): the operands every plan
-    builder takes (this jnp one, and the plan kernels of :func:`canary_jax.ops.plan_launch.build_plans`)."""
+    builder takes (this jnp one, and the plan kernels of :func:`canary_jax.ops.plan_launch.build_plans`). With
+    ``keep_int32`` the per-row fields stay narrow where they are traced int32 vectors
+    (:func:`canary_jax.contract.ints.as_int64_field`; :meth:`PlanInputs.widened` makes their pairs)."""
     w = int(swa_window_size)
     if w < 0:
         raise ValueError(f"kv-canary: swa_window_size must be non-negative, got {swa_window_size}")
@@ -118,10 +127,11 @@ def check_plan_inputs(
         raise ValueError(f"kv-canary: verify_capacity must be < 2**31 - 1, got {cap}")
 
     # Per-request inputs.
-    rpi = ints.as_int64_pairs(req_pool_indices, name="req_pool_indices", shape=(None,))
+    field = ints.as_int64_field if keep_int32 else ints.as_int64_pairs
+    rpi = field(req_pool_indices, name="req_pool_indices", shape=(None,))
     bs = int(rpi.shape[0])
-    prefix = ints.as_int64_pairs(prefix_lens, name="prefix_lens", shape=(None,))
-    extend = ints.as_int64_pairs(extend_seq_lens, name="extend_seq_lens", shape=(None,))
+    prefix = field(prefix_lens, name="prefix_lens", shape=(None,))
+    extend = field(extend_seq_lens, name="extend_seq_lens", shape=(None,))
     for name, arr in (("prefix_lens", prefix), ("extend_seq_lens", extend)):
         if arr.shape[0] != bs:
             raise ValueError(f"kv-canary: {name} length must be {bs}, got {arr.shape[0]}")

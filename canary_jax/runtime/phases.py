@@ -94,9 +94,9 @@ def plan_impl(state: CanaryState, batch: CanaryBatch, config: CanaryStepConfig) 
     for g in state.groups:
         swa = g.kind is PoolKind.SWA
         vp, wp = build_plans(
-            req_pool_indices=batch.req_pool_indices,
-            prefix_lens=batch.prefix_lens,
-            extend_seq_lens=batch.extend_seq_lens,
+            req_pool_indices=batch.operand("req_pool_indices"),
+            prefix_lens=batch.operand("prefix_lens"),
+            extend_seq_lens=batch.operand("extend_seq_lens"),
             req_to_token=batch.req_to_token,
             verify_capacity=config.verify_capacity,
             write_req_capacity=config.write_req_capacity,
@@ -119,7 +119,7 @@ def _launch_phase(state, plans, batch, phase, config, num_tokens, real_kv_source
     TAIL); the hints are then the scopes' (None per group without one), else None."""
     log = state.log
     groups = []
-    loc = shapes.mask_unowned(batch.out_cache_loc, num_tokens)
+    loc = batch.operand("out_cache_loc") if num_tokens is None else shapes.mask_unowned(batch.out_cache_loc, num_tokens)
     pairs = real_kv_sources if real_kv_sources is not None else (None,) * len(state.groups)
     scoped = emit or plans.chain_hints is not None
     hints_in = plans.chain_hints if plans.chain_hints is not None else (None,) * len(state.groups)
@@ -142,8 +142,8 @@ def _launch_group(g, phase, vp, wp, log, pair, batch, loc, config):
         enable_v_half=config.enable_v_half,
         real_kv_sources=pair,
         write_plan=wp,
-        input_ids=batch.input_ids,
-        positions=batch.positions,
+        input_ids=batch.operand("input_ids"),
+        positions=batch.operand("positions"),
         out_cache_loc=loc,
         enable_write_input_assert=config.enable_write_input_assert,
         enable_verify_token_assert=config.enable_verify_token_assert,

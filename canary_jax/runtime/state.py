@@ -131,6 +131,10 @@ class CanaryBatch:
     go through :func:`canary_jax.contract.ints.as_int32`: numpy data outside int32 is refused, JAX data must be int32.
     A pytree; unflattening does not convert again (safe inside transformations).
 
+    Built while tracing, the batch also keeps each of the six int64-valued fields that it was given as an int32
+    vector, as it is (:meth:`operand`): the step's Pallas plan and phase kernels read those narrow, so inside a
+    caller's ``jit`` no widening op runs before them (their pairs, if nothing else reads them, compile to nothing).
+
     Raises:
       TypeError: a non-integer field, JAX int32 fields of another dtype, or ``expected_inputs`` of the wrong
         type (naming the field).
@@ -148,8 +152,10 @@ class CanaryBatch:
     expected_inputs: ExpectedInputs | None = None
     req_to_verify_expected_tokens: Any = None
     req_to_verify_expected_tokens_valid_lens: Any = None
+    int32_fields: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        narrow = tuple(getattr(self, n) if ints.is_traced_int32(getattr(self, n)) else None for n in _INDEX_FIELDS)
         rpi = _pairs(self.req_pool_indices, "req_pool_indices", (None,))
         bs = int(rpi.shape[0])
         ids = _pairs(self.input_ids, "input_ids", (None,))
@@ -179,6 +185,13 @@ class CanaryBatch:
             )
         for name, value in conv.items():
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "int32_fields", narrow if any(x is not None for x in narrow) else ())
+
+    def operand(self, name: str) -> Any:
+        """Field ``name`` (an int64-valued ``[bs]`` / ``[T]`` one) as the launches take it: the traced int32 vector
+        the batch was built from (narrow; :func:`canary_jax.contract.ints.as_int64_field`), else its pairs."""
+        narrow = self.int32_fields[_INDEX_FIELDS.index(name)] if self.int32_fields else None
+        return getattr(self, name) if narrow is None else narrow
 
     @property
     def num_tokens(self) -> int:
@@ -191,8 +204,14 @@ class CanaryBatch:
         return int(self.req_pool_indices.shape[0])
 
     def replace(self, **kw) -> CanaryBatch:
-        """A new batch with some fields replaced (converted like the constructor's)."""
-        return dataclasses.replace(self, **kw)
+        """A new batch with some fields replaced (converted like the constructor's); the narrow originals of the
+        fields not replaced stay (:meth:`operand`)."""
+        new = dataclasses.replace(self, **kw)
+        if self.int32_fields:
+            fresh = new.int32_fields or (None,) * len(_INDEX_FIELDS)
+            kept = tuple(f if n in kw else o for n, o, f in zip(_INDEX_FIELDS, self.int32_fields, fresh))
+            object.__setattr__(new, "int32_fields", kept if any(x is not None for x in kept) else ())
+        return new
 
     @classmethod
     def prechecked(cls, **fields) -> CanaryBatch:
@@ -228,11 +247,13 @@ def _batch_unflatten(_, children) -> CanaryBatch:
     obj = object.__new__(CanaryBatch)
     for name, value in zip(_BATCH_FIELDS, children):
         object.__setattr__(obj, name, value)
+    narrow = children[len(_BATCH_FIELDS)] if len(children) > len(_BATCH_FIELDS) else ()
+    object.__setattr__(obj, "int32_fields", tuple(narrow) if narrow else ())
     return obj
 
 
 jax.tree_util.register_pytree_node(
-    CanaryBatch, lambda b: (tuple(getattr(b, n) for n in _BATCH_FIELDS), None), _batch_unflatten
+    CanaryBatch, lambda b: ((*(getattr(b, n) for n in _BATCH_FIELDS), b.int32_fields), None), _batch_unflatten
 )
 
 
