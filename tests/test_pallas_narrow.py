@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import unittest
+import unittest.mock
 
 import jax
 import jax.extend.core as jcore
@@ -24,6 +26,7 @@ from canary_jax.planning.plan_inputs import check_plan_inputs
 from canary_jax.runtime.groups import CanaryBufferGroup, PoolKind
 from canary_jax.runtime.state import CanaryBatch, CanaryState, CanaryStepConfig
 from canary_jax.runtime.step import canary_head, canary_plan, canary_tail
+from canary_jax.runtime.sweep import build_sweep_plan_from_requests
 from pallas_kernels import phase
 from pallas_kernels.config import PallasConfig
 
@@ -64,8 +67,8 @@ def _step(state, fields, cfg):
     return state, plans.per_group[0], summary
 
 
-def _field_consumers(closed, first: int) -> tuple[list, list]:
-    """``(pallas_call names, other primitives)`` that read the six field inputs (``closed``'s invars from
+def _field_consumers(closed, first: int, count: int = len(FIELDS)) -> tuple[list, list]:
+    """``(pallas_call names, other primitives)`` that read the ``count`` field inputs (``closed``'s invars from
     ``first``) or anything computed from them, after dead-code elimination, nested jits entered."""
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
     kernels, others = [], []
@@ -84,7 +87,7 @@ def _field_consumers(closed, first: int) -> tuple[list, list]:
                 others.append(e.primitive.name)
                 tainted |= set(e.outvars)
 
-    walk(jaxpr, set(jaxpr.invars[first : first + len(FIELDS)]))
+    walk(jaxpr, set(jaxpr.invars[first : first + count]))
     return kernels, others
 
 
@@ -127,6 +130,32 @@ class NarrowStepTest(absltest.TestCase):
         loc = host["out_cache_loc"]
         for i in (0, 1):
             self.assertEqual(int(words[loc[i], 0]), int(host["input_ids"][i]))
+
+    def test_sweep_plan_reads_the_int32_rows_unwidened(self):
+        host = _batch_fields(np.random.default_rng(7))
+        table = jnp.asarray(host["req_to_token"])
+        lens = (host["prefix_lens"] + host["extend_seq_lens"]).astype(np.int32)
+
+        def sweep(rpi, seq_lens):  # on the Pallas backend (the CPU's default is the reference)
+            with unittest.mock.patch.dict(os.environ, {"CANARY_JAX_BACKEND": "pallas"}):
+                return build_sweep_plan_from_requests(
+                    req_to_token=table, req_pool_indices=rpi, seq_lens=seq_lens, verify_capacity=64
+                )
+
+        cols = (jnp.asarray(host["req_pool_indices"]), jnp.asarray(lens))
+        closed = jax.make_jaxpr(sweep)(*cols)
+        kernels, others = _field_consumers(closed, 0, 2)
+        self.assertEqual((kernels, others), (["canary_plan"], []))
+        got = jax.jit(sweep)(*cols)
+        want = build_sweep_plan_from_requests(
+            req_to_token=host["req_to_token"],
+            req_pool_indices=host["req_pool_indices"].astype(np.int64),
+            seq_lens=lens.astype(np.int64),
+            verify_capacity=64,
+        )
+        self.assertEqual(int(want.verify_num_valid[0]), int(lens.sum()))
+        for got_f, want_f in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(got_f), np.asarray(want_f))
 
     def test_the_batch_keeps_the_int32_fields_it_was_traced_with(self):
         host = _batch_fields(np.random.default_rng(4))

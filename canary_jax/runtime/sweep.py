@@ -224,7 +224,7 @@ def build_sweep_plan_from_requests(
       verify_capacity: C (static).
       swa_window_size, full_to_swa_index_mapping: as for :func:`~canary_jax.planning.plan_builder.build_plans`.
     """
-    rpi = ints.as_int64_pairs(req_pool_indices, name="req_pool_indices", shape=(None,))
+    rpi = ints.as_int64_field(req_pool_indices, name="req_pool_indices", shape=(None,))  # traced int32: as it is
     bs = int(rpi.shape[0])
     vp, _ = build_plans(
         req_pool_indices=rpi,
