@@ -120,6 +120,20 @@ def time_jax(step, state, consts, *, n: int, reps: int):
     t0 = time.perf_counter()
     state = jax.block_until_ready(many(state, consts))  # compile + warm up
     compile_s = time.perf_counter() - t0
+    per_call, state, info = time_loop(many, state, consts, n=n, reps=reps, empty=empty)
+    return per_call, state, {"compile_s": compile_s, **info}
+
+
+def time_loop(many, state, consts, *, n: int, reps: int, empty=None):
+    """Per-call seconds of ``state = many(state, consts)``, a (compiled) loop of ``n`` launches that donates its
+    state: median wall time over ``reps`` minus that of ``empty`` (a program with the same arguments and no device
+    work; None makes one), divided by ``n``. :func:`time_jax`'s timing, for a program compiled elsewhere.
+
+    Returns:
+      ``(seconds_per_call, final_state, {"wall_s", "empty_s", "n"})``.
+    """
+    if empty is None:
+        empty = jax.jit(lambda s, c: s, donate_argnums=0)
     state = jax.block_until_ready(empty(state, consts))
     state = jax.block_until_ready(many(state, consts))
     walls, base = [], []
@@ -131,7 +145,7 @@ def time_jax(step, state, consts, *, n: int, reps: int):
         state = jax.block_until_ready(many(state, consts))
         walls.append(time.perf_counter() - t)
     per_call = max(median(walls) - median(base), 0.0) / n
-    return per_call, state, {"compile_s": compile_s, "wall_s": walls, "empty_s": base, "n": n}
+    return per_call, state, {"wall_s": walls, "empty_s": base, "n": n}
 
 
 def time_peer(launch, *, n: int, reps: int):

@@ -35,28 +35,10 @@ from benchmarks.serving_step.profiles import hlo_index, profile_call
 from benchmarks.serving_step.programs import barrier
 from benchmarks.serving_step.shapes import QWEN3_0_6B, SMALL_MODEL, scenarios
 from canary_jax.contract import ints
-from canary_jax.runtime.state import CanaryBatch
 from canary_jax.runtime.step import canary_head, canary_plan, canary_tail
 
 FIELDS = ("rpi", "prefix", "extend", "ids", "positions", "loc")
 _FINAL: dict = {}  # (scenario, mode) -> the first variant's final state, on the host
-
-
-def _time_compiled(prog, state, consts, *, n: int, reps: int):
-    """``(seconds per launch, state)`` of a compiled loop of ``n`` launches (``state`` donated), minus an empty
-    program's wall time (the dispatch), median over ``reps``: :func:`benchmarks.harness.time_jax` on a program
-    compiled once (its kernels are also profiled)."""
-    empty = jax.jit(lambda s, c: s, donate_argnums=0)
-    state = jax.block_until_ready(empty(jax.block_until_ready(prog(state, consts)), consts))
-    walls, base = [], []
-    for _ in range(reps):
-        t = time.perf_counter()
-        state = jax.block_until_ready(empty(state, consts))
-        base.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        state = jax.block_until_ready(prog(state, consts))
-        walls.append(time.perf_counter() - t)
-    return max(harness.median(walls) - harness.median(base), 0.0) / n, state
 
 
 def canary_loop_step(cfg, m, page_size: int, read_bytes: int, widened: bool):
@@ -65,18 +47,9 @@ def canary_loop_step(cfg, m, page_size: int, read_bytes: int, widened: bool):
     def step(state, consts):
         consts, state = barrier(consts, state)  # nothing of the step is hoisted out of the timed loop
         b, k0 = consts
-        f = {n: b[n] for n in FIELDS}
-        if widened:
-            f = {n: ints.widen(v) for n, v in f.items()}
-        cb = CanaryBatch(
-            req_pool_indices=f["rpi"],
-            prefix_lens=f["prefix"],
-            extend_seq_lens=f["extend"],
-            input_ids=f["ids"],
-            positions=f["positions"],
-            out_cache_loc=f["loc"],
-            req_to_token=b["r2t"],
-        )
+        if widened:  # the int64 pairs every earlier tree's step built (one widening kernel a field on a GPU)
+            b = {**b, **{n: ints.widen(b[n]) for n in FIELDS}}
+        cb = sb.canary_batch(b, b["ids"])
         plans = canary_plan(state, cb, config=cfg)
         state, plans = canary_head(state, cb, config=cfg, plans=plans)
         srcs = sb.sources_of(((k0,), ()), m, page_size, read_bytes)
@@ -105,7 +78,7 @@ def run_canary(name: str, mode: str, variant: str, args, out: dict) -> None:
     t = time.perf_counter()
     prog = many.lower(state, (b, k0)).compile()
     compile_s = time.perf_counter() - t
-    per_call, state = _time_compiled(prog, state, (b, k0), n=n, reps=args.reps)
+    per_call, state, _ = harness.time_loop(prog, state, (b, k0), n=n, reps=args.reps)
     module, index = hlo_index(prog.as_text())
     holder = [state]
 
