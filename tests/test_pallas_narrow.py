@@ -131,6 +131,38 @@ class NarrowStepTest(absltest.TestCase):
         for i in (0, 1):
             self.assertEqual(int(words[loc[i], 0]), int(host["input_ids"][i]))
 
+    def test_a_step_is_its_three_kernels_and_layout_ops(self):
+        # With the batch narrow, plan + HEAD + TAIL (PARTIAL, a real-KV source) leave nothing but their three
+        # kernels and reshapes / bitcasts (free on a GPU) once dead code is gone: no packing, no glue kernels.
+        host = _batch_fields(np.random.default_rng(8))
+        table = jnp.asarray(host.pop("req_to_token"))
+        kv = jnp.zeros((N_SLOTS, 64), jnp.bfloat16)
+        cfg = dataclasses.replace(self.cfg, real_kv_hash_mode=canary_jax.RealKvHashMode.PARTIAL)
+
+        def run(state, *cols):
+            batch = CanaryBatch(**dict(zip(FIELDS, cols)), req_to_token=table)
+            plans = canary_plan(state, batch, config=cfg)
+            state, plans = canary_head(state, batch, config=cfg, plans=plans)
+            src = canary_jax.RealKvSource(tensor=kv, page_size=1, num_bytes_per_token=128, read_bytes=16)
+            return canary_tail(state, plans, batch, config=cfg, real_kv_sources=(((src,), ()),))[0]
+
+        closed = jax.make_jaxpr(run)(self.state, *(jnp.asarray(host[n]) for n in FIELDS))
+        jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+        kernels, ops = [], set()
+
+        def walk(jaxpr):
+            for e in jaxpr.eqns:
+                if e.primitive.name in ("pjit", "jit"):
+                    walk(e.params["jaxpr"].jaxpr)
+                elif e.primitive.name == "pallas_call":
+                    kernels.append(str(e.params.get("name")))
+                else:
+                    ops.add(e.primitive.name)
+
+        walk(jaxpr)
+        self.assertEqual(kernels, ["canary_plan", "canary_phase", "canary_phase"])
+        self.assertLessEqual(ops, {"reshape", "bitcast_convert_type"})
+
     def test_sweep_plan_reads_the_int32_rows_unwidened(self):
         host = _batch_fields(np.random.default_rng(7))
         table = jnp.asarray(host["req_to_token"])
