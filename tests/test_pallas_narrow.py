@@ -7,6 +7,7 @@ leaves the reference backend's bytes; the kernels read such fields sign-extended
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import unittest
@@ -20,6 +21,7 @@ from absl.testing import absltest
 from jax._src.interpreters import partial_eval as pe
 
 import canary_jax
+from canary_jax.adapters.batches import from_sglang_jax
 from canary_jax.contract import ints
 from canary_jax.ops import reference
 from canary_jax.planning.plan_inputs import check_plan_inputs
@@ -200,6 +202,7 @@ class NarrowStepTest(absltest.TestCase):
             swapped = batch.replace(input_ids=np.zeros(len(host["input_ids"]), np.int64))
             seen["swapped"] = [swapped.operand(n) for n in FIELDS]
             leaves, tree = jax.tree.flatten(batch)
+            seen["tree"] = tree
             seen["unflattened"] = [jax.tree.unflatten(tree, leaves).operand(n) for n in FIELDS]
             return cols[0]
 
@@ -208,7 +211,8 @@ class NarrowStepTest(absltest.TestCase):
         for name, op, pr in zip(FIELDS, seen["operands"], seen["pairs"]):
             self.assertEqual((op.dtype, op.shape), (jnp.int32, host[name].shape), name)
             self.assertEqual((pr.dtype, pr.shape), (jnp.uint32, (*host[name].shape, 2)), name)
-        self.assertEqual([o.dtype for o in seen["unflattened"]], [jnp.int32] * len(FIELDS))
+        # the originals are no part of the pytree: a flattened batch has an eager batch's structure, and its pairs
+        self.assertEqual([o.dtype for o in seen["unflattened"]], [jnp.uint32] * len(FIELDS))
         # the replaced field is its pairs now (a host int64 array); the others keep their int32 originals
         self.assertEqual(seen["swapped"][3].shape, (len(host["input_ids"]), 2))
         self.assertEqual([o.dtype for i, o in enumerate(seen["swapped"]) if i != 3], [jnp.int32] * 5)
@@ -216,6 +220,59 @@ class NarrowStepTest(absltest.TestCase):
         eager = CanaryBatch(**{n: jnp.asarray(host[n]) for n in FIELDS}, req_to_token=host["req_to_token"])
         self.assertEqual(eager.int32_fields, ())
         self.assertEqual(eager.operand("input_ids").shape, (len(host["input_ids"]), 2))
+        self.assertEqual(jax.tree.structure(eager), seen["tree"])
+        self.assertNotIn("int32_fields", [f.name for f in dataclasses.fields(CanaryBatch)])
+
+    def test_sglang_jax_batches_hand_their_token_arrays_over_as_they_are(self):
+        # from_sglang_jax inside jit (the README's EXTEND then DECODE steps): input_ids / positions / out_cache_loc
+        # reach the phase kernels unwidened (the rows are derived: pairs), with the reference backend's bytes.
+        steps = [
+            dict(
+                forward_mode="EXTEND",
+                input_ids=[7, 8, 9, 30, 31, 0],
+                positions=[0, 1, 2, 0, 1, 0],
+                out_cache_loc=[5, 6, 7, 9, 10, -1],
+                req_pool_indices=[0, 2, -1],
+                seq_lens=[3, 2, 0],
+                cache_loc=[5, 6, 7, 9, 10, 0, 0, 0],
+                extend_prefix_lens=[0, 0, 0],
+                extend_seq_lens=[3, 2, 0],
+            ),
+            dict(
+                forward_mode="DECODE",
+                input_ids=[10, 32, 0, 0, 0, 0],
+                positions=[3, 2, 0, 0, 0, 0],
+                out_cache_loc=[8, 11, -1, -1, -1, -1],
+                req_pool_indices=[0, 2, -1],
+                seq_lens=[4, 3, 0],
+                cache_loc=[5, 6, 7, 8, 9, 10, 11, 0],
+            ),
+        ]
+        cfg = CanaryStepConfig(verify_capacity=64, write_req_capacity=3, backend="pallas")
+        got = want = self.state
+        for fb in steps:
+            mode = fb.pop("forward_mode")
+            arrays = {k: jnp.asarray(v, jnp.int32) for k, v in fb.items()}
+
+            def run(state, arrays, cfg, mode=mode):
+                batch = from_sglang_jax(forward_mode=mode, **arrays, cache_loc_page_size=1)
+                state, plans = canary_head(state, batch, config=cfg)
+                return canary_tail(state, plans, batch, config=cfg)
+
+            def tokens_in(s, ids, pos, loc, a=arrays):  # the three token arrays as the jaxpr's own inputs
+                return run(s, {**a, "input_ids": ids, "positions": pos, "out_cache_loc": loc}, cfg)
+
+            closed = jax.make_jaxpr(tokens_in)(got, *(arrays[k] for k in ("input_ids", "positions", "out_cache_loc")))
+            kernels, others = _field_consumers(closed, len(jax.tree.leaves(got)), 3)
+            self.assertEqual((kernels, others), (["canary_phase", "canary_phase"], []))
+            got, summary = jax.jit(functools.partial(run, cfg=cfg))(got, arrays)
+            want, want_summary = jax.jit(functools.partial(run, cfg=dataclasses.replace(cfg, backend="reference")))(
+                want, arrays
+            )
+            for g, w in zip(jax.tree.leaves((got, summary)), jax.tree.leaves((want, want_summary))):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        self.assertEqual(int(summary.verify_num_valid[0]), 5)  # the README's figures: 5 entries, no violation
+        self.assertEqual(int(got.log.write_index[0]), 0)
 
 
 class NarrowPhaseTest(absltest.TestCase):

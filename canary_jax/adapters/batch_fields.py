@@ -129,14 +129,19 @@ def _where_pairs(pred: jax.Array, a: jax.Array, b: int | jax.Array) -> jax.Array
     return jnp.where(pred[..., None], a, b)
 
 
-def _prechecked_batch(rows: tuple, ids, pos, loc, table: Any, ex, expected: tuple) -> CanaryBatch:
+def _prechecked_batch(
+    rows: tuple, ids, pos, loc, table: Any, ex, expected: tuple, passed: dict | None = None
+) -> CanaryBatch:
     """The CanaryBatch of fields converted and checked here: ``rows`` = ``(req_pool_indices, prefix_lens,
     extend_seq_lens)`` (canary rows, ``uint32[bs, 2]`` pairs), the per-token ``input_ids`` / ``positions`` /
     ``out_cache_loc`` pairs, the slot table, the expected inputs, and ``expected`` = ``(ExpectedTokenTable,
-    valid_lens pairs)`` or ``(None, None)``."""
+    valid_lens pairs)`` or ``(None, None)``. ``passed``: the stack's own arrays of the fields whose pairs are
+    exactly their widening (field name -> array), which the launches may read as they are when they are traced
+    int32 vectors (:meth:`CanaryBatch.operand`)."""
     rpi, prefix, extend = rows
     pool, valid = expected
     return CanaryBatch.prechecked(
+        int32_fields=passed,
         req_pool_indices=rpi,
         prefix_lens=prefix,
         extend_seq_lens=extend,

@@ -250,4 +250,5 @@ def from_block_tables(
 
     rpi, prefix, extend = _block_table_rows(qsl, seq, n)
     loc = _vllm_out_cache_loc(qsl, prefix, rpi, n, sm, full, num_tokens=t)
-    return _prechecked_batch((rpi, prefix, extend), ids, pos, loc, table, ex, (pool, valid))
+    passed = dict(input_ids=input_ids, positions=positions)  # their pairs: widened as given (the slots are derived)
+    return _prechecked_batch((rpi, prefix, extend), ids, pos, loc, table, ex, (pool, valid), passed)

@@ -103,8 +103,15 @@ def _pairs(x: Any, name: str, shape: tuple) -> Any:
     return out if isinstance(x, jax.Array) else np.asarray(out)
 
 
+class _Int32Slot:
+    """The slot of :attr:`CanaryBatch.int32_fields`: outside the dataclass fields and the pytree, so a batch's
+    structure does not depend on how it was built."""
+
+    __slots__ = ("int32_fields",)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class CanaryBatch:
+class CanaryBatch(_Int32Slot):
     """What the canary needs from one forward batch (SGLang ``PlanInput`` + ForwardBatch arrays).
 
     Fields (bs rows, padding rows with ``req_pool_indices == 0`` last; T tokens in request order, tokens past
@@ -132,8 +139,10 @@ class CanaryBatch:
     A pytree; unflattening does not convert again (safe inside transformations).
 
     Built while tracing, the batch also keeps each of the six int64-valued fields that it was given as an int32
-    vector, as it is (:meth:`operand`): the step's Pallas plan and phase kernels read those narrow, so inside a
-    caller's ``jit`` no widening op runs before them (their pairs, if nothing else reads them, compile to nothing).
+    vector, as it is (``int32_fields``, :meth:`operand`): the step's Pallas plan and phase kernels read those
+    narrow, so inside a caller's ``jit`` no widening op runs before them (their pairs, if nothing else reads them,
+    compile to nothing). They are not part of the pytree: flattening (a ``jit`` boundary, a ``cond`` branch, a
+    ``scan`` carry) leaves the pairs alone, which the launches then read instead (same bytes, more launches).
 
     Raises:
       TypeError: a non-integer field, JAX int32 fields of another dtype, or ``expected_inputs`` of the wrong
@@ -152,7 +161,6 @@ class CanaryBatch:
     expected_inputs: ExpectedInputs | None = None
     req_to_verify_expected_tokens: Any = None
     req_to_verify_expected_tokens_valid_lens: Any = None
-    int32_fields: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         narrow = tuple(getattr(self, n) if ints.is_traced_int32(getattr(self, n)) else None for n in _INDEX_FIELDS)
@@ -214,9 +222,16 @@ class CanaryBatch:
         return new
 
     @classmethod
-    def prechecked(cls, **fields) -> CanaryBatch:
-        """A batch from fields that are already converted (pairs, int32 tables): no checks, no conversion."""
-        return _batch_unflatten(None, [fields.get(n) for n in _BATCH_FIELDS])
+    def prechecked(cls, *, int32_fields: dict | None = None, **fields) -> CanaryBatch:
+        """A batch from fields that are already converted (pairs, int32 tables): no checks, no conversion.
+        ``int32_fields`` maps field names to the int32 vectors their pairs were widened from, exactly (an adapter's
+        pass-through fields); the traced ones are kept for :meth:`operand`."""
+        batch = _batch_unflatten(None, [fields.get(n) for n in _BATCH_FIELDS])
+        if int32_fields:
+            given = [int32_fields.get(n) for n in _INDEX_FIELDS]
+            narrow = tuple(x if ints.is_traced_int32(x) else None for x in given)
+            object.__setattr__(batch, "int32_fields", narrow if any(x is not None for x in narrow) else ())
+        return batch
 
 
 def _slot_table(table: Any) -> Any:
@@ -247,13 +262,12 @@ def _batch_unflatten(_, children) -> CanaryBatch:
     obj = object.__new__(CanaryBatch)
     for name, value in zip(_BATCH_FIELDS, children):
         object.__setattr__(obj, name, value)
-    narrow = children[len(_BATCH_FIELDS)] if len(children) > len(_BATCH_FIELDS) else ()
-    object.__setattr__(obj, "int32_fields", tuple(narrow) if narrow else ())
+    object.__setattr__(obj, "int32_fields", ())
     return obj
 
 
 jax.tree_util.register_pytree_node(
-    CanaryBatch, lambda b: ((*(getattr(b, n) for n in _BATCH_FIELDS), b.int32_fields), None), _batch_unflatten
+    CanaryBatch, lambda b: (tuple(getattr(b, n) for n in _BATCH_FIELDS), None), _batch_unflatten
 )
 
 
