@@ -112,16 +112,11 @@ def entries(x) -> int:
     return int(x.shape[0]) if narrow(x) else int(x.shape[0]) // 2
 
 
-def widen(v: jax.Array) -> U64:
-    """``int32[B]`` values as int64, sign-extended (the high word all ones below 0)."""
-    return U64(v.astype(U32), jax.lax.shift_right_arithmetic(v, jnp.int32(31)).astype(U32))
-
-
 def load_pair_flat(ref, i: jax.Array, mask: jax.Array) -> U64:
     """The int64 of entry ``i`` of a flat ``uint32[2 T]`` ref (a ``[T, 2]`` pair array reshaped), or of a
     :func:`narrow` ``int32[T]`` one."""
     if narrow(ref):
-        return widen(load_vec(ref, i, mask, 0))
+        return pairs.from_int32(load_vec(ref, i, mask, 0))
     idx = 2 * jnp.where(mask, i, 0)[:, None] + iota(2)[None, :]
     m2 = jnp.broadcast_to(mask[:, None], idx.shape)
     lo, hi = unstack(pltriton.load(ref.at[idx], mask=m2, other=0), axis=1)
@@ -143,7 +138,7 @@ def load_pair_run(ref, start: jax.Array, first: jax.Array, n: int, count: jax.Ar
         k = iota(n)
         m = (first + k)[None, :] < count[:, None]
         idx = jnp.where(m, start[:, None] + (first + k)[None, :], 0)
-        return [widen(c) for c in columns(pltriton.load(ref.at[idx], mask=m, other=0))]
+        return [pairs.from_int32(c) for c in columns(pltriton.load(ref.at[idx], mask=m, other=0))]
     k = iota(2 * n)
     step = first + jax.lax.div(k, jnp.int32(2))
     m = step[None, :] < count[:, None]

@@ -185,9 +185,8 @@ def from_sglang_jax(
 
     canary_rpi, prefix, extend, starts = _sglang_jax_rows(rpi, seq, prefix, extend, decode=decode, page_size=page)
     table = _unchecked(RaggedSlotTable, cache_loc=cl, row_starts=starts, row_lens=seq)
-    passed = dict(
-        input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc
-    )  # their pairs: widened as given
+    # the token arrays' pairs are their widening as given: the launches may read them as they are
+    passed = dict(input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc)
     return _prechecked_batch((canary_rpi, prefix, extend), ids, pos, loc, table, ex, (pool, valid), passed)
 
 

@@ -209,9 +209,10 @@ def is_traced_int32(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer) and np.dtype(x.dtype) == np.dtype(np.int32) and x.ndim == 1
 
 
-def as_int64_field(x: Any, *, name: str, shape: Sequence[int | None]) -> jax.Array | np.ndarray:
-    """:func:`as_int64_pairs` for a per-entry field of logical shape ``shape`` (one dim), except that a traced
-    int32 vector (:func:`is_traced_int32`) is returned as it is, narrow; :func:`widen` makes its pairs.
+def as_int64_field(x: Any, *, name: str, shape: Sequence[int | None], host: bool = False) -> jax.Array | np.ndarray:
+    """:func:`as_int64_pairs` (``host`` as there) for a per-entry field of logical shape ``shape`` (one dim), except
+    that a traced int32 vector (:func:`is_traced_int32`) is returned as it is, narrow; :func:`widen` makes its
+    pairs.
 
     Raises:
       TypeError / ValueError: as :func:`as_int64_pairs`.
@@ -221,7 +222,7 @@ def as_int64_field(x: Any, *, name: str, shape: Sequence[int | None]) -> jax.Arr
             want, got = arrays.format_shape(shape), arrays.format_shape(x.shape)
             raise ValueError(f"kv-canary: {name} must have shape {want} (int64), got shape {got}")
         return x
-    return as_int64_pairs(x, name=name, shape=shape)
+    return as_int64_pairs(x, name=name, shape=shape, host=host)
 
 
 def widen(x: Any) -> Any:

@@ -242,12 +242,10 @@ def normalize_write_inputs(
     named = {"input_ids": input_ids, "positions": positions, "out_cache_loc": out_cache_loc}
     if enable_write_input_assert:
         named.update(expected_input_tokens=expected_input_tokens, expected_input_positions=expected_input_positions)
+    convert = ints.as_int64_field if keep_int32 else ints.as_int64_pairs
     out = {}
     for name, x in named.items():  # SGLang's order: input_ids fixes T, the others must match it
-        if keep_int32 and ints.is_traced_int32(x):
-            out[name] = ints.as_int64_field(x, name=name, shape=(None,))
-        else:
-            out[name] = ints.as_int64_pairs(x, name=name, shape=(None,), host=host)
+        out[name] = convert(x, name=name, shape=(None,), host=host)
         t = int(out["input_ids"].shape[0])
         validation.check_same_length(name, int(out[name].shape[0]), ref_name="input_ids", ref_length=t)
     et, ep = out.get("expected_input_tokens"), out.get("expected_input_positions")

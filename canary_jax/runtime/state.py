@@ -103,6 +103,13 @@ def _pairs(x: Any, name: str, shape: tuple) -> Any:
     return out if isinstance(x, jax.Array) else np.asarray(out)
 
 
+def _originals(values) -> tuple:
+    """``CanaryBatch.int32_fields`` from one value per int64-valued field (in ``_INDEX_FIELDS``' order): each traced
+    int32 vector (:func:`canary_jax.contract.ints.is_traced_int32`), None for the others; ``()`` when none is."""
+    narrow = tuple(x if ints.is_traced_int32(x) else None for x in values)
+    return narrow if any(x is not None for x in narrow) else ()
+
+
 class _Int32Slot:
     """The slot of :attr:`CanaryBatch.int32_fields`: outside the dataclass fields and the pytree, so a batch's
     structure does not depend on how it was built."""
@@ -163,7 +170,7 @@ class CanaryBatch(_Int32Slot):
     req_to_verify_expected_tokens_valid_lens: Any = None
 
     def __post_init__(self) -> None:
-        narrow = tuple(getattr(self, n) if ints.is_traced_int32(getattr(self, n)) else None for n in _INDEX_FIELDS)
+        narrow = _originals(getattr(self, n) for n in _INDEX_FIELDS)
         rpi = _pairs(self.req_pool_indices, "req_pool_indices", (None,))
         bs = int(rpi.shape[0])
         ids = _pairs(self.input_ids, "input_ids", (None,))
@@ -193,7 +200,7 @@ class CanaryBatch(_Int32Slot):
             )
         for name, value in conv.items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "int32_fields", narrow if any(x is not None for x in narrow) else ())
+        object.__setattr__(self, "int32_fields", narrow)
 
     def operand(self, name: str) -> Any:
         """Field ``name`` (an int64-valued ``[bs]`` / ``[T]`` one) as the launches take it: the traced int32 vector
@@ -217,8 +224,8 @@ class CanaryBatch(_Int32Slot):
         new = dataclasses.replace(self, **kw)
         if self.int32_fields:
             fresh = new.int32_fields or (None,) * len(_INDEX_FIELDS)
-            kept = tuple(f if n in kw else o for n, o, f in zip(_INDEX_FIELDS, self.int32_fields, fresh))
-            object.__setattr__(new, "int32_fields", kept if any(x is not None for x in kept) else ())
+            kept = (f if n in kw else o for n, o, f in zip(_INDEX_FIELDS, self.int32_fields, fresh))
+            object.__setattr__(new, "int32_fields", _originals(kept))
         return new
 
     @classmethod
@@ -228,9 +235,7 @@ class CanaryBatch(_Int32Slot):
         pass-through fields); the traced ones are kept for :meth:`operand`."""
         batch = _batch_unflatten(None, [fields.get(n) for n in _BATCH_FIELDS])
         if int32_fields:
-            given = [int32_fields.get(n) for n in _INDEX_FIELDS]
-            narrow = tuple(x if ints.is_traced_int32(x) else None for x in given)
-            object.__setattr__(batch, "int32_fields", narrow if any(x is not None for x in narrow) else ())
+            object.__setattr__(batch, "int32_fields", _originals(int32_fields.get(n) for n in _INDEX_FIELDS))
         return batch
 
 

@@ -26,8 +26,8 @@ def _starts_fn(ctx, idt, to_int32: bool, top: int):
     """``(indices -> start values, their torch dtype)``: the rules' ``_index`` (or, first, the int32 conversion a
     FILL_OR_DROP gather's lowering applies), kept int32 when they are and ``top`` (the largest clamp bound) fits,
     so the clamp and compare run without a widening op."""
-    if to_int32 and fill_index_clamp(idt, np.int32) is not None:
-        bound = fill_index_clamp(idt, np.int32)
+    bound = fill_index_clamp(idt, np.int32) if to_int32 else None
+    if bound is not None:
         return (lambda t: torch.clamp(_index(t, idt), max=bound)), torch.int64
     if to_int32:
         conv = _convert_fn(ctx, idt, np.dtype(np.int32))
