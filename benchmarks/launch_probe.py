@@ -11,12 +11,15 @@ serving step's Pallas decode attention against XLA's, in one run (issue #25).
   scenario's shapes (Qwen3-0.6B heads, 4096 tokens a request): the relative error and the time per call.
 
 Usage (repository root): ``python3 -m benchmarks.launch_probe --json OUT.json [--scenario decode1,decode128]
-[--mode partial] [--small]``. Each part is written to the JSON as it finishes (a run cut short keeps what it did).
+[--mode partial] [--variants narrow,widened,NAME] [--variant-config NAME='{"phase_one_launch": false}'] [--small]``: a
+variant NAME is the narrow step traced with those ``PallasConfig`` fields. Each part is written to the JSON as it
+finishes (a run cut short keeps what it did).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -36,6 +39,7 @@ from benchmarks.serving_step.programs import barrier
 from benchmarks.serving_step.shapes import QWEN3_0_6B, SMALL_MODEL, scenarios
 from canary_jax.contract import ints
 from canary_jax.runtime.step import canary_head, canary_plan, canary_tail
+from pallas_kernels import config as pallas_config
 
 FIELDS = ("rpi", "prefix", "extend", "ids", "positions", "loc")
 _FINAL: dict = {}  # (scenario, mode) -> the first variant's final state, on the host
@@ -60,6 +64,18 @@ def canary_loop_step(cfg, m, page_size: int, read_bytes: int, widened: bool):
 
 
 def run_canary(name: str, mode: str, variant: str, args, out: dict) -> None:
+    fields = dict(json.loads(args.variant_config[variant])) if variant in args.variant_config else {}
+    saved = pallas_config.DEFAULT_CONFIG
+    pallas_config.DEFAULT_CONFIG = dataclasses.replace(saved, **fields)  # read when the step is traced
+    jax.clear_caches()  # the step's inner jits cache their traces, made under another config
+    try:
+        _run_canary(name, mode, variant, args, out)
+    finally:
+        pallas_config.DEFAULT_CONFIG = saved
+        jax.clear_caches()
+
+
+def _run_canary(name: str, mode: str, variant: str, args, out: dict) -> None:
     m = SMALL_MODEL if args.small else QWEN3_0_6B
     scn = scenarios(args.small)[name]
     ps, rb = args.page_size, 2 * m.kv_dim
@@ -68,7 +84,7 @@ def run_canary(name: str, mode: str, variant: str, args, out: dict) -> None:
     k0 = jax.random.normal(jax.random.PRNGKey(args.seed), (sh.num_pages, ps * m.kv_dim), jnp.bfloat16)
     state = sb.populate(sb.new_state(sh.num_pages * ps), mode, pop, ((k0,), ()), m, ps, rb, sh)
     cfg = sb.canary_config(scn, mode, "pallas")
-    step = canary_loop_step(cfg, m, ps, rb, variant == "widened")
+    step = canary_loop_step(cfg, m, ps, rb, variant == "widened")  # any other variant: narrow
     n = scn.steps
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -139,11 +155,20 @@ def main(argv=None) -> int:
     ap.add_argument("--scenario", default="decode1,decode128")
     ap.add_argument("--mode", default="partial")
     ap.add_argument("--parts", default="canary,attention")
+    ap.add_argument("--variants", default="narrow,widened", help="narrow, widened and names given --variant-config")
+    ap.add_argument(
+        "--variant-config",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="a narrow variant NAME whose launches take these PallasConfig fields (repeatable)",
+    )
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="the CPU smoke shapes (interpreted kernels)")
     args = ap.parse_args(argv)
+    args.variant_config = dict(v.split("=", 1) for v in args.variant_config)
     out: dict = {"environment": harness.environment(), "argv": argv, "errors": {}}
     t0 = time.perf_counter()
 
@@ -158,7 +183,8 @@ def main(argv=None) -> int:
     for name in args.scenario.split(","):
         if "canary" in args.parts:
             jobs += [
-                (f"canary_{name}_{v}", functools.partial(run_canary, name, args.mode, v)) for v in ("narrow", "widened")
+                (f"canary_{name}_{v}", functools.partial(run_canary, name, args.mode, v))
+                for v in args.variants.split(",")
             ]
         if "attention" in args.parts:
             jobs.append((f"attention_{name}", functools.partial(run_attention, name)))
