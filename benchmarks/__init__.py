@@ -11,7 +11,8 @@
 * ``python -m benchmarks.demo_probe``: the demo's served step split into host batch build, dispatch and device wait.
 * ``python -m benchmarks.interop_bench``: torch-launched against JAX-launched calls (``benchmarks.interop_setup``).
 * ``python -m benchmarks.compile_probe``, ``python -m benchmarks.mosaic_probe``: offline compile and Mosaic GPU
-  probes.
+  probes. ``python -m benchmarks.write_small_probe``: the phase and fused write with the small write body and
+  without it, compiled offline for sm_90 (compile time, PTX loads / stores / barriers, registers).
 * ``python -m benchmarks.tpu_bench``: the TPU run (bench.py's cases and the serving step, ``pallas_tpu`` against
   ``reference``; refuses without a TPU). ``python -m benchmarks.tpu_launches``: a decode step's launches with
   ``pallas_tpu``, lowered for a TPU on any host (``docs/tpu_cost_model.md``).

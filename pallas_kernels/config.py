@@ -59,6 +59,11 @@ class PallasConfig:
         time with it against 90.4 us without, and the one-token write 25.8 us against 31.7 us on the JAX path
         (``benchmarks/results/2026-12-05_h100_glue.md``); alone at 128 one-token requests with 4 sources the H200
         gave 18.1 us fused against 14.0 us (``benchmarks/results/2026-12-04_h200_write_fused.md``).
+      write_small_max_tokens: a one-program write (fused, or inside the phase kernel) of at most this many tokens
+        (and at most ``pallas_kernels.write_small.SMALL_MAX_TOKENS``, 128) over a plan of at most
+        ``write_small.SMALL_MAX_REQS`` (128) request rows keeps the whole write in registers
+        (:mod:`pallas_kernels.write_small`: three dependent memory round trips instead of about ten); 0 = never
+        (the general one-program body). The same bytes either way.
       write_fused_num_warps: warps of the fused program (power of 2).
       phase_one_launch: a HEAD / TAIL phase (verify, then write: :func:`canary_jax.verify_then_write`) whose write
         takes the one program (``write_fused_max_tokens`` / ``write_fused_max_hashed``), on a log with a launch
@@ -99,6 +104,7 @@ class PallasConfig:
     write_max_programs: int = 2048
     write_fused_max_tokens: int = 128
     write_fused_max_hashed: int = 128
+    write_small_max_tokens: int = 128
     write_fused_num_warps: int = 16
     phase_one_launch: bool = True
     phase_num_warps: int = 8
@@ -145,7 +151,7 @@ class PallasConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a positive int, got {v!r}")
-        for name in ("write_fused_max_tokens", "write_fused_max_hashed"):
+        for name in ("write_fused_max_tokens", "write_fused_max_hashed", "write_small_max_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a non-negative int, got {v!r}")

@@ -90,9 +90,11 @@ def _rows_pass(r: dict, active, *, statics: dict, block: int, counter_row: int, 
     refs.bump_pair_scalar(r["out_kernel_counters"], 2 * counter_row, jnp.int32(1))
 
 
-def _phase_kernel(*all_refs, names, programs, block, cap, verify_statics, rows_statics, write_statics, ring_capacity):
+def _phase_kernel(
+    *all_refs, names, programs, block, cap, verify_statics, rows_statics, write_statics, write_scratch, ring_capacity
+):
     """The whole phase (see the module docstring); ``names`` the refs' names in order (``in_*`` operands,
-    ``out_*`` outputs)."""
+    ``out_*`` outputs), ``write_scratch`` the names of the write's scratch outputs (one for the small body)."""
     r = dict(zip(names, all_refs, strict=True))
     descs = write_statics["descs"]
     srcs = [r[f"in_source{k}"] for k in range(len(descs))]
@@ -135,10 +137,7 @@ def _phase_kernel(*all_refs, names, programs, block, cap, verify_statics, rows_s
         write_fused.barrier(interpret)
         write_inputs = ("num_reqs", "assert_flag", "offsets", "seeds", "ids", "pos", "loc", "exp_tok", "exp_pos")
         inputs = tuple(r[f"in_{k}"] for k in write_inputs)
-        scratch = [r[f"out_{k}"] for k in ("words", "flags", "prev_at", "chain_exp", "w_counts")]
-        if descs:
-            scratch.append(r["out_rkv"])
-        scratch += [r[f"out_{k}"] for k in ("ring", "write_index", "slot_counters", "kernel_counters")]
+        scratch = [r[f"out_{k}"] for k in ("words", *write_scratch, *calls.LOG_OUTPUTS)]
         write_fused.write_body(
             inputs, srcs, r["out_write_index"], scratch, ring_capacity=ring_capacity, **write_statics
         )
@@ -167,11 +166,8 @@ def _phase(context, vplan, wplan, ids, pos, loc, et, ep, *, check, assert_inputs
         words=words,
         ticket=pro.log.launch_ticket,
     )
-    scratch = dict(
-        bits=sds((cap,), jnp.uint8),
-        counts=sds((num_blocks,), jnp.int32),
-        **{("w_counts" if k == "counts" else k): v for k, v in w_scratch.items()},
-    )
+    w_scratch = {("w_counts" if k == "counts" else k): v for k, v in w_scratch.items()}
+    scratch = dict(bits=sds((cap,), jnp.uint8), counts=sds((num_blocks,), jnp.int32), **w_scratch)
     shared = dict(n_slots=pro.n_slots, hasher=pro.hasher, gather=config.gather, check=check)
     verify_statics = dict(
         shared,
@@ -191,6 +187,7 @@ def _phase(context, vplan, wplan, ids, pos, loc, et, ep, *, check, assert_inputs
         verify_statics=verify_statics,
         rows_statics=dict(shared, tag=pro.tag),
         write_statics=write_statics,
+        write_scratch=tuple(w_scratch),
     )
     (words, ticket, *_), log = calls.call_with_log(
         kernel,

@@ -217,6 +217,14 @@ def bump_pair_scalar(ref, word: int, delta: jax.Array) -> None:
     ref[word + 1] = total.hi
 
 
+def barrier(interpret: bool) -> None:
+    """``__syncthreads``: every global store of the program before it is visible to every thread after it, and every
+    load before it has read its value before any store after it lands. A no-op interpreted (statements run in order
+    over whole vectors)."""
+    if not interpret:
+        pltriton.debug_barrier()
+
+
 # --- grid loops ----------------------------------------------------------------------------------------------------
 def program_id() -> jax.Array:
     """``pl.program_id(0)`` as int32 (it is int64 in interpret mode with x64 on)."""

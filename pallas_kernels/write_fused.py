@@ -28,6 +28,10 @@ memset, no XLA scatter-max):
    round and one check without duplicates). The pass also counts violation rows and written entries per block;
 4. the commit (:func:`pallas_kernels.write_commit.write_commit_kernel`, one program over every block).
 
+Launches of at most ``PallasConfig.write_small_max_tokens`` (128) tokens over at most 128 request rows (a decode
+step's) skip all of the above: :mod:`pallas_kernels.write_small` keeps the whole write in registers (one-hot selects
+instead of flag words and claim words) and waits on memory three times instead of about ten; the same bytes.
+
 In interpret mode the program runs its statements in order over whole vectors, so the barriers are no-ops
 there (Pallas's interpreter has no rule for them) and the claim's scatter keeps one of the racing values, which
 the loop accepts. Bit-identical to :func:`canary_jax.ops.reference.write_reference`, as the multi-launch path.
@@ -41,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import calls, refs
+from pallas_kernels import calls, refs, write_small
 from pallas_kernels.write_chain import _chain_role, _entry_role
 from pallas_kernels.write_commit import write_commit_kernel
 from pallas_kernels.write_flags import CLAIM_WORD, INPUT_MISMATCH, WriteFlag, load_flagged
@@ -59,11 +63,7 @@ chunk's unrolled memory ops: offline compiles for sm_90 (triton 3.6) took 1.6 s 
 at 4 and 12.4 s at 8 (a decode request has one step)."""
 
 
-def barrier(interpret: bool) -> None:
-    """``__syncthreads``: every global store of the program before it is visible to every thread after it. A
-    no-op interpreted (statements run in order over whole vectors)."""
-    if not interpret:
-        pltriton.debug_barrier()
+barrier = refs.barrier  # the kernels that build on this one (phase, plan) take it from here
 
 
 def _claim_pass(loc_ref, words_ref, flags_ref, counts_ref, *, num_tokens, block, interpret):
@@ -159,6 +159,7 @@ def write_body(
     assert_inputs,
     ring_capacity,
     interpret,
+    small=False,
 ):
     """Every pass of the write, run by one program: :func:`write_fused_kernel`'s, and the last verify program's in
     :mod:`pallas_kernels.phase`.
@@ -166,7 +167,34 @@ def write_body(
     Refs: ``inputs`` the 9 write operands of :func:`write_fused_kernel` in its order, ``src_refs`` the sources,
     ``base_ref`` the write index rows are appended at (i32[1]: the input, or the output a verify pass before this
     one has moved), ``scratch`` the outputs: words, flags, prev_at, chain_exp, counts [, rkv], ring, write index,
-    slot counters, kernel counters."""
+    slot counters, kernel counters; with ``small`` (:func:`pallas_kernels.write_small.small_write_body` runs
+    instead, in registers) only words, chain (u32[4 T]) and the log's four."""
+    if small:
+        write_small.small_write_body(
+            inputs,
+            src_refs,
+            base_ref,
+            scratch[0],
+            scratch[1],
+            scratch[len(scratch) - 4 :],
+            descs=descs,
+            n_slots=n_slots,
+            cw=cw,
+            num_tokens=num_tokens,
+            tokens_block=block,
+            reqs_block=lanes,
+            tag=tag,
+            counter_row=counter_row,
+            hasher=hasher,
+            gather=gather,
+            source_gather=source_gather,
+            source_unroll=source_unroll,
+            source_tile_words=source_tile_words,
+            assert_inputs=assert_inputs,
+            ring_capacity=ring_capacity,
+            interpret=interpret,
+        )
+        return
     words_ref, flags_ref, prev_at_ref, chain_exp_ref, counts_ref, *rest = scratch
     rkv_ref = rest[0] if descs else None
     log_refs = rest[len(rest) - 4 :]
@@ -256,14 +284,18 @@ def fused_operands(pro, plan, flat: dict, *, assert_inputs: bool, interpret: boo
         **{f"source{k}": s for k, s in enumerate(pro.srcs)},
         words=pro.words,
     )
-    scratch = dict(
-        flags=sds((num_tokens,), u32),
-        prev_at=sds((2 * num_tokens,), u32),
-        chain_exp=sds((2 * num_tokens,), u32),
-        counts=sds((-(-num_tokens // block), 2), jnp.int32),
-    )
-    if pro.descs:
-        scratch["rkv"] = sds((num_tokens, 2), u32)
+    small = write_small.takes_small(num_tokens, cw, config.write_small_max_tokens)
+    # the small body keeps everything in registers but its serial chains' (prev_hash, run position) per entry
+    scratch = dict(chain=sds((4 * num_tokens,), u32))
+    if not small:
+        scratch = dict(
+            flags=sds((num_tokens,), u32),
+            prev_at=sds((2 * num_tokens,), u32),
+            chain_exp=sds((2 * num_tokens,), u32),
+            counts=sds((-(-num_tokens // block), 2), jnp.int32),
+        )
+        if pro.descs:
+            scratch["rkv"] = sds((num_tokens, 2), u32)
     statics = dict(
         descs=pro.descs,
         n_slots=pro.n_slots,
@@ -282,6 +314,7 @@ def fused_operands(pro, plan, flat: dict, *, assert_inputs: bool, interpret: boo
         source_tile_words=config.write_source_tile_words,
         assert_inputs=assert_inputs,
         interpret=interpret,
+        small=small,
     )
     return args, scratch, statics
 
