@@ -63,7 +63,10 @@ class PallasConfig:
         (and at most ``pallas_kernels.write_small.SMALL_MAX_TOKENS``, 128) over a plan of at most
         ``write_small.SMALL_MAX_REQS`` (128) request rows keeps the whole write in registers
         (:mod:`pallas_kernels.write_small`: three dependent memory round trips instead of about ten); 0 = never
-        (the general one-program body). The same bytes either way.
+        (the general one-program body). The same bytes either way. 32 by default: on an H100, a decode step's canary
+        alone (plan, HEAD, TAIL, PARTIAL) took 16.5 us of kernels with it against 18.0 us without at batch 1, but
+        143.7 against 103.7 us at batch 128, where the TAIL phase's one program hashes 128 winners' real KV
+        (``benchmarks/results/2026-12-07_h100_small_write.md``); 2 to 32 tokens are not measured.
       write_fused_num_warps: warps of the fused program (power of 2).
       phase_one_launch: a HEAD / TAIL phase (verify, then write: :func:`canary_jax.verify_then_write`) whose write
         takes the one program (``write_fused_max_tokens`` / ``write_fused_max_hashed``), on a log with a launch
@@ -104,7 +107,7 @@ class PallasConfig:
     write_max_programs: int = 2048
     write_fused_max_tokens: int = 128
     write_fused_max_hashed: int = 128
-    write_small_max_tokens: int = 128
+    write_small_max_tokens: int = 32
     write_fused_num_warps: int = 16
     phase_one_launch: bool = True
     phase_num_warps: int = 8

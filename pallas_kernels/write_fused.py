@@ -28,9 +28,10 @@ memset, no XLA scatter-max):
    round and one check without duplicates). The pass also counts violation rows and written entries per block;
 4. the commit (:func:`pallas_kernels.write_commit.write_commit_kernel`, one program over every block).
 
-Launches of at most ``PallasConfig.write_small_max_tokens`` (128) tokens over at most 128 request rows (a decode
-step's) skip all of the above: :mod:`pallas_kernels.write_small` keeps the whole write in registers (one-hot selects
-instead of flag words and claim words) and waits on memory three times instead of about ten; the same bytes.
+Launches of at most ``PallasConfig.write_small_max_tokens`` (32 by default, at most 128) tokens over at most 128
+request rows (a small decode step's) skip all of the above: :mod:`pallas_kernels.write_small` keeps the whole write
+in registers (one-hot selects instead of flag words and claim words) and waits on memory three times instead of
+about ten; the same bytes.
 
 In interpret mode the program runs its statements in order over whole vectors, so the barriers are no-ops
 there (Pallas's interpreter has no rule for them) and the claim's scatter keeps one of the racing values, which

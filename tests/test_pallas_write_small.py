@@ -28,7 +28,7 @@ N_SLOTS = 40
 REQ_CAPACITY = 12
 NUM_TOKENS = 24
 TAG = canary_jax.CanaryLaunchTag.TAIL_K_FULL
-SMALL = PallasConfig()  # the default: small launches take the small body
+SMALL = PallasConfig(write_small_max_tokens=128)  # every launch of these tests takes the small body
 GENERAL = PallasConfig(write_small_max_tokens=0)  # the general one-program body
 PHASE = PallasConfig(verify_block=16, verify_source_block=16, verify_max_programs=2)
 
