@@ -174,6 +174,33 @@ def test_attribution_of_unnamed_canary_kernels_by_name_and_timeline():
     assert p["sweep_plan"] == pytest.approx(0.001) and p["sweep_verify"] == pytest.approx(0.009)
 
 
+def test_attribution_of_phase_kernels_whose_op_name_has_no_step_scope():
+    """What the H100 trace of 2026-12-07 gave: the Pallas kernels carry an op_name without the step's scopes
+    (``canary_head`` ...), so they are attributed as unnamed ones: ``canary_plan`` to the plan, ``canary_phase`` to
+    HEAD, ``canary_phase__1`` to TAIL, the sweep's plan and verify after the TAIL to the sweep."""
+    meta = 'metadata={op_name="jit(many)/while/body/pallas_call"}'
+    hlo = "\n".join(
+        ["HloModule m"]
+        + [f"  %{k} = u32[8]{{0}} custom-call(%p), {meta}" for k in ("canary_plan", "canary_phase", "canary_phase.1")]
+        + [f"  %canary_verify = u32[8]{{0}} custom-call(%p), {meta}"]
+    )
+    _, index = ss.hlo_index(hlo)
+    names = [
+        ("canary_plan", 2.0),  # plan
+        ("canary_phase", 5.0),  # HEAD
+        ("nvjet_sm90_gemm", 100.0),  # model
+        ("canary_phase__1", 7.0),  # TAIL
+        ("canary_plan", 3.0),  # the sweep's plan (the step's plan kernel)
+        ("canary_verify__1", 11.0),  # the sweep's verify
+    ]
+    events = [(n, float(i), 1000.0 * us, None) for i, (n, us) in enumerate(names)]
+    p = ss.attribute(events, index, steps=1)["parts_ms"]
+    assert "canary_unattributed" not in p
+    assert p["plan"] == pytest.approx(0.002) and p["head_phase"] == pytest.approx(0.005)
+    assert p["tail_phase"] == pytest.approx(0.007) and p["model"] == pytest.approx(0.100)
+    assert p["sweep_plan"] == pytest.approx(0.003) and p["sweep_verify"] == pytest.approx(0.011)
+
+
 def test_attribution_of_a_sweep_whose_kernels_the_step_shares():
     """decode: the sweep's plan has the per-forward plan's shapes, so XLA names their kernels alike, and the
     sweep's verify reuses the TAIL kernel (``__1``). A verify of index >= 1 right after plan kernels (no model
