@@ -22,6 +22,7 @@ import canary_jax
 from canary_jax.ops import backends, reference
 from pallas_kernels import phase
 from pallas_kernels.config import PallasConfig
+from tests.helpers.jaxpr_walk import traced_eqns
 
 N_SLOTS = 96
 TAG = canary_jax.CanaryLaunchTag.TAIL_K_FULL
@@ -92,15 +93,10 @@ def _phase(ctx, vplan, wplan, tokens, expected, *, check, assert_inputs, config=
 def _pallas_calls(fn, *args) -> list[str]:
     """Names of the ``pallas_call`` s in ``fn``'s jaxpr (nested jits entered)."""
 
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            inner = e.params.get("jaxpr") if e.primitive.name in ("jit", "pjit") else None
-            if inner is not None:
-                yield from walk(getattr(inner, "jaxpr", inner))
-            elif e.primitive.name == "pallas_call":
-                yield str(e.params.get("name") or getattr(e.params.get("name_and_src_info"), "name", ""))
+    def name(e):
+        return str(e.params.get("name") or getattr(e.params.get("name_and_src_info"), "name", ""))
 
-    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+    return [name(e) for e in traced_eqns(fn, *args) if e.primitive.name == "pallas_call"]
 
 
 class PhaseTest(absltest.TestCase):

@@ -20,6 +20,7 @@ from canary_jax.ops import backends, reference
 from helpers import write_suite
 from pallas_kernels.config import PallasConfig
 from pallas_kernels.write import write_pallas
+from tests.helpers.jaxpr_walk import traced_eqns
 
 FUSED = PallasConfig(write_fused_max_tokens=512, write_fused_max_hashed=256)
 MULTI = PallasConfig(write_fused_max_tokens=0, write_fused_max_hashed=0)  # the multi-launch write
@@ -39,15 +40,7 @@ def _pairs(values) -> jax.Array:
 def _primitives(fn, *args) -> list[str]:
     """Primitive names of ``fn``'s jaxpr, nested jits inlined (a ``pallas_call``'s kernel body is not entered)."""
 
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            inner = e.params.get("jaxpr") if e.primitive.name in ("jit", "pjit") else None
-            if inner is None:
-                yield e.primitive.name
-            else:
-                yield from walk(getattr(inner, "jaxpr", inner))
-
-    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+    return [e.primitive.name for e in traced_eqns(fn, *args)]
 
 
 def _launch(rng, *, counts, dup_slot, sources=()):

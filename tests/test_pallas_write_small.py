@@ -23,6 +23,7 @@ from canary_jax.ops import reference
 from pallas_kernels import phase
 from pallas_kernels.config import PallasConfig
 from pallas_kernels.write import write_pallas
+from tests.helpers.jaxpr_walk import traced_eqns
 
 N_SLOTS = 40
 REQ_CAPACITY = 12
@@ -127,15 +128,8 @@ class SmallWriteTest(absltest.TestCase):
         args, kw = _write_args(_launch(rng, decode=False), False)
 
         def outputs(cfg):
-            def walk(jaxpr):
-                for e in jaxpr.eqns:
-                    inner = e.params.get("jaxpr") if e.primitive.name in ("jit", "pjit") else None
-                    if inner is not None:
-                        yield from walk(getattr(inner, "jaxpr", inner))
-                    elif e.primitive.name == "pallas_call":
-                        yield len(e.outvars)
-
-            return list(walk(jax.make_jaxpr(lambda c: write_pallas(c, *args, config=cfg, **kw))(ctx).jaxpr))
+            launch = traced_eqns(lambda c: write_pallas(c, *args, config=cfg, **kw), ctx)
+            return [len(e.outvars) for e in launch if e.primitive.name == "pallas_call"]
 
         self.assertEqual(outputs(SMALL), [1 + 1 + 4])  # words, chain, the log's four
         self.assertEqual(outputs(GENERAL), [1 + 4 + 4])  # words, flags, prev_at, chain_exp, counts, the log's four
