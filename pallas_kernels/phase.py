@@ -120,12 +120,12 @@ def _phase_kernel(
         )
 
     refs.for_each_block(refs.cdiv(active, block), block_body)
-    write_fused.barrier(interpret)
+    refs.barrier(interpret)
     ticket = pltriton.atomic_add(r["out_ticket"], (jnp.int32(0),), jnp.int32(1))
 
     @pl.when(ticket == programs - 1)
     def _():
-        write_fused.barrier(interpret)
+        refs.barrier(interpret)
         _rows_pass(
             r,
             active,
@@ -134,7 +134,7 @@ def _phase_kernel(
             counter_row=write_statics["counter_row"],
             ring_capacity=ring_capacity,
         )
-        write_fused.barrier(interpret)
+        refs.barrier(interpret)
         write_inputs = ("num_reqs", "assert_flag", "offsets", "seeds", "ids", "pos", "loc", "exp_tok", "exp_pos")
         inputs = tuple(r[f"in_{k}"] for k in write_inputs)
         scratch = [r[f"out_{k}"] for k in ("words", *write_scratch, *calls.LOG_OUTPUTS)]

@@ -40,7 +40,6 @@ from canary_jax.planning.plans import VerifyPlan, WritePlan
 from pallas_kernels import calls, plan_tables, refs
 from pallas_kernels import config as pallas_config
 from pallas_kernels.config import PallasConfig, default_interpret
-from pallas_kernels.write_fused import barrier
 
 I32, U32 = jnp.int32, jnp.uint32
 FIELDS = ("slot", "token", "position", "prev")
@@ -92,7 +91,7 @@ def _plan_kernel(
     overflow = total > jnp.uint32(cap)
     live_n = jnp.where(overflow, jnp.uint32(0), total)
     refs.store_vec(r["incl"], rows, incl, in_bs)
-    barrier(interpret)
+    refs.barrier(interpret)
 
     def entries(b):
         i = b * block + refs.iota(block)

@@ -64,9 +64,6 @@ chunk's unrolled memory ops: offline compiles for sm_90 (triton 3.6) took 1.6 s 
 at 4 and 12.4 s at 8 (a decode request has one step)."""
 
 
-barrier = refs.barrier  # the kernels that build on this one (phase, plan) take it from here
-
-
 def _claim_pass(loc_ref, words_ref, flags_ref, counts_ref, *, num_tokens, block, interpret):
     """Winners of every slot (``WriteFlag.WINNER`` added to their flags) and per-block counts.
 
@@ -78,7 +75,7 @@ def _claim_pass(loc_ref, words_ref, flags_ref, counts_ref, *, num_tokens, block,
     fl, written, s = load_flagged(flags_ref, loc_ref, i, inw, WriteFlag.WRITTEN)
     mine = (i + 1).astype(jnp.uint32)
     refs.store_word(words_ref, s, CLAIM_WORD, mine, written)
-    barrier(interpret)
+    refs.barrier(interpret)
 
     def read():
         return refs.load_word(words_ref, s, CLAIM_WORD, written)
@@ -88,11 +85,11 @@ def _claim_pass(loc_ref, words_ref, flags_ref, counts_ref, *, num_tokens, block,
 
     def again(claim):
         refs.store_word(words_ref, s, CLAIM_WORD, mine, behind(claim))
-        barrier(interpret)
+        refs.barrier(interpret)
         return read()
 
     claim = jax.lax.while_loop(lambda c: jnp.max(behind(c).astype(jnp.int32)) > 0, again, read())
-    barrier(interpret)  # every claim word is read before the commit stores a winner's record over it
+    refs.barrier(interpret)  # every claim word is read before the commit stores a winner's record over it
     won = written & (claim == mine)
     refs.store_vec(flags_ref, i, fl | jnp.where(won, WriteFlag.WINNER, 0).astype(jnp.uint32), inw)
     rows = ((fl & INPUT_MISMATCH) != 0).astype(jnp.int32) + ((fl & WriteFlag.CHAIN_POSITION) != 0).astype(jnp.int32)
@@ -203,7 +200,7 @@ def write_body(
 
     i = refs.iota(-(-num_tokens // block) * block)
     refs.store_vec(flags_ref, i, jnp.zeros(i.shape, jnp.uint32), i < num_tokens)
-    barrier(interpret)
+    refs.barrier(interpret)
     _chain_role(
         inputs,
         (words_ref, flags_ref, prev_at_ref, chain_exp_ref),
@@ -237,9 +234,9 @@ def write_body(
             source_unroll=source_unroll,
             source_tile_words=source_tile_words,
         )
-    barrier(interpret)
+    refs.barrier(interpret)
     _claim_pass(loc_ref, words_ref, flags_ref, counts_ref, num_tokens=num_tokens, block=block, interpret=interpret)
-    barrier(interpret)
+    refs.barrier(interpret)
     commit_refs = (base_ref, *inputs[4:], prev_at_ref, chain_exp_ref, flags_ref, counts_ref)
     write_commit_kernel(
         *commit_refs,
@@ -286,9 +283,9 @@ def fused_operands(pro, plan, flat: dict, *, assert_inputs: bool, interpret: boo
         words=pro.words,
     )
     small = write_small.takes_small(num_tokens, cw, config.write_small_max_tokens)
-    # the small body keeps everything in registers but its serial chains' (prev_hash, run position) per entry
-    scratch = dict(chain=sds((4 * num_tokens,), u32))
-    if not small:
+    if small:  # everything in registers but its serial chains' (prev_hash, run position) per entry
+        scratch = dict(chain=sds((4 * num_tokens,), u32))
+    else:
         scratch = dict(
             flags=sds((num_tokens,), u32),
             prev_at=sds((2 * num_tokens,), u32),

@@ -58,6 +58,8 @@ def part_of(op_name: str, kernel: str) -> str:
         return "verify"
     if "write" in s:
         return "write"
+    if low.startswith("canary_plan"):
+        return "plan"  # the Pallas plan kernel (the sweep's plan too: attribute() tells it apart by its verify)
     if low.startswith("canary_"):
         return "canary_unattributed"
     if any(x in low for x in ("gemm", "xmma", "cutlass", "nvjet", "cudnn", "flash", "paged_attention", "sm90")):
@@ -152,8 +154,9 @@ def attribute(events: list, hlo: dict, steps: float, top: int = 25, cycle: int =
         if opcode in ("while", "conditional", "call", "async-start", "async-done", "tuple", "parameter"):
             continue  # CPU control-flow thunks (their bodies are counted themselves)
         part = part_of(op_name, name)
+        if not op_name:
+            unattributed += ns
         if not op_name or part == "canary_unattributed":  # an op_name without the step's scopes names no part
-            unattributed += 0.0 if op_name else ns
             mt = _CANARY_KERNEL.match(name)
             if mt and region == "plan" and "verify" in name and int(mt.group(2) or 0) >= 1:
                 for i in range(plan_start, len(labels)):  # the plan kernels since the TAIL were the sweep's
@@ -161,10 +164,8 @@ def attribute(events: list, hlo: dict, steps: float, top: int = 25, cycle: int =
                     if p_ == "plan" or p_.startswith("plan_"):
                         labels[i] = (n_, ns_, p_.replace("plan", "sweep_plan", 1) if p_ == "plan" else "sweep" + p_[4:])
                 region = "sweep"
-            cp = None if name.startswith("canary_plan") else _canary_phase(name, region)
-            if name.startswith("canary_plan"):
-                part = "plan"  # the plan kernel (the sweep's too: told apart below, by its verify)
-            elif cp is not None:
+            cp = _canary_phase(name, region) if part == "canary_unattributed" else None
+            if cp is not None:
                 part = f"{cp[0]}_{cp[1]}"
             elif part in ("other", "memcpy") and region in ("plan", "head", "tail", "sweep"):
                 part = f"{region}_{'copy' if part == 'memcpy' else 'other'}"
