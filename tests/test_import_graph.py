@@ -105,7 +105,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_graph_sees_the_packages():
     graph = _graph()
-    assert "canary_jax.ops.backends" in graph and "pallas_kernels.verify" in graph and "interop.native.prims" in graph
+    assert "canary_jax.ops.backends" in graph and "pallas_kernels.verify" in graph and "interop.native.program" in graph
     assert "canary_jax.ops.backends" in graph["pallas_kernels.config"]
 
 

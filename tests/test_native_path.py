@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 import torch
+from jax.experimental import pallas as pl
 from test_interop_sglang import CONFIGS, _run_pair, check_plan_variant
 
 from helpers.interop_world import World, assert_same_bytes, random_verify_plan, random_write_args
@@ -140,90 +141,88 @@ def test_reference_backend_on_the_native_path_is_refused_naming_why():
     w = World.make(rng)
     plan, kw = random_write_args(rng, w)
     snap = {k: t.clone() for k, t in w.tensors().items()}
-    with pytest.raises(program.NotNative, match=r"write launch \(reference\).*'while'"):
+    with pytest.raises(program.NotNative, match=r"write launch \(reference\).*outside the kernels"):
         sglang.launch_canary_write_kernel(context=w.context(2), plan=plan, backend="reference", path="native", **kw)
     for k, t in w.tensors().items():
         assert torch.equal(t, snap[k]), k  # nothing ran
 
 
 # --- the memory plan -----------------------------------------------------------------------------------------
+def _add_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + jnp.int32(1)
+
+
+def _add_one(x):
+    """One interpreted kernel, its result aliased to its operand: ``x + 1``."""
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return pl.pallas_call(_add_kernel, out_shape=out, input_output_aliases={0: 0}, interpret=True)(x)
+
+
+def _sum_kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...] + y_ref[...]
+
+
+def _sum(x, y):
+    """One interpreted kernel with a fresh result: ``x + y``."""
+    return pl.pallas_call(_sum_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x, y)
+
+
 def _program(fn, *args, mutable):
     closed = jax.make_jaxpr(fn)(*args)
-    return program.build(closed, device=torch.device("cpu"), mutable=mutable, pallas=program.interpreted_pallas)
+    return program.build(closed, device=torch.device("cpu"), mutable=mutable, kernel_for=native.interpreted_pallas)
 
 
-def test_scatter_into_a_mutable_dead_input_is_in_place_and_into_a_read_only_one_copies():
-    x = jnp.arange(6, dtype=jnp.int32)
-    fn = lambda x, i: (x.at[i].set(jnp.int32(-5)),)  # noqa: E731
-    i = jnp.array([4], jnp.int32)
-    for mutable, in_place in (([True, False], True), ([False, False], False)):
-        prog = _program(fn, x, i, mutable=mutable)
-        xt, it = torch.arange(6, dtype=torch.int32), torch.tensor([4], dtype=torch.int32)
-        (out,) = prog([xt, it])
-        assert out.tolist() == [0, 1, 2, 3, -5, 5]
-        assert (out.data_ptr() == xt.data_ptr()) == in_place
-        assert xt.tolist() == ([0, 1, 2, 3, -5, 5] if in_place else [0, 1, 2, 3, 4, 5])
+def _copies(prog) -> list[int]:
+    """Per kernel, how many operands it gets as a copy."""
+    return [len(step[3]) for step in prog.steps]
 
 
-def test_a_value_read_after_the_scatter_is_not_overwritten():
-    fn = lambda x: (x.at[1].add(jnp.uint32(7)), x + jnp.uint32(1))  # noqa: E731
-    prog = _program(fn, jnp.zeros(3, jnp.uint32), mutable=[True])
+@pytest.mark.parametrize("mutable", [True, False])
+def test_a_kernel_updates_a_mutable_dead_argument_in_place_and_a_read_only_one_through_a_copy(mutable):
+    prog = _program(lambda x: (_add_one(x.reshape(2, 3)).reshape(6),), jnp.zeros(6, jnp.int32), mutable=[mutable])
+    assert _copies(prog) == [0 if mutable else 1]
+    xt = torch.arange(6, dtype=torch.int32)
+    prog([xt])
+    assert xt.tolist() == ([1, 2, 3, 4, 5, 6] if mutable else [0, 1, 2, 3, 4, 5])
+
+
+def test_chained_kernels_update_in_place_and_an_argument_read_later_is_copied_first():
+    prog = _program(lambda x: (_add_one(_add_one(x)),), jnp.zeros(3, jnp.int32), mutable=[True])
+    assert _copies(prog) == [0, 0]
     xt = torch.tensor([1, 2, 3], dtype=torch.int32)
-    a, b = prog([xt])
-    assert a.tolist() == [1, 9, 3] and b.tolist() == [2, 3, 4]
+    prog([xt])
+    assert xt.tolist() == [3, 4, 5]
+    # x is read by the sum after add_one aliases it: add_one works on a copy, the sum sees the old x
+    prog = _program(lambda x: (_sum(x, _add_one(x)),), jnp.zeros(3, jnp.int32), mutable=[True])
+    assert _copies(prog) == [1, 0]
+    xt = torch.tensor([1, 2, 3], dtype=torch.int32)
+    prog([xt])
+    assert xt.tolist() == [3, 5, 7]
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_the_compiled_write_donates_the_canary_buffer_to_its_kernels(fused, monkeypatch):
-    """Traced for CUDA (compiled kernels), the write's memory plan hands every kernel the canary words, the ring
-    and the write index in place: no launch copies the pool (planned on CPU with stand-in kernels). A small
-    launch is one kernel with the fused write on (``fused``); with it off, the three launches and the claim between
-    them."""
-    from pallas_kernels import config as pallas_config
+def test_an_operand_read_through_another_operand_is_not_overwritten_in_place():
+    def fn(x):
+        out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return (pl.pallas_call(_sum_kernel, out_shape=out, input_output_aliases={0: 0}, interpret=True)(x, x),)
 
-    fuse = 512 if fused else 0
-    cfg = pallas_config.PallasConfig(write_fused_max_tokens=fuse, write_fused_max_hashed=fuse // 2)
-    monkeypatch.setattr(pallas_config, "DEFAULT_CONFIG", cfg)
-    rng = random.Random(16)
-    w = World.make(rng, num_slots=4096)
-    plan, kw = random_write_args(rng, w)
-    kw["enable_write_input_assert"], kw["expected_input_tokens"], kw["expected_input_positions"] = False, None, None
-    captured = {}
+    prog = _program(fn, jnp.zeros(3, jnp.int32), mutable=[True])
+    assert _copies(prog) == [1]
+    xt = torch.tensor([1, 2, 3], dtype=torch.int32)
+    prog([xt])
+    assert xt.tolist() == [2, 4, 6]
 
-    def fake_pallas(eqn):
-        aliases = tuple((int(i), int(o)) for i, o in eqn.params["input_output_aliases"])
-        kernel = program._Interpreted(aliases, eqn.params.get("name"))
-        captured.setdefault("eqns", []).append(eqn)
-        return (lambda a, d: []), tuple(i for i, _ in aliases), kernel
 
-    orig = native._pallas_for
-    native._pallas_for = lambda device: fake_pallas
-    try:
-        args = _write_args(w, plan, kw)
-        launch = native._build(
-            "write", ("pallas", "cuda", 2, 0, (), False), _write_factory(), args, torch.device("cpu")
-        )
-    finally:
-        native._pallas_for = orig
-    prog = launch.program
-    steps = [s for s in prog.steps if s.name == "pallas_call"]
-    names = ["canary_write_fused"] if fused else ["canary_write_chain", "canary_write_won", "canary_write_store"]
-    assert [s.kernel.name for s in steps] == names
-    words = (4096, 8)  # the canary buffer as uint32 words
-    donated = {}
-    for s in steps:
-        for k in s.inplace:
-            shape = tuple(prog.avals[s.ins[k]].shape)
-            donated.setdefault(shape, []).append(s.donate[k])
-    assert all(donated[(6, 16)]), donated  # the ring (6 rows of 16 words)
-    if fused:
-        assert donated[words] == [True], donated  # the one kernel overwrites the canary in place
-        assert not [s for s in prog.steps if s.name == "scatter-max"]  # no claim outside the kernel
-        return
-    assert donated[words] == [True, True], donated  # chain and store kernels overwrite the canary in place
-    # the claim scatter between them updates the canary words in place too
-    (claim,) = [s for s in prog.steps if s.name == "scatter-max"]
-    assert claim.donate[0] is True
+def test_work_on_launch_data_outside_the_kernels_is_refused_naming_it_and_constants_fold_at_build():
+    with pytest.raises(program.NotNative, match=r"'add' on launch data outside the kernels"):
+        _program(lambda x: (x + jnp.int32(1),), jnp.zeros(3, jnp.int32), mutable=[True])
+    # arithmetic on constants runs once, at build time: the launch is its kernels alone
+    prog = _program(
+        lambda x: (_sum(x, jnp.arange(3, dtype=jnp.int32) * 2 + 1),), jnp.zeros(3, jnp.int32), mutable=[True]
+    )
+    assert prog.num_kernels == 1 and len(prog.consts) == 1
+    xt = torch.tensor([10, 20, 30], dtype=torch.int32)
+    prog([xt])
+    assert xt.tolist() == [11, 23, 35]
 
 
 def _write_factory():
@@ -249,17 +248,6 @@ def _write_args(w, plan, kw):
     return args
 
 
-def test_an_operand_read_through_another_view_is_not_overwritten_in_place():
-    """``x.at[1:3].set(x[0:2])``: the update is a view of the operand, so the scatter must not write into the
-    operand while reading it (XLA would copy): the result is the shifted values, not a smear."""
-    fn = lambda x: (x.at[jnp.array([1, 2])].set(x[0:2]),)  # noqa: E731
-    prog = _program(fn, jnp.zeros(4, jnp.int32), mutable=[True])
-    (scatter,) = [s for s in prog.steps if s.name == "scatter"]
-    assert scatter.donate[0] is False
-    (out,) = prog([torch.tensor([10, 20, 30, 40], dtype=torch.int32)])
-    assert out.tolist() == [10, 10, 20, 40]
-
-
 def test_a_default_native_path_that_cannot_build_falls_back_to_dlpack_once_with_a_warning():
     """When the native path is only the default (not asked for) and a launch shape cannot be built, nothing has
     run: the launch takes the DLPack path, with one warning naming the error, and so do its later launches."""
@@ -282,7 +270,7 @@ def test_a_default_native_path_that_cannot_build_falls_back_to_dlpack_once_with_
         return args
 
     statics = ("reference", "cpu", 2, 0, (), False)
-    with pytest.warns(RuntimeWarning, match=r"could not build this write launch \(NotNative: .*'while'"):
+    with pytest.warns(RuntimeWarning, match=r"could not build this write launch \(NotNative: .*outside the kernels"):
         native.run_native("write", statics, kernels.write_body_factory, launch_args(ours), fallback=runner.run_in_place)
     runner.run_in_place("write", statics, kernels.write_body_factory, launch_args(ref))
     assert_same_bytes(ours.tensors(), ref.tensors(), "fallback launch")

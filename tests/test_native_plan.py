@@ -25,6 +25,7 @@ from canary_jax.planning import plan_builder, plans
 from helpers.torch_reference import ref_plan
 from interop import sglang
 from interop.native import launch as native
+from interop.native.program import NotNative
 
 # name: shapes and statics (bs, C, Cw, req_to_token rows x width, W, LUT, pool rows x width or None, k)
 CONFIGS = {
@@ -123,8 +124,25 @@ def _clone(p):
     return type(p)(**{f: getattr(p, f).clone() for f in p.__dataclass_fields__})
 
 
+def _kernel_takes(kw: dict) -> bool:
+    """Whether the plan kernel takes the launch: request rows, and no empty slot table, LUT or pool."""
+    tables = [kw["req_to_token"], kw["full_to_swa_index_mapping"], kw["req_to_verify_expected_tokens"]]
+    return kw["req_pool_indices"].shape[0] > 0 and all(t is None or t.numel() > 0 for t in tables)
+
+
 def _launch(kw: dict, vp, wp, cap: int) -> None:
-    sglang.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, verify_capacity=cap, path="native", **kw)
+    """The launch on the native path; one the plan kernel does not take is refused there (naming the
+    ``pallas_call``-free builder's first primitive, nothing written) and runs on the DLPack path instead."""
+    run = dict(verify_plan_out=vp, write_plan_out=wp, verify_capacity=cap, **kw)
+    if _kernel_takes(kw):
+        sglang.launch_canary_plan_kernels(path="native", **run)
+        return
+    outs = [getattr(p, f) for p in (vp, wp) for f in p.__dataclass_fields__]
+    before = [t.clone() for t in outs]
+    with pytest.raises(NotNative, match=r"the plan launch \(pallas\) cannot take the native torch path: .* outside"):
+        sglang.launch_canary_plan_kernels(path="native", **run)
+    assert all(torch.equal(a, b) for a, b in zip(before, outs))
+    sglang.launch_canary_plan_kernels(path="dlpack", **run)
 
 
 def _pairs(t: torch.Tensor) -> np.ndarray:
@@ -273,5 +291,5 @@ def test_cuda_plan_is_the_triton_kernel_and_matches():
         torch.cuda.synchronize()
         _assert_same(want_v, type(vp)(**{f: getattr(vp_d, f).cpu() for f in vp.__dataclass_fields__}), trial)
         _assert_same(want_w, type(wp)(**{f: getattr(wp_d, f).cpu() for f in wp.__dataclass_fields__}), trial)
-    names = [s.kernel.name for launch in native._PROGRAMS.values() for s in launch.program.steps if s.kernel]
+    names = [n for launch in native._PROGRAMS.values() for n in launch.program.kernel_names]
     assert "canary_plan" in names, names

@@ -3,8 +3,7 @@ launch, capturable in a torch CUDA graph (``interop/README.md``, "The native pat
 
 * :mod:`interop.native.launch`: path choice (:func:`~interop.native.launch.resolve_path`), the traced program per
   launch shape, the write-back;
-* :mod:`interop.native.program`: a jaxpr as straight-line torch steps with a memory plan;
-* :mod:`interop.native.prims` (and ``prims_*``): a torch rule per primitive, XLA's bytes;
+* :mod:`interop.native.program`: a launch jaxpr as kernel launches over buffers, with a memory plan;
 * :mod:`interop.native.triton_ttir` (with :mod:`interop.native.ttir_text`) / :mod:`interop.native.triton_kernels`: a
   ``pallas_call`` as a Triton kernel;
 * :mod:`interop.native.replay`: a launch that repeats with the same tensors replays its own CUDA graph.

@@ -29,7 +29,7 @@ import torch
 
 from interop import buffers
 from interop.buffers import TensorArg
-from interop.native import prims, program, triton_kernels
+from interop.native import program, storage, triton_kernels
 
 PATHS = ("native", "dlpack")
 """Torch launch paths: ``native`` (torch ops + Triton kernels) and ``dlpack`` (a jitted JAX program)."""
@@ -93,58 +93,77 @@ def _aval(t: torch.Tensor, name: str) -> jax.ShapeDtypeStruct:
 
 @dataclasses.dataclass(frozen=True)
 class _Compiled:
-    """A pallas_call as a Triton kernel: its launch and its aliasing (pairs ``(input, output)``)."""
+    """A compiled ``pallas_call`` (``interpret=False``) as a Triton kernel: launched with pointers (operands, then
+    results, as XLA passes them; an aliased result is its operand's buffer), every pointer contiguous and aligned
+    as the TTIR declares (:class:`interop.native.program.Program` stages what is not)."""
 
     kernel: Any
     aliases: tuple
     name: str
 
+    @property
+    def alignments(self) -> tuple[int, ...]:
+        return self.kernel.alignments
 
-def compiled_pallas(eqn, device: torch.device) -> tuple[Callable, tuple[int, ...], Any]:
-    """A compiled ``pallas_call`` (``interpret=False``) as a step of a :class:`~interop.native.program.Program`.
+    def launch_ptrs(self, ptrs: list[int]) -> None:
+        self.kernel.launch_ptrs(ptrs)
 
-    XLA's contract, kept: operands then results as pointers; a result aliased to an operand gets that operand's
-    memory (donated when the memory plan allows, a copy otherwise); every pointer contiguous and aligned as the
-    TTIR declares (``tt.divisibility``, 32 bytes with jax 0.10.2; copied if not).
+
+def compiled_pallas(eqn, device: torch.device) -> _Compiled:
+    """The Triton kernel of a compiled ``pallas_call`` equation, compiled now (a kernel that does not lower or
+    compile fails the build, before anything has run).
+
+    Raises:
+      NotNative: ``device`` is not a CUDA device.
     """
     if device.type != "cuda":
         raise program.NotNative(f"a compiled pallas_call ({eqn.params.get('name')}) needs CUDA tensors, not {device}")
     spec = triton_kernels.kernel_spec(eqn)
     kern = triton_kernels.TritonKernel(spec, device)
-    kern.compile()  # at build time: a kernel that does not compile fails the build, before anything has run
-    aliases = tuple((int(i), int(o)) for i, o in eqn.params["input_output_aliases"])
-    alias_in = {o: i for i, o in aliases}
-    outs_meta = [(tuple(v.aval.shape), prims.storage_dtype(v.aval.dtype)) for v in eqn.outvars]
-
-    align = kern.alignments[: len(eqn.invars)]
-
-    def run(args, donate):
-        ins = [
-            a if a.is_contiguous() and a.data_ptr() % al == 0 else a.clone(memory_format=torch.contiguous_format)
-            for a, al in zip(args, align)
-        ]
-        outs = []
-        for q, (shape, dt) in enumerate(outs_meta):
-            i = alias_in.get(q)
-            if i is None:
-                outs.append(torch.empty(shape, dtype=dt, device=device))
-                continue
-            if not donate[i] and ins[i] is args[i]:
-                ins[i] = args[i].clone(memory_format=torch.contiguous_format)
-            outs.append(ins[i])
-        kern.launch_unchecked([*ins, *outs])  # contiguity and alignment made sure of above
-        return outs
-
-    return run, tuple(i for i, _ in aliases), _Compiled(kern, aliases, spec.name)
+    kern.compile()
+    return _Compiled(kern, _aliases(eqn), spec.name)
 
 
-def _pallas_for(device: torch.device) -> Callable:
-    def pallas(eqn):
+@dataclasses.dataclass(frozen=True)
+class _Interpreted:
+    """A ``pallas_call`` with ``interpret=True`` run by JAX's interpreter on host copies (CPU launches): every
+    result is a fresh tensor, which the program copies into its buffer."""
+
+    call: Any
+    aliases: tuple
+    name: str
+    in_dtypes: tuple
+    out_dtypes: tuple
+
+    def interpret(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        dev = args[0].device if args else torch.device("cpu")
+        outs = self.call(*[storage.to_numpy(a, dt) for a, dt in zip(args, self.in_dtypes)])
+        return [storage.from_numpy(np.asarray(o).astype(dt, copy=False), dev) for o, dt in zip(outs, self.out_dtypes)]
+
+
+def interpreted_pallas(eqn) -> _Interpreted:
+    """The kernel of an interpreted ``pallas_call`` equation, jitted once on first use."""
+    call = jax.jit(lambda *xs: eqn.primitive.bind(*xs, **eqn.params))
+    return _Interpreted(
+        call,
+        _aliases(eqn),
+        eqn.params.get("name") or "pallas_call",
+        tuple(v.aval.dtype for v in eqn.invars),
+        tuple(v.aval.dtype for v in eqn.outvars),
+    )
+
+
+def _aliases(eqn) -> tuple:
+    return tuple((int(i), int(o)) for i, o in eqn.params["input_output_aliases"])
+
+
+def _kernel_for(device: torch.device) -> Callable:
+    def kernel_for(eqn):
         if eqn.params.get("interpret"):
-            return program.interpreted_pallas(eqn)
+            return interpreted_pallas(eqn)
         return compiled_pallas(eqn, device)
 
-    return pallas
+    return kernel_for
 
 
 @dataclasses.dataclass
@@ -196,8 +215,8 @@ def _build(op, statics, body_factory, args: Sequence[TensorArg], device) -> _Lau
     closed = jax.make_jaxpr(flat)(*avals)
     _TRACES[0] += 1
     try:
-        prog = program.build(closed, device=device, mutable=[a.mutable for a in args], pallas=_pallas_for(device))
-    except (program.NotNative, prims.UnsupportedPrimitive) as e:
+        prog = program.build(closed, device=device, mutable=[a.mutable for a in args], kernel_for=_kernel_for(device))
+    except program.NotNative as e:
         backend = statics[0]
         raise type(e)(f"kv-canary: the {op} launch ({backend}) cannot take the native torch path: {e}") from e
     return _Launch(prog, names, out_names)
@@ -275,14 +294,5 @@ def run_native(
         )
         fallback(op, statics, body_factory, args)
         return False
-    views = [body_form(a.tensor) for a in args]
-    outs = launch.program(views)
-    k = 0
-    for a, v in zip(args, views):
-        if not a.mutable:
-            continue
-        out = outs[k]
-        k += 1
-        if out.data_ptr() != v.data_ptr() or out.stride() != v.stride():
-            v.copy_(out)
+    launch.program([body_form(a.tensor) for a in args])
     return True

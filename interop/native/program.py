@@ -1,26 +1,30 @@
-"""A traced launch body as a straight list of torch steps: the executor of the native torch path.
+"""A traced launch body as a short list of kernel launches: the executor of the native torch path.
 
 :func:`build` takes the closed jaxpr of a launch body (``jax.make_jaxpr`` of a verify / write / plan body of
-:mod:`interop.kernels`) and turns it into a :class:`Program`:
+:mod:`interop.kernels`) and turns it into a :class:`Program`. The native path runs bodies whose work is all in
+their kernels:
 
-1. **Flatten.** ``pjit`` / ``jit`` / ``closed_call`` / ``custom_jvp_call`` / ``custom_vjp_call`` bodies are
-   inlined; a ``scan`` is unrolled (its trip count is static and, in our plans, the log2 steps of a
-   ``searchsorted``); ``cond`` and ``while`` are refused (they would need a host sync per step).
-2. **Fold constants.** Every step whose inputs are all literals or constants (``iota``, broadcasts of
-   literals, ...) runs once, at build time, on the launch's device.
-3. **Plan memory.** Like XLA's buffer assignment, but conservative: each value belongs to the buffers it may
-   share memory with (a view shares its input's; a fresh result gets its own). A step may overwrite an input in
-   place (a ``pallas_call`` operand it aliases to an output, a scatter's operand) only when nothing read later
-   shares that memory, the memory is not a constant, and it is not a read-only argument of the launch;
-   otherwise the step works on a copy, as XLA would. (This pass, the rules compiled with their constants and
-   the fused views are :mod:`interop.native.program_passes`'.)
-4. **Run.** Each primitive runs through its torch rule (:mod:`interop.native.prims`); each compiled
-   ``pallas_call`` through its Triton kernel (:mod:`interop.native.triton_kernels`) on torch's current stream;
-   an interpreted ``pallas_call`` (CPU launches) through JAX's interpreter on host copies. No step reads a value
-   back to the host, so a torch CUDA graph can capture a whole launch.
+* each ``pallas_call`` is one kernel launch (a Triton kernel on CUDA tensors, JAX's interpreter on CPU ones);
+* layout ops are free: ``reshape``, ``squeeze``, ``expand_dims``, a ``broadcast_in_dim`` that keeps the size,
+  ``bitcast_convert_type``, a ``convert_element_type`` between dtypes of one torch storage (``uint32`` /
+  ``int32``) and ``copy`` give a value the bytes of their operand, so every value is a contiguous *buffer* seen
+  through a shape and dtype;
+* an equation whose operands are all literals or constants runs once, at build time, through JAX;
+* ``pjit`` / ``jit`` / ``closed_call`` bodies are inlined;
+* anything else (a scatter, an elementwise op or control flow on launch data) raises :class:`NotNative`
+  naming the primitive: that launch takes the DLPack path, where the native path is only the default.
 
-Values live in torch *storage* dtypes (:func:`interop.native.prims.storage_dtype`: unsigned integers as the
-signed type's bit pattern), so every tensor holds the same bytes XLA would.
+**Memory plan** (XLA's buffer assignment, conservative). Buffers are the launch's arguments, the constants, and
+temporaries. A kernel result aliased to an operand (``input_output_aliases``) is that operand's buffer, updated
+in place, when the buffer is no constant, no read-only argument, not read through another operand of the same
+kernel, and none of the values it holds now is read later (by a later kernel or as a launch result); otherwise
+the kernel works on a fresh copy, as XLA would. Every other result gets a fresh temporary. A mutable argument
+whose result is not its own buffer is written back at the end (an argument staged to a contiguous, aligned copy
+is written back too).
+
+**Running.** A compiled launch is only pointers: each kernel gets its operands' and results' buffer addresses
+(:meth:`interop.native.triton_kernels.TritonKernel.launch_ptrs`) on torch's current stream; nothing reads a
+value back to the host, so a torch CUDA graph captures a whole launch.
 """
 
 from __future__ import annotations
@@ -29,72 +33,80 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.extend.core as jcore
 import numpy as np
 import torch
 
-from interop.native import jaxpr_compat, prims
-from interop.native.program_passes import (  # noqa: F401  (re-exported: their first home is here)
-    IN_PLACE,
-    VIEW_OF_FIRST,
-    Step,
-    _compile,
-    _fuse_views,
-    _plan_memory,
-)
+from interop.native import storage
 
 INLINED = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat", "checkpoint")
-"""Primitives whose body is inlined into the step list."""
+"""Primitives whose body is inlined."""
 
-REFUSED = ("while",)
-"""Control flow the native path refuses: its trip count would need a host read per launch. (A ``cond`` without
-kernels runs every branch and selects the results on the device; one with a ``pallas_call`` is refused.)"""
-
-MAX_UNROLL = 64
-"""Largest ``scan`` trip count unrolled (ours are a ``searchsorted``'s log2 steps)."""
+LAYOUT = ("reshape", "squeeze", "expand_dims", "broadcast_in_dim", "bitcast_convert_type", "convert_element_type")
+"""Primitives that only rename a buffer's bytes (with the conditions in :func:`_layout_ok`), plus ``copy``."""
 
 
 class NotNative(NotImplementedError):
-    """A launch body the native path cannot run (names the primitive and why)."""
+    """A launch body the native path does not run (the message names the primitive and why)."""
 
 
-class _Builder:
-    """Flattens a closed jaxpr into steps over integer value ids."""
+def _size(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64))
 
-    def __init__(self, device: torch.device, pallas: Callable):
-        self.device = device
-        self.pallas = pallas  # eqn -> (run, inplace positions, kernel object)
-        self.steps: list[Step] = []
-        self.consts: dict[int, torch.Tensor] = {}
-        self.avals: list[Any] = []
 
-    def new(self, aval) -> int:
+def _layout_ok(eqn) -> bool:
+    name = eqn.primitive.name
+    a, b = eqn.invars[0].aval, eqn.outvars[0].aval
+    if name in ("copy", "copy_p", "bitcast_convert_type"):
+        return True
+    if name == "convert_element_type":
+        return storage.storage_dtype(a.dtype) == storage.storage_dtype(b.dtype) and a.dtype.itemsize == b.dtype.itemsize
+    if name == "reshape" and eqn.params.get("dimensions") not in (None, ()):
+        return False
+    return name in LAYOUT and _size(a) == _size(b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    """One kernel launch: operand and result value ids, and the kernel (``aliases``: (operand, result) pairs)."""
+
+    kernel: Any
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+
+
+class _Tracer:
+    """Walks a closed jaxpr: value ids, each the bytes of a root value (an argument, a constant or a kernel
+    result), and the kernel launches over them."""
+
+    def __init__(self, device: torch.device, kernel_for: Callable):
+        self.device, self.kernel_for = device, kernel_for
+        self.avals: list = []
+        self.root: list[int] = []  # value id -> the value whose bytes it is
+        self.known: dict[int, Any] = {}  # value id -> numpy value (literals, constants, folded)
+        self.kernels: list[_Kernel] = []
+
+    def new(self, aval, root: int | None = None) -> int:
         self.avals.append(aval)
+        self.root.append(len(self.root) if root is None else self.root[root])
         return len(self.avals) - 1
-
-    def const(self, value, aval) -> int:
-        i = self.new(aval)
-        self.consts[i] = prims.constant(np.asarray(value), aval.dtype, self.device)
-        return i
 
     def read(self, env: dict, v) -> int:
         if isinstance(v, jcore.Literal):
-            return self.const(v.val, v.aval)
+            i = self.new(v.aval)
+            self.known[i] = np.asarray(v.val, dtype=v.aval.dtype)
+            return i
         return env[v]
 
     def inline(self, jaxpr, consts: Sequence, args: Sequence[int]) -> list[int]:
-        """Adds the steps of ``jaxpr`` (a core Jaxpr) applied to value ids ``args``; returns its output ids."""
         env: dict = {}
         for v, c in zip(jaxpr.constvars, consts):
-            env[v] = self.const(c, v.aval)
-        for v, a in zip(jaxpr.invars, args):
-            env[v] = a
+            env[v] = self.new(v.aval)
+            self.known[env[v]] = np.asarray(c)
+        env.update(zip(jaxpr.invars, args))
         for eqn in jaxpr.eqns:
-            ins = [self.read(env, v) for v in eqn.invars]
-            outs = self.eqn(eqn, ins)
-            for v, o in zip(eqn.outvars, outs):
-                env[v] = o
+            outs = self.eqn(eqn, [self.read(env, v) for v in eqn.invars])
+            env.update(zip(eqn.outvars, outs))
         return [self.read(env, v) for v in jaxpr.outvars]
 
     def eqn(self, eqn, ins: list[int]) -> list[int]:
@@ -104,219 +116,210 @@ class _Builder:
             if isinstance(sub, jcore.ClosedJaxpr):
                 return self.inline(sub.jaxpr, sub.consts, ins)
             return self.inline(sub, (), ins)
-        if name == jaxpr_compat.HI_CALL:  # jax 0.12's high-level primitives (jnp.searchsorted): their expansion
-            sub = jaxpr_compat.expansion(eqn)
-            return self.inline(sub.jaxpr, sub.consts, ins)
-        if name == "scan":
-            return self.scan(eqn, ins)
-        if name == "cond":
-            return self.cond(eqn, ins)
-        if name in REFUSED:
-            raise NotNative(
-                f"the native torch path cannot run a {name!r} in a launch body (it would read a value back to the "
-                "host every launch); use the DLPack path (path='dlpack'), or backend='pallas' whose kernels it runs"
-            )
-        outs = [self.new(v.aval) for v in eqn.outvars]
+        if name != "pallas_call" and all(i in self.known for i in ins):
+            return self.fold(eqn, ins)
         if name == "pallas_call":
-            run, inplace, kernel = self.pallas(eqn)
-            self.steps.append(Step(name, run, tuple(ins), tuple(outs), False, tuple(inplace), kernel=kernel))
+            outs = [self.new(v.aval) for v in eqn.outvars]
+            self.kernels.append(_Kernel(self.kernel_for(eqn), tuple(ins), tuple(outs)))
             return outs
-        fresh = name in prims.FRESH and name not in IN_PLACE
-        inplace = (0,) if name in IN_PLACE else ()
-        rule = prims.rule_for(eqn)  # refuses an unsupported primitive now; compiled after folding (_compile)
+        if len(ins) == 1 and len(eqn.outvars) == 1 and _layout_ok(eqn):
+            return [self.new(eqn.outvars[0].aval, root=ins[0])]
+        raise NotNative(
+            f"{name!r} on launch data outside the kernels (the native path runs only the launch's kernels and "
+            "layout ops); the DLPack path (path='dlpack') runs it"
+        )
 
-        def run(args, donate, rule=rule, eqn=eqn):
-            return rule(eqn, args, donate)
-
-        self.steps.append(Step(name, run, tuple(ins), tuple(outs), fresh, inplace, eqns=(eqn,)))
-        return outs
-
-    def scan(self, eqn, ins: list[int]) -> list[int]:
-        p = eqn.params
-        length, (nc, nk) = int(p["length"]), jaxpr_compat.scan_counts(p)
-        if length > MAX_UNROLL:
-            raise NotNative(f"a scan of length {length} (the native path unrolls at most {MAX_UNROLL} trips)")
-        body: jcore.ClosedJaxpr = p["jaxpr"]
-        consts, carry, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
-        ys_per_trip: list[list[int]] = []
-        order = range(length - 1, -1, -1) if p["reverse"] else range(length)
-        for t in order:
-            x_t = [self.index(x, t) for x in xs]
-            out = self.inline(body.jaxpr, body.consts, [*consts, *carry, *x_t])
-            carry, ys = out[:nk], out[nk:]
-            ys_per_trip.append(ys)
-        if p["reverse"]:
-            ys_per_trip.reverse()
-        stacked = [self.stack([trip[k] for trip in ys_per_trip], v.aval) for k, v in enumerate(eqn.outvars[nk:])]
-        return [*carry, *stacked]
-
-    def cond(self, eqn, ins: list[int]) -> list[int]:
-        """Every branch inlined, then the results selected by the (clamped) branch index on the device."""
-        branches = eqn.params["branches"]
-        for br in branches:
-            if any(e.primitive.name == "pallas_call" for e in _all_eqns(br.jaxpr)):
-                raise NotNative(
-                    "the native torch path cannot run a cond with a pallas_call in a branch (it would run every "
-                    "branch's kernel); use the DLPack path (path='dlpack')"
-                )
-        index, ops = ins[0], ins[1:]
-        results = [self.inline(br.jaxpr, br.consts, ops) for br in branches]
+    def fold(self, eqn, ins: list[int]) -> list[int]:
+        """An equation of constants, evaluated now by JAX (once per launch shape)."""
+        vals = eqn.primitive.bind(*[self.known[i] for i in ins], **eqn.params)
+        vals = vals if eqn.primitive.multiple_results else [vals]
         outs = []
-        for k, v in enumerate(eqn.outvars):
-            out = self.new(v.aval)
-            n = len(branches)
-
-            def select(a, d, n=n):
-                idx, vals = a[0].to(torch.int64).clamp(0, n - 1), a[1:]
-                res = vals[0]
-                for j in range(1, n):
-                    res = torch.where(idx == j, vals[j], res)
-                return [res.clone() if n == 1 else res]
-
-            self.steps.append(Step("cond_select", select, (index, *(r[k] for r in results)), (out,), True))
-            outs.append(out)
+        for v, x in zip(eqn.outvars, vals):
+            i = self.new(v.aval)
+            self.known[i] = np.asarray(x)
+            outs.append(i)
         return outs
-
-    def index(self, x: int, t: int) -> int:
-        aval = self.avals[x]
-        out = self.new(aval.update(shape=aval.shape[1:]))
-        self.steps.append(Step("scan_index", lambda a, d, t=t: [a[0][t]], (x,), (out,), False))
-        return out
-
-    def stack(self, ids: list[int], aval) -> int:
-        out = self.new(aval)
-        self.steps.append(Step("scan_stack", lambda a, d: [torch.stack(a)], tuple(ids), (out,), True))
-        return out
-
-
-def _all_eqns(jaxpr):
-    """Every equation of ``jaxpr`` and of the jaxprs in its equations' parameters."""
-    for e in jaxpr.eqns:
-        yield e
-        for sub in jcore.jaxprs_in_params(e.params):
-            yield from _all_eqns(sub)
-
-
-def _fold_constants(b: _Builder) -> list[Step]:
-    """Runs, once, every step whose inputs are all constants (never a pallas_call); returns the rest."""
-    rest = []
-    for s in b.steps:
-        if s.name != "pallas_call" and all(i in b.consts for i in s.ins):
-            outs = s.run([b.consts[i] for i in s.ins], (False,) * len(s.ins))
-            for i, o in zip(s.outs, outs):
-                b.consts[i] = o
-        else:
-            rest.append(s)
-    return rest
 
 
 @dataclasses.dataclass
 class Program:
-    """A launch body compiled to torch steps: ``program(inputs) -> outputs`` (storage tensors)."""
+    """A launch body as kernel launches over buffers: ``program(inputs)`` runs it on the launch's tensors (their
+    body form, :func:`interop.native.launch.body_form`) and writes the mutable ones back in place."""
 
-    steps: list[Step]
-    num_values: int
-    consts: dict[int, torch.Tensor]
-    in_ids: tuple[int, ...]
-    out_ids: tuple[int, ...]
-    avals_in: tuple
-    avals_out: tuple
-    avals: tuple = ()  # of every value id
-    clone_outs: tuple = ()  # per output: copy before the write-back (see _plan_memory)
+    avals_in: tuple  # per argument, (shape, torch storage dtype)
+    mutable: tuple[bool, ...]
+    consts: list[torch.Tensor]  # buffer id num_inputs + k
+    temps: list[tuple]  # buffer id num_inputs + len(consts) + k: (shape, torch dtype) of its first value
+    steps: list[tuple]  # (kernel, operand buffers, result buffers, [(temp, source buffer) copies before it],
+    # operand and result (shape, torch dtype))
+    writes: list[tuple[int, int]]  # (argument, buffer holding its result) written back at the end
+    align: tuple[int, ...]  # per argument, the byte alignment its data pointer needs
+    compiled: bool
 
-    _run: Callable | None = None  # the straight-line function, generated on the first call
+    @property
+    def kernel_names(self) -> list[str]:
+        """The kernels the launch runs, in order (``pallas_call`` names)."""
+        return [step[0].name for step in self.steps if not isinstance(step[0], _Copy)]
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        if self._run is None:
-            self._run = self._straight_line()
-        outs = self._run(inputs)
-        return [o.clone() if c else o for o, c in zip(outs, self.clone_outs)] if any(self.clone_outs) else outs
+    @property
+    def num_kernels(self) -> int:
+        return len(self.kernel_names)
 
-    def _straight_line(self) -> Callable:
-        """The steps as one generated Python function (locals instead of an environment list, dead values
-        deleted as they die): about 0.7 us per step less than a loop. The steps' ``run`` functions and donation
-        flags are bound now, so a step changed after the first call is not seen."""
-        ns: dict[str, Any] = {}
+    def stage(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+        """The arguments as buffers: each contiguous and aligned as its kernels need, else a copy (listed)."""
+        bufs, staged = list(inputs), []
+        for j, (t, al) in enumerate(zip(inputs, self.align)):
+            if not t.is_contiguous() or t.data_ptr() % al:
+                bufs[j] = t.clone(memory_format=torch.contiguous_format)
+                staged.append(j)
+        return bufs, staged
 
-        def name(i: int) -> str:
-            if i in self.consts:
-                ns.setdefault(f"c{i}", self.consts[i])
-                return f"c{i}"
-            return f"v{i}"
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> None:
+        bufs, staged = self.stage(inputs)
+        bufs.extend(self.consts)
+        dev = inputs[0].device if inputs else torch.device("cpu")
+        bufs.extend([None] * len(self.temps))
+        base = len(inputs) + len(self.consts)
+        for kernel, ins, outs, copies, avals_in, avals_out in self.steps:
+            for t, src in copies:
+                bufs[t] = bufs[src].clone()
+            if self.compiled:
+                for b in outs:
+                    if bufs[b] is None:
+                        shape, st = self.temps[b - base]
+                        bufs[b] = torch.empty(shape, dtype=st, device=dev)
+                kernel.launch_ptrs([bufs[b].data_ptr() for b in (*ins, *outs)])
+                continue
+            args = [storage.as_value(bufs[b], *a) for b, a in zip(ins, avals_in)]
+            for b, a, res in zip(outs, avals_out, kernel.interpret(args)):
+                if bufs[b] is None:
+                    bufs[b] = res
+                else:
+                    storage.as_value(bufs[b], *a).copy_(res)
+        staged_set = set(staged)
+        for j, b in self.writes:
+            if b != j or j in staged_set:
+                inputs[j].copy_(storage.as_value(bufs[b], *self.avals_in[j]))
 
-        lines = ["def run(inputs):"]
-        if self.in_ids:
-            lines.append(f"    ({', '.join(name(i) for i in self.in_ids)},) = inputs")
-        for k, s in enumerate(self.steps):
-            ns[f"r{k}"], ns[f"d{k}"] = s.run, s.donate
-            args = ", ".join(name(i) for i in s.ins)
-            lines.append(f"    ({', '.join(f'v{i}' for i in s.outs)},) = r{k}([{args}], d{k})")
-            dead = [f"v{i}" for i in s.drop if i not in self.consts]
-            if dead:
-                lines.append(f"    del {', '.join(dead)}")
-        lines.append(f"    return [{', '.join(name(i) for i in self.out_ids)}]")
-        exec(compile("\n".join(lines), f"<canary native program {id(self):x}>", "exec"), ns)  # noqa: S102
-        return ns["run"]
 
-
-def build(closed: jcore.ClosedJaxpr, *, device: torch.device, mutable: Sequence[bool], pallas: Callable) -> Program:
-    """Compiles a closed jaxpr to a :class:`Program` on ``device``.
+def build(closed: jcore.ClosedJaxpr, *, device: torch.device, mutable: Sequence[bool], kernel_for: Callable) -> Program:
+    """Compiles a closed launch jaxpr to a :class:`Program` on ``device``.
 
     Args:
-      closed: the launch body's closed jaxpr (flat inputs and outputs).
+      closed: the launch body's closed jaxpr; its outputs are the new values of the mutable inputs, in order.
       device: where the launch's tensors live.
-      mutable: per flat input, whether the launch may overwrite it (a read-only input is never donated).
-      pallas: ``eqn -> (run, inplace_positions, kernel)`` for a ``pallas_call`` equation, where ``kernel`` has
-        an ``aliases`` attribute (pairs ``(input position, output position)``).
+      mutable: per flat input, whether the launch may overwrite it.
+      kernel_for: ``eqn -> kernel`` for a ``pallas_call`` equation: an object with ``aliases`` ((operand,
+        result) pairs) and either ``launch_ptrs(ptrs)`` and ``alignments`` (compiled) or ``interpret(args) ->
+        results`` (interpreted).
 
     Raises:
-      NotNative: control flow the native path refuses, or a scan past :data:`MAX_UNROLL`.
-      interop.native.prims.UnsupportedPrimitive: a primitive without a torch rule.
+      NotNative: an equation on launch data that is neither a kernel nor a layout op, or kernels of both kinds.
     """
-    b = _Builder(device, pallas)
-    in_ids = [b.new(v.aval) for v in closed.jaxpr.invars]
-    with torch.device(device):  # constants folded now land on the launch's device
-        out_ids = b.inline(closed.jaxpr, closed.consts, in_ids)
-        steps = _fold_constants(b)
-    _compile(steps, b.consts, device)
-    steps = _fuse_views(steps, out_ids, device)
-    clone_outs = _plan_memory(steps, in_ids, out_ids, mutable, b.consts)
+    tr = _Tracer(device, kernel_for)
+    n_in = len(closed.jaxpr.invars)
+    in_ids = [tr.new(v.aval) for v in closed.jaxpr.invars]
+    out_ids = tr.inline(closed.jaxpr, closed.consts, in_ids)
+    kinds = {hasattr(k.kernel, "launch_ptrs") for k in tr.kernels}
+    if len(kinds) > 1:
+        raise NotNative("a launch with both compiled and interpreted kernels")
+    compiled = kinds == {True}
+
+    # buffers: arguments, then constants (known roots read by kernels or returned), then temporaries
+    buf: dict[int, int] = {r: j for j, r in enumerate(in_ids)}  # root value -> buffer
+    consts: list[torch.Tensor] = []
+
+    def buffer_of(v: int) -> int:
+        r = tr.root[v]
+        if r not in buf:  # a known value
+            buf[r] = n_in + len(consts)
+            consts.append(storage.from_numpy(tr.known[r], device))
+        return buf[r]
+
+    used = [i for k in tr.kernels for i in k.ins] + list(out_ids)
+    for v in used:
+        if tr.root[v] in tr.known:
+            buffer_of(v)
+    last: dict[int, int] = {}  # root -> last kernel index reading it (len(kernels): a launch result)
+    for k, kern in enumerate(tr.kernels):
+        for i in kern.ins:
+            last[tr.root[i]] = k
+    for i in out_ids:
+        last[tr.root[i]] = len(tr.kernels)
+    holds: dict[int, list[int]] = {}  # buffer -> roots whose bytes it has held
+    for r, b in buf.items():
+        holds.setdefault(b, []).append(r)
+    temps: list[tuple] = []
+    align = [1] * n_in
+
+    def form(aval) -> tuple:
+        return tuple(aval.shape), storage.storage_dtype(aval.dtype)
+
+    steps = []
+
+    def temp(aval) -> int:
+        temps.append(form(aval))
+        return n_in + len(consts) + len(temps) - 1
+
+    for k, kern in enumerate(tr.kernels):
+        ins = [buffer_of(i) for i in kern.ins]
+        aliased = {o: i for i, o in kern.kernel.aliases}
+        copies, outs = [], []
+        for q, o in enumerate(kern.outs):
+            p = aliased.get(q)
+            if p is None:
+                b = temp(tr.avals[o])
+            else:
+                b = ins[p]
+                others = {x for n, x in enumerate(ins) if n != p}
+                free = (b < n_in and mutable[b]) or b >= n_in + len(consts)
+                if not free or b in others or any(last.get(r, -1) > k for r in holds.get(b, ())):
+                    t = temp(tr.avals[o])
+                    copies.append((t, b))
+                    ins[p] = b = t
+            buf[o] = b
+            holds.setdefault(b, []).append(o)
+            outs.append(b)
+        if compiled:
+            al = kern.kernel.alignments
+            for n, b in enumerate((*ins, *outs)):
+                if b < n_in:
+                    align[b] = max(align[b], int(al[n]))
+        avals_in = tuple(form(tr.avals[i]) for i in kern.ins)
+        avals_out = tuple(form(tr.avals[o]) for o in kern.outs)
+        steps.append((kern.kernel, tuple(ins), tuple(outs), copies, avals_in, avals_out))
+
+    targets = [j for j in range(n_in) if mutable[j]]
+    writes = [(j, buffer_of(v)) for j, v in zip(targets, out_ids)]
+    # a result held in another argument's buffer is copied first, so no write-back changes another's source
+    sources_in_args = [(j, b) for j, b in writes if b < n_in and b != j and mutable[b]]
+    if sources_in_args:
+        for n, (j, b) in enumerate(writes):
+            if (j, b) in sources_in_args:
+                t = temp(closed.jaxpr.invars[b].aval)
+                steps.append((_Copy(), (b,), (t,), [(t, b)], (), ()))
+                writes[n] = (j, t)
     return Program(
+        tuple(form(v.aval) for v in closed.jaxpr.invars),
+        tuple(mutable),
+        consts,
+        temps,
         steps,
-        len(b.avals),
-        b.consts,
-        tuple(in_ids),
-        tuple(out_ids),
-        tuple(v.aval for v in closed.jaxpr.invars),
-        tuple(v.aval for v in closed.jaxpr.outvars),
-        tuple(b.avals),
-        clone_outs,
+        writes,
+        tuple(align),
+        compiled,
     )
 
 
-def interpreted_pallas(eqn) -> tuple[Callable, tuple[int, ...], Any]:
-    """A ``pallas_call`` with ``interpret=True`` run by JAX's interpreter on host copies (CPU launches).
+class _Copy:
+    """A step that only makes its copies (a write-back source moved out of the way); launches nothing."""
 
-    Every output is a fresh tensor (the aliasing is by value: the copy-out of the launch writes results back),
-    so no input is overwritten in place.
-    """
-    in_dtypes = [v.aval.dtype for v in eqn.invars]
-    out_dtypes = [v.aval.dtype for v in eqn.outvars]
-    kernel = _Interpreted(tuple(eqn.params["input_output_aliases"]), eqn.params.get("name") or "pallas_call")
+    aliases = ()
+    name = "copy"
 
-    call = jax.jit(lambda *xs: eqn.primitive.bind(*xs, **eqn.params))  # compiled once, on first use
+    def launch_ptrs(self, ptrs) -> None:
+        del ptrs
 
-    def run(args, donate):
-        del donate
-        dev = args[0].device if args else torch.device("cpu")
-        xs = [prims.to_numpy(a, dt) for a, dt in zip(args, in_dtypes)]
-        outs = call(*xs)
-        return [prims.from_numpy(np.asarray(o).astype(dt, copy=False), dev) for o, dt in zip(outs, out_dtypes)]
-
-    return run, (), kernel
-
-
-@dataclasses.dataclass(frozen=True)
-class _Interpreted:
-    aliases: tuple
-    name: str
+    def interpret(self, args):
+        del args
+        return []

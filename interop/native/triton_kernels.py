@@ -339,9 +339,13 @@ class TritonKernel:
         from triton's launcher, never one of :meth:`launch`'s messages. ``interop.native.launch``'s
         ``compiled_pallas`` keeps it: it copies misaligned or non-contiguous operands and allocates the outputs.
         """
+        self.launch_ptrs([t.data_ptr() for t in args])
+
+    def launch_ptrs(self, ptrs: list[int]) -> None:
+        """:meth:`launch_unchecked` with the data pointers given (operands, then results): the native program's
+        launch, whose buffers it keeps contiguous and aligned (:class:`interop.native.program.Program`)."""
         if self._run is None:
             self.compile()
-        ptrs = [t.data_ptr() for t in args]
         if torch.cuda.current_device() != self._index:
             with torch.cuda.device(self._index):
                 self._launch(ptrs)
