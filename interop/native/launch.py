@@ -29,7 +29,7 @@ import torch
 
 from interop import buffers
 from interop.buffers import TensorArg
-from interop.native import program, storage, triton_kernels
+from interop.native import program, storage, triton_kernels, ttir_spec, ttir_text
 
 PATHS = ("native", "dlpack")
 """Torch launch paths: ``native`` (torch ops + Triton kernels) and ``dlpack`` (a jitted JAX program)."""
@@ -109,6 +109,11 @@ class _Compiled:
         self.kernel.launch_ptrs(ptrs)
 
 
+TINY_BYTES = 16
+"""Operands of at most this many bytes (counters, the write index, flags) take any element-aligned pointer: their
+``tt.divisibility`` is dropped (:func:`interop.native.ttir_text.relax_alignment`), so no launch stages them."""
+
+
 def compiled_pallas(eqn, device: torch.device) -> _Compiled:
     """The Triton kernel of a compiled ``pallas_call`` equation, compiled now (a kernel that does not lower or
     compile fails the build, before anything has run).
@@ -119,6 +124,10 @@ def compiled_pallas(eqn, device: torch.device) -> _Compiled:
     if device.type != "cuda":
         raise program.NotNative(f"a compiled pallas_call ({eqn.params.get('name')}) needs CUDA tensors, not {device}")
     spec = triton_kernels.kernel_spec(eqn)
+    tiny = {k for k, v in enumerate((*eqn.invars, *eqn.outvars)) if v.aval.size * v.aval.dtype.itemsize <= TINY_BYTES}
+    if tiny:
+        ttir = ttir_text.relax_alignment(spec.ttir, tiny)
+        spec = dataclasses.replace(spec, ttir=ttir, key=ttir_spec.spec_key(ttir, spec.num_warps, spec.num_stages))
     kern = triton_kernels.TritonKernel(spec, device)
     kern.compile()
     return _Compiled(kern, _aliases(eqn), spec.name)

@@ -99,3 +99,26 @@ def pointer_alignments(ttir: str, label: str) -> list[int]:
             raise NotImplementedError(f"kv-canary: Triton kernel {label}: parameter {k} is {ty}, not a pointer")
         out.append(div or 1)
     return out
+
+
+def relax_alignment(ttir: str, params: set[int]) -> str:
+    """The TTIR with the ``tt.divisibility`` attribute dropped from the parameters ``params`` (indices), so Triton
+    assumes nothing of their pointers' alignment there (element-wise loads and stores). The native path drops it
+    for tiny operands, such as SGLang's one-row counter views at 8-byte offsets, which would otherwise be staged
+    through an aligned copy every launch.
+
+    Raises:
+      ValueError: not exactly one ``tt.func``.
+    """
+    funcs = list(_FUNC.finditer(ttir))
+    if len(funcs) != 1:
+        raise ValueError(f"kv-canary: the TTIR must hold exactly one tt.func, found {len(funcs)}")
+    m = funcs[0]
+    depth, i = 1, m.end()
+    while depth:
+        depth += {"(": 1, ")": -1}.get(ttir[i], 0)
+        i += 1
+    parts = _split_top(ttir[m.end() : i - 1])
+    for k in params:
+        parts[k] = re.sub(r"\s*\{\s*tt\.divisibility\s*=\s*\d+\s*:\s*i32\s*\}", "", parts[k])
+    return ttir[: m.end()] + ", ".join(parts) + ttir[i - 1 :]
