@@ -209,6 +209,19 @@ def store_pair_run(ref, first: jax.Array, values: list[U64], mask: jax.Array) ->
     store_run(ref, 2 * first, from_columns(words), m2)
 
 
+def atomic_max_word(ref, row: jax.Array, col: int, value: jax.Array, mask: jax.Array) -> None:
+    """Atomic ``ref[row, col] = max(ref[row, col], value)`` where ``mask`` (compiled only), for a 2-D float32 ref
+    that holds int32 bits (the caller bitcasts outside the kernel) and non-negative int32 ``value`` s and words.
+
+    Pallas lowers a float ``atomic_max`` as a signed integer ``atomic_rmw max`` on the bits for non-negative values
+    (and an ``umin`` for negative ones, masked off here), which is the integer max for such words; the integer
+    vector form crashes the Triton lowering of jax 0.10.2 and 0.11.x (README, "Pallas/Triton traps"). Masked-out
+    lanes do nothing (Triton skips them; their row is clamped to 0). Interpret-mode atomics refuse masks and lose
+    duplicate updates: interpreted kernels take another path."""
+    row = jnp.where(mask, row, 0)
+    pltriton.atomic_max(ref, (row, col), jax.lax.bitcast_convert_type(value.astype(I32), jnp.float32), mask=mask)
+
+
 # --- counters (int64 pairs flattened to u32[2 * tags]) -------------------------------------------------------------
 def bump_pair_scalar(ref, word: int, delta: jax.Array) -> None:
     """``ref[word:word + 2]`` (one int64 as lo, hi) += ``delta`` (a non-negative scalar, taken as uint32)."""

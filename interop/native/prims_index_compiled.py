@@ -18,7 +18,8 @@ are :mod:`interop.native.prims_index`'s rules; the shared index arithmetic is
   two (none for one index dimension of stride 1) and reads with ``index_select`` (whole-row gathers) or
   ``take``. An unsigned scatter-max (min) whose constant updates all have the sign bit clear (set) runs as a
   signed one, masking the updates of targets on the other side of the sign bit, instead of flipping every
-  target's sign bit there and back (the write launch's claim scatter-max: 11 ops instead of 14).
+  target's sign bit there and back (11 ops instead of 14 for the write's former claim scatter-max; the claim is
+  now a kernel, ``canary_write_claim``).
 """
 
 from __future__ import annotations
