@@ -52,6 +52,19 @@ def load_vec(ref, idx: jax.Array, mask: jax.Array, other=0) -> jax.Array:
     return pltriton.load(ref.at[idx], mask=mask, other=other)
 
 
+def load_window(ref, start: jax.Array, n: int, *, interpret: bool) -> jax.Array:
+    """``ref[start : start + n]`` of a 1-D ref, words at or past its end read 0 (a masked load, ``other`` 0).
+
+    ``start`` should carry ``pl.multiple_of``: compiled, the pointers are ``start + iota(n)`` (contiguous, so Triton
+    can vectorise the load; it skips the masked lanes). Interpreted, masked indices are clamped to 0 first, so no lane
+    reads out of bounds."""
+    idx = start + iota(n)
+    mask = idx < ref.shape[0]
+    if interpret:
+        idx = jnp.where(mask, idx, 0)
+    return pltriton.load(ref.at[idx], mask=mask, other=0)
+
+
 def load_word(ref, row: jax.Array, col, mask: jax.Array) -> jax.Array:
     """``ref[row, col]`` of a 2-D uint32 ref (``col`` static int or int32 vector), masked, other 0."""
     row = jnp.where(mask, row, 0)

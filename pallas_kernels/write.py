@@ -3,8 +3,8 @@
 Semantics: exactly :func:`canary_jax.ops.reference.write_reference` (SPEC 6), bit for bit, with
 ``jax_enable_x64`` off and on. :func:`write_pallas` is the public entry point, :func:`_write_pallas` makes the
 launches below; each kernel body lives in a module of its own. Four ``pallas_call`` s (five when the launch shape
-admits long requests, see 1b), one XLA memset (the flag words) and, with long requests, the zero-padding of
-their token arrays. Only the chain is serial:
+admits long requests, see 1b) and one XLA memset (the flag words); between them only views of the operands
+(reshapes, bitcasts). Only the chain is serial:
 
 1. ``canary_write_chain`` (:mod:`pallas_kernels.write_chain`): the serial chains, one request per lane, and,
    in the same launch, the real-KV fingerprint of every entry (entry programs, only with real-KV sources).
@@ -183,20 +183,14 @@ def _write_pallas(
 
     if long_programs:
         # 1b. Long requests: one chain per program (after the lane chains; seeds read fields 0..2, which no
-        # chain kernel writes). Inputs are zero-padded to whole chunks plus one for the look-ahead load; the
-        # expected arrays are read only with the input assert (else the token and position arrays stand in).
+        # chain kernel writes). The flat operands as they are: the look-ahead loads read 0 past their end.
         k = config.write_long_chunk
-        padded = 2 * k * (-(-num_tokens // k) + 1)
-        read = ("ids", "pos", "loc") + (("exp_tok", "exp_pos") if assert_inputs else ())
-        pads = {name: jnp.pad(flat[name], (0, padded - 2 * num_tokens)) for name in read}
-        if not assert_inputs:
-            pads.update(exp_tok=pads["ids"], exp_pos=pads["pos"])
         args = dict(
             num_reqs=plan.write_num_valid_reqs,
             assert_flag=log.enable_chain_position_assert,
             offsets=plan.write_offsets,
             seeds=plan.write_seed_slot_indices,
-            **{name: pads[name] for name in ("ids", "pos", "loc", "exp_tok", "exp_pos")},
+            **flat,
             words=words,
             flags=flags,
             prev_at=prev_at,
@@ -214,6 +208,7 @@ def _write_pallas(
                 threshold=long_threshold,
                 scan_block=long_scan_block,
                 consume=reuse == "consume",
+                interpret=interpret,
                 **chains,
             ),
             args,
