@@ -52,6 +52,19 @@ def load_vec(ref, idx: jax.Array, mask: jax.Array, other=0) -> jax.Array:
     return pltriton.load(ref.at[idx], mask=mask, other=other)
 
 
+def load_window(ref, start: jax.Array, n: int, *, interpret: bool) -> jax.Array:
+    """``ref[start : start + n]`` of a 1-D ref, words at or past its end read 0 (a masked load, ``other`` 0).
+
+    ``start`` should carry ``pl.multiple_of``: compiled, the pointers are ``start + iota(n)`` (contiguous, so Triton
+    can vectorise the load; it skips the masked lanes). Interpreted, masked indices are clamped to 0 first, so no lane
+    reads out of bounds."""
+    idx = start + iota(n)
+    mask = idx < ref.shape[0]
+    if interpret:
+        idx = jnp.where(mask, idx, 0)
+    return pltriton.load(ref.at[idx], mask=mask, other=0)
+
+
 def load_word(ref, row: jax.Array, col, mask: jax.Array) -> jax.Array:
     """``ref[row, col]`` of a 2-D uint32 ref (``col`` static int or int32 vector), masked, other 0."""
     row = jnp.where(mask, row, 0)
@@ -207,6 +220,19 @@ def store_pair_run(ref, first: jax.Array, values: list[U64], mask: jax.Array) ->
         words += [v.lo, v.hi]
     m2 = jnp.broadcast_to(mask[:, :, None], mask.shape + (2,)).reshape(mask.shape[0], 2 * mask.shape[1])
     store_run(ref, 2 * first, from_columns(words), m2)
+
+
+def atomic_max_word(ref, row: jax.Array, col: int, value: jax.Array, mask: jax.Array) -> None:
+    """Atomic ``ref[row, col] = max(ref[row, col], value)`` where ``mask`` (compiled only), for a 2-D float32 ref
+    that holds int32 bits (the caller bitcasts outside the kernel) and non-negative int32 ``value`` s and words.
+
+    Pallas lowers a float ``atomic_max`` as a signed integer ``atomic_rmw max`` on the bits for non-negative values
+    (and an ``umin`` for negative ones, masked off here), which is the integer max for such words; the integer
+    vector form crashes the Triton lowering of jax 0.10.2 and 0.11.x (README, "Pallas/Triton traps"). Masked-out
+    lanes do nothing (Triton skips them; their row is clamped to 0). Interpret-mode atomics refuse masks and lose
+    duplicate updates: interpreted kernels take another path."""
+    row = jnp.where(mask, row, 0)
+    pltriton.atomic_max(ref, (row, col), jax.lax.bitcast_convert_type(value.astype(I32), jnp.float32), mask=mask)
 
 
 # --- counters (int64 pairs flattened to u32[2 * tags]) -------------------------------------------------------------

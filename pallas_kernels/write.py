@@ -2,17 +2,18 @@
 
 Semantics: exactly :func:`canary_jax.ops.reference.write_reference` (SPEC 6), bit for bit, with
 ``jax_enable_x64`` off and on. :func:`write_pallas` is the public entry point, :func:`_write_pallas` makes the
-launches below; each kernel body lives in a module of its own. Three ``pallas_call`` s (four when the launch
-shape admits long requests, see 1b), one XLA scatter-max and one XLA memset (the flag words); only the chain is
-serial:
+launches below; each kernel body lives in a module of its own. Four ``pallas_call`` s (five when the launch shape
+admits long requests, see 1b) and one XLA memset (the flag words); between them only views of the operands
+(reshapes, bitcasts). Only the chain is serial:
 
 1. ``canary_write_chain`` (:mod:`pallas_kernels.write_chain`): the serial chains, one request per lane, and,
    in the same launch, the real-KV fingerprint of every entry (entry programs, only with real-KV sources).
 1b. ``canary_write_long`` (:mod:`pallas_kernels.write_long`), only when the launch has more tokens than
    ``write_long_threshold`` and at least twice as many tokens as request rows (prefill and mixed batches):
    one long request per program, the whole program on its chain, a checkpoint per chunk.
-2. An XLA scatter-max (:func:`pallas_kernels.write_won.claim_slots`) ``claim word[slot] = max(., entry + 1)``
-   over written entries, so that the last entry (request-major order) writing a slot wins, as in the reference.
+2. ``canary_write_claim`` (:mod:`pallas_kernels.write_claim`): ``claim word[slot] = max(., entry + 1)`` over
+   written entries (a vector atomic max compiled, a retry loop interpreted), so that the last entry
+   (request-major order) writing a slot wins, as in the reference.
 3. ``canary_write_won`` (:mod:`pallas_kernels.write_won`): each written entry learns whether it won its slot;
    long-request entries replay the chain from their chunk's checkpoint; per block, the number of violation
    rows and of written entries.
@@ -41,10 +42,11 @@ from canary_jax.planning.plans import VerifyOrWriteContext, WritePlan
 from pallas_kernels import calls
 from pallas_kernels.config import PallasConfig, launch_options
 from pallas_kernels.write_chain import write_chain_kernel
+from pallas_kernels.write_claim import claim_slots
 from pallas_kernels.write_commit import write_commit_kernel
 from pallas_kernels.write_fused import write_fused
 from pallas_kernels.write_long import write_long_kernel
-from pallas_kernels.write_won import claim_slots, write_won_kernel
+from pallas_kernels.write_won import write_won_kernel
 
 
 def flat_operands(ids, pos, loc, exp_tok, exp_pos, *, assert_inputs: bool) -> dict:
@@ -123,7 +125,8 @@ def _write_pallas(
     if long_programs:
         reuse = "consume" if chain_hint is not None else "emit" if emit_chain else "none"
     chain_params = pltriton.CompilerParams(num_warps=config.write_num_warps, num_stages=1)
-    params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+    # the launches over entry blocks (claim, won, store)
+    per_block = dict(grid=grid_entries, compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))
     # statics of both chain kernels (lanes and long requests)
     chains = dict(
         n_slots=n_slots, cw=cw, num_tokens=num_tokens, hasher=hasher, gather=gather, assert_inputs=assert_inputs
@@ -180,20 +183,14 @@ def _write_pallas(
 
     if long_programs:
         # 1b. Long requests: one chain per program (after the lane chains; seeds read fields 0..2, which no
-        # chain kernel writes). Inputs are zero-padded to whole chunks plus one for the look-ahead load; the
-        # expected arrays are read only with the input assert (else the token and position arrays stand in).
+        # chain kernel writes). The flat operands as they are: the look-ahead loads read 0 past their end.
         k = config.write_long_chunk
-        padded = 2 * k * (-(-num_tokens // k) + 1)
-        read = ("ids", "pos", "loc") + (("exp_tok", "exp_pos") if assert_inputs else ())
-        pads = {name: jnp.pad(flat[name], (0, padded - 2 * num_tokens)) for name in read}
-        if not assert_inputs:
-            pads.update(exp_tok=pads["ids"], exp_pos=pads["pos"])
         args = dict(
             num_reqs=plan.write_num_valid_reqs,
             assert_flag=log.enable_chain_position_assert,
             offsets=plan.write_offsets,
             seeds=plan.write_seed_slot_indices,
-            **{name: pads[name] for name in ("ids", "pos", "loc", "exp_tok", "exp_pos")},
+            **flat,
             words=words,
             flags=flags,
             prev_at=prev_at,
@@ -211,6 +208,7 @@ def _write_pallas(
                 threshold=long_threshold,
                 scan_block=long_scan_block,
                 consume=reuse == "consume",
+                interpret=interpret,
                 **chains,
             ),
             args,
@@ -227,7 +225,9 @@ def _write_pallas(
     prev_at, chain_exp = prev_at.reshape(num_tokens, 2), chain_exp.reshape(num_tokens, 2)
 
     # 2. claim[slot] = max(claim, entry + 1) over written entries: the last writer of a slot owns it.
-    words = claim_slots(words, out_cache_loc, flags, num_tokens=num_tokens)
+    words = claim_slots(
+        words, out_cache_loc, flags, num_tokens=num_tokens, block=block, interpret=interpret, **per_block
+    )
 
     # 3. Winners and per-block counts.
     args = dict(
@@ -250,8 +250,7 @@ def _write_pallas(
         ),
         args,
         out_shape,
-        grid=grid_entries,
-        compiler_params=params,
+        **per_block,
         interpret=interpret,
         name="canary_write_won",
     )
@@ -286,8 +285,7 @@ def _write_pallas(
         args,
         log,
         outs=("words",),
-        grid=grid_entries,
-        compiler_params=params,
+        **per_block,
         interpret=interpret,
         name="canary_write_store",
     )

@@ -31,7 +31,7 @@ class WriteFlag(enum.IntFlag):
 
 INPUT_MISMATCH = WriteFlag.TOKEN_MISMATCH | WriteFlag.POSITION_MISMATCH  # the input-assert row's fail bits
 LONG_SHIFT = 16  # long role: bits 16.. of the flag word hold the entry's distance to its chunk's checkpoint
-CLAIM_WORD = 2 * constants.CANARY_FIELD_REAL_KV_HASH  # low word of field 3: the slot claim of the scatter-max
+CLAIM_WORD = 2 * constants.CANARY_FIELD_REAL_KV_HASH  # low word of field 3: the slot claim (canary_write_claim)
 
 assert not INPUT_MISMATCH & (
     WriteFlag.WRITTEN | WriteFlag.CHAIN_POSITION | WriteFlag.WINNER | WriteFlag.GATE | WriteFlag.LONG

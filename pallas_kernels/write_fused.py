@@ -16,13 +16,14 @@ The multi-launch write needs launch boundaries for two global orders: every chai
 record is stored, and every winner of a slot must be known before a store overwrites the slot's claim word. One
 program (one CTA) gets both orders from ``__syncthreads`` (:func:`barrier`), so a launch of at most
 ``PallasConfig.write_fused_max_tokens`` entries runs as one kernel with nothing before or after it (no flag
-memset, no XLA scatter-max):
+memset, no claim launch):
 
 1. the flag words are zeroed (entries outside every live request then carry none);
 2. the serial chains, one request per lane (:func:`pallas_kernels.write_chain._chain_role` with one program and
    up to 4096 lanes), and, with real-KV sources, the fingerprints (``_entry_role``);
 3. the claim (:func:`_claim_pass`): every written entry stores ``entry + 1`` in its slot's claim word; after a
-   barrier each reads it back, and entries that read a smaller value store again, until none does. Plain stores
+   barrier each reads it back, and entries that read a smaller value store again, until none does
+   (:func:`pallas_kernels.write_claim.settle_claims`, also the interpreted multi-launch claim's loop). Plain stores
    that race leave one of their values, so each round raises every contested claim word and the loop ends
    with the largest writer, the reference's last-writer-wins, in as many rounds as a slot has writers (one
    round and one check without duplicates). The pass also counts violation rows and written entries per block;
@@ -48,6 +49,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import calls, refs, write_small
 from pallas_kernels.write_chain import _chain_role, _entry_role
+from pallas_kernels.write_claim import settle_claims
 from pallas_kernels.write_commit import write_commit_kernel
 from pallas_kernels.write_flags import CLAIM_WORD, INPUT_MISMATCH, WriteFlag, load_flagged
 
@@ -76,19 +78,7 @@ def _claim_pass(loc_ref, words_ref, flags_ref, counts_ref, *, num_tokens, block,
     mine = (i + 1).astype(jnp.uint32)
     refs.store_word(words_ref, s, CLAIM_WORD, mine, written)
     refs.barrier(interpret)
-
-    def read():
-        return refs.load_word(words_ref, s, CLAIM_WORD, written)
-
-    def behind(claim):
-        return written & (claim < mine)
-
-    def again(claim):
-        refs.store_word(words_ref, s, CLAIM_WORD, mine, behind(claim))
-        refs.barrier(interpret)
-        return read()
-
-    claim = jax.lax.while_loop(lambda c: jnp.max(behind(c).astype(jnp.int32)) > 0, again, read())
+    claim = settle_claims(words_ref, s, mine, written, interpret=interpret)
     refs.barrier(interpret)  # every claim word is read before the commit stores a winner's record over it
     won = written & (claim == mine)
     refs.store_vec(flags_ref, i, fl | jnp.where(won, WriteFlag.WINNER, 0).astype(jnp.uint32), inw)

@@ -33,7 +33,7 @@ def write_long_kernel(
     pos_ref,
     loc_ref,
     exp_tok_ref,
-    exp_pos_ref,  # u32[2 T'] flat pairs, zero-padded to whole chunks
+    exp_pos_ref,  # u32[2 T] flat pairs
     *more_refs,  # words_in, flags_in, prev_in, chain_exp_in (aliased to the outputs) [, hint u32[Cw, 5]];
     # outputs: words u32[N, S/4] (claim words of written entries zeroed; seeds read, fields 0..2 only),
     # flags u32[T], prev_at / chain_exp u32[2 T] (prev_hash and run position before each entry)
@@ -48,6 +48,7 @@ def write_long_kernel(
     hasher,
     gather,
     assert_inputs,
+    interpret,
 ):
     """Serial chains of long requests (more than ``threshold`` entries), one request per program at a time.
 
@@ -63,7 +64,8 @@ def write_long_kernel(
       entry's own ``prev_at`` / ``chain_exp``) is stored once per chunk;
     * serial, the same chain in every thread: per entry three splitmix64, the written test and two selects,
       nothing stored. The slots, tokens and positions of a chunk come from one aligned load per array (one
-      chunk ahead) handed to every thread, so they are register operands of the unrolled steps.
+      chunk ahead; masked, so words past the operand's end read 0 and the operands need no padding) handed to
+      every thread, so they are register operands of the unrolled steps.
 
     The won pass (:func:`pallas_kernels.write_won.write_won_kernel`, parallel over entries) replays the at most
     ``chunk - 1`` steps from the checkpoint to every other entry of the chunk: that is where their ``prev_at`` /
@@ -90,8 +92,8 @@ def write_long_kernel(
     w2 = 2 * chunk
 
     def load_rows(ref, q):
-        """Words of entries ``[q * chunk, (q + 1) * chunk)`` of a padded flat pair ref (aligned, in bounds)."""
-        return ref[pl.ds(pl.multiple_of(q * w2, w2), w2)]
+        """Words of entries ``[q * chunk, (q + 1) * chunk)`` of a flat pair ref (aligned; 0 past its end)."""
+        return refs.load_window(ref, pl.multiple_of(q * w2, w2), w2, interpret=interpret)
 
     def to_rows(v):
         return jnp.broadcast_to(v[None, :], (rows,) + v.shape)

@@ -1,10 +1,10 @@
-"""Write step 2 and launch 3: the slot claim (:func:`claim_slots`, an XLA scatter-max) and ``canary_write_won``
-(:func:`write_won_kernel`).
+"""Write launch 3, ``canary_write_won`` (:func:`write_won_kernel`): each written entry reads its slot's claim word to
+learn whether it won the slot.
 
-The claim makes the last entry (request-major order) that writes a slot its owner, as in the reference; the won
-pass lets each written entry read its claim word to learn whether it won. Long-role entries also replay their
-chain from their chunk's checkpoint here (prev_hash, run position, chain-position failure). Every winner must be
-known before any store overwrites a claim word, which is why the won pass is a launch of its own.
+The claim launch before it (:mod:`pallas_kernels.write_claim`, ``canary_write_claim``) leaves ``entry + 1`` of the
+last entry (request-major order) writing a slot in the slot's claim word, as in the reference. Long-role entries also
+replay their chain from their chunk's checkpoint here (prev_hash, run position, chain-position failure). Every winner
+must be known before any store overwrites a claim word, which is why the won pass is a launch of its own.
 """
 
 from __future__ import annotations
@@ -18,35 +18,11 @@ from pallas_kernels import refs
 from pallas_kernels.write_flags import CLAIM_WORD, INPUT_MISMATCH, LONG_SHIFT, WriteFlag, load_flagged
 
 
-def claim_slots(words, out_cache_loc, flags, *, num_tokens: int):
-    """``claim[slot] = max(claim[slot], entry + 1)`` over written entries: one XLA scatter-max.
-
-    After it, entry ``i`` owns its slot iff the claim word reads ``i + 1``: the last entry (request-major)
-    writing a slot wins, as in the reference. XLA's scatter-max is exact with duplicate slots on every
-    backend (it uses atomicMax on the GPU); Pallas-Triton's vector atomics do not lower for integer vectors
-    in the JAX versions we run (see README).
-
-    The update of an entry that does not write is 0, which leaves any claim word as it is, so its slot needs no
-    masking: the index is the slot's low word as it stands (an index outside the buffer, a negative int32
-    included, is dropped). Two elementwise ops, the index column and the scatter: the torch path runs each as
-    one kernel.
-    """
-    assert WriteFlag.WRITTEN == 1  # the update is the WRITTEN bit times entry + 1
-    i1 = jnp.arange(1, num_tokens + 1, dtype=jnp.uint32)
-    update = (flags & jnp.uint32(WriteFlag.WRITTEN)) * i1
-    lo = jax.lax.bitcast_convert_type(out_cache_loc[:, 0], jnp.int32)[:, None]
-    index = jnp.concatenate([lo, jnp.full((num_tokens, 1), CLAIM_WORD, jnp.int32)], axis=1)
-    dnums = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=(), inserted_window_dims=(0, 1), scatter_dims_to_operand_dims=(0, 1)
-    )
-    return jax.lax.scatter_max(words, index, update, dnums, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
-
-
 def write_won_kernel(
     loc_ref,
     ids_ref,
     pos_ref,  # u32[T, 2]
-    words_ref,  # u32[N, S/4]: claim words after the scatter-max, read only here
+    words_ref,  # u32[N, S/4]: claim words after the claim launch, read only here
     flags_in_ref,
     prev_in_ref,
     chain_exp_in_ref,  # aliased to flags_ref, prev_at_ref, chain_exp_ref

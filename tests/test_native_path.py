@@ -225,6 +225,47 @@ def test_work_on_launch_data_outside_the_kernels_is_refused_naming_it_and_consta
     assert xt.tolist() == [11, 23, 35]
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_compiled_write_updates_the_canary_and_the_log_in_place(fused, monkeypatch):
+    """Traced for CUDA (compiled kernels, planned on CPU with stand-in kernels), the write is its kernels alone and
+    hands each of them the canary words, the ring, the write index and the counters in place: no argument is
+    copied. A small launch is one kernel with the fused write on (``fused``); with it off, four launches with
+    nothing but views between them (the claim one of them)."""
+    from pallas_kernels import config as pallas_config
+
+    fuse = 512 if fused else 0
+    cfg = pallas_config.PallasConfig(write_fused_max_tokens=fuse, write_fused_max_hashed=fuse // 2)
+    monkeypatch.setattr(pallas_config, "DEFAULT_CONFIG", cfg)
+    rng = random.Random(16)
+    w = World.make(rng, num_slots=4096)
+    plan, kw = random_write_args(rng, w)
+    kw["enable_write_input_assert"], kw["expected_input_tokens"], kw["expected_input_positions"] = False, None, None
+
+    class Stand:  # a compiled kernel that launches nothing
+        def __init__(self, eqn):
+            self.aliases = tuple((int(i), int(o)) for i, o in eqn.params["input_output_aliases"])
+            self.name = eqn.params.get("name")
+            self.alignments = (32,) * (len(eqn.invars) + len(eqn.outvars))
+
+        def launch_ptrs(self, ptrs):
+            del ptrs
+
+    monkeypatch.setattr(native, "_kernel_for", lambda device: Stand)
+    args = _write_args(w, plan, kw)
+    prog = native._build(
+        "write", ("pallas", "cuda", 2, 0, (), False), _write_factory(), args, torch.device("cpu")
+    ).program
+    multi = ["canary_write_chain", "canary_write_claim", "canary_write_won", "canary_write_store"]
+    assert prog.kernel_names == (["canary_write_fused"] if fused else multi)
+    n_args = len(args)
+    copied = [src for step in prog.steps for _, src in step[3] if src < n_args]
+    assert copied == [], [args[j].name for j in copied]
+    canary = [j for j, a in enumerate(args) if a.name == "canary_buf"][0]
+    writers = [step for step in prog.steps if canary in step[2]]  # kernels whose result is the canary buffer
+    assert len(writers) == (1 if fused else 3)  # the fused kernel; or chain, claim and store (won only reads it)
+    assert dict(prog.writes)[canary] == canary  # nothing to write back
+
+
 def _write_factory():
     from interop import kernels
 

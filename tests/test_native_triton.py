@@ -38,9 +38,9 @@ TAG = int(sglang.CanaryLaunchTag.TAIL_K_FULL)
 BF16 = (torch.bfloat16, 1, 64, 32, 0)  # (dtype, page_size, num_bytes_per_token, read_bytes, extra row bytes)
 F32 = (torch.float32, 4, 32, 32, 16)
 VERIFY = ("canary_verify", "canary_verify_rows")
-WRITE = ("canary_write_chain", "canary_write_won", "canary_write_store")
+WRITE = ("canary_write_chain", "canary_write_claim", "canary_write_won", "canary_write_store")
 WRITE_FUSED = ("canary_write_fused",)  # a launch of at most write_fused_max_tokens / _hashed tokens
-WRITE_LONG = ("canary_write_chain", "canary_write_long", "canary_write_won", "canary_write_store")
+WRITE_LONG = ("canary_write_chain", "canary_write_long", "canary_write_claim", "canary_write_won", "canary_write_store")
 
 
 # --- real launches as equations ----------------------------------------------------------------------------
@@ -285,7 +285,7 @@ def test_a_lowering_that_prints_no_or_two_modules_raises(printed, count, eqns, t
     tt.clear_memo()
     try:
         with pytest.raises(ValueError, match=rf"pallas_call canary_write_won .*printed {count} Triton modules"):
-            tt.kernel_spec(eqns["write_multi"][1])
+            tt.kernel_spec(eqns["write_multi"][2])
     finally:
         tt.clear_memo()
 

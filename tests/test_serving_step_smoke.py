@@ -155,10 +155,12 @@ def test_attribution_of_unnamed_canary_kernels_by_name_and_timeline():
         ("MemcpyD2D", 1.0),  # a copy inside the plan
         ("canary_verify", 5.0),  # HEAD
         ("canary_write_chain", 4.0),
-        ("canary_write_won", 2.0),  # shared by HEAD and TAIL
+        ("canary_write_claim", 0.5),  # shared by HEAD and TAIL
+        ("canary_write_won", 2.0),  # likewise
         ("nvjet_sm90_tst_64x16", 100.0),  # model
         ("canary_verify__1", 7.0),  # TAIL
         ("canary_write_chain__1", 6.0),
+        ("canary_write_claim", 1.0),
         ("canary_write_won", 3.0),
         ("MemcpyD2D", 2.0),  # a copy after the TAIL write
         ("loop_add_fusion_4", 1.0),  # sweep plan
@@ -167,9 +169,9 @@ def test_attribution_of_unnamed_canary_kernels_by_name_and_timeline():
     events = [(n, float(i), 1000.0 * us, None) for i, (n, us) in enumerate(names)]
     p = ss.attribute(events, index, steps=1)["parts_ms"]
     assert p["plan"] == pytest.approx(0.010) and p["plan_copy"] == pytest.approx(0.001)
-    assert p["head_verify"] == pytest.approx(0.005) and p["head_write"] == pytest.approx(0.006)
+    assert p["head_verify"] == pytest.approx(0.005) and p["head_write"] == pytest.approx(0.0065)
     assert p["model"] == pytest.approx(0.100)
-    assert p["tail_verify"] == pytest.approx(0.007) and p["tail_write"] == pytest.approx(0.009)
+    assert p["tail_verify"] == pytest.approx(0.007) and p["tail_write"] == pytest.approx(0.010)
     assert p["tail_copy"] == pytest.approx(0.002)
     assert p["sweep_plan"] == pytest.approx(0.001) and p["sweep_verify"] == pytest.approx(0.009)
 

@@ -111,7 +111,8 @@ def trace_events(logdir: str, module: str) -> tuple[list, dict]:
 
 
 _CANARY_KERNEL = re.compile(r"^(canary_[a-z_]+?)(?:__(\d+))?$")
-_SHARED = ("canary_write_won", "canary_write_long")  # one kernel serves HEAD and TAIL (deduplicated by XLA)
+# one kernel serves HEAD and TAIL (deduplicated by XLA)
+_SHARED = ("canary_write_claim", "canary_write_won", "canary_write_long")
 
 
 def _canary_phase(name: str, region: str | None) -> tuple[str, str] | None:
