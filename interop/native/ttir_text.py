@@ -58,11 +58,8 @@ _FUNC = re.compile(r"^\s*tt\.func\s+(?:public\s+|private\s+)?@([\w$.-]+)\s*\(", 
 _DIVISIBILITY = re.compile(r"tt\.divisibility\s*=\s*(\d+)")
 
 
-def ttir_params(ttir: str) -> tuple[str, list[tuple[str, int | None]]]:
-    """The TTIR's one function: ``(name, [(type, divisibility or None) per parameter])``.
-
-    ``type`` is the parameter's MLIR type text (``!tt.ptr<i32>``); ``divisibility`` its ``tt.divisibility``
-    attribute (bytes a pointer is aligned to; jax's lowering sets 32 on every pointer).
+def _signature(ttir: str) -> tuple[str, int, int]:
+    """``(name, start, end)`` of the TTIR's one function: its parameter list is ``ttir[start:end]``.
 
     Raises:
       ValueError: not exactly one ``tt.func``.
@@ -75,14 +72,27 @@ def ttir_params(ttir: str) -> tuple[str, list[tuple[str, int | None]]]:
     while depth:
         depth += {"(": 1, ")": -1}.get(ttir[i], 0)
         i += 1
+    return m.group(1), m.end(), i - 1
+
+
+def ttir_params(ttir: str) -> tuple[str, list[tuple[str, int | None]]]:
+    """The TTIR's one function: ``(name, [(type, divisibility or None) per parameter])``.
+
+    ``type`` is the parameter's MLIR type text (``!tt.ptr<i32>``); ``divisibility`` its ``tt.divisibility``
+    attribute (bytes a pointer is aligned to; jax's lowering sets 32 on every pointer).
+
+    Raises:
+      ValueError: not exactly one ``tt.func``.
+    """
+    name, start, end = _signature(ttir)
     params = []
-    for p in _split_top(ttir[m.end() : i - 1]):
+    for p in _split_top(ttir[start:end]):
         _, _, rest = p.partition(":")
         rest = rest.strip()
         ty = rest.split("{", 1)[0].strip()
         d = _DIVISIBILITY.search(rest)
         params.append((ty, int(d.group(1)) if d else None))
-    return m.group(1), params
+    return name, params
 
 
 def pointer_alignments(ttir: str, label: str) -> list[int]:
@@ -110,15 +120,8 @@ def relax_alignment(ttir: str, params: set[int]) -> str:
     Raises:
       ValueError: not exactly one ``tt.func``.
     """
-    funcs = list(_FUNC.finditer(ttir))
-    if len(funcs) != 1:
-        raise ValueError(f"kv-canary: the TTIR must hold exactly one tt.func, found {len(funcs)}")
-    m = funcs[0]
-    depth, i = 1, m.end()
-    while depth:
-        depth += {"(": 1, ")": -1}.get(ttir[i], 0)
-        i += 1
-    parts = _split_top(ttir[m.end() : i - 1])
+    _, start, end = _signature(ttir)
+    parts = _split_top(ttir[start:end])
     for k in params:
         parts[k] = re.sub(r"\s*\{\s*tt\.divisibility\s*=\s*\d+\s*:\s*i32\s*\}", "", parts[k])
-    return ttir[: m.end()] + ", ".join(parts) + ttir[i - 1 :]
+    return ttir[:start] + ", ".join(parts) + ttir[end:]
