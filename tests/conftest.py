@@ -39,8 +39,6 @@ SLOW_FIRST = (  # by their worker seconds in one full run (2 workers, 2 cores)
     "test_sharded.py",
     "test_pallas_units.py",
     "test_buckets.py",
-    "test_native_prims.py",
-    "test_native_prims_compiled.py",
     "test_adapters_batches.py",  # with its two parts split off (their seconds were its)
     "test_adapters_block_tables.py",
     "test_adapters_engines.py",

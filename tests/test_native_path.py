@@ -1,7 +1,7 @@
 """The native torch path (``path="native"``) on CPU tensors: SGLang's bytes, the path choice, the memory plan.
 
-On CPU the native path runs the very program it runs on CUDA (torch ops for the glue XLA would run, the memory
-plan, the copy-out) with the Pallas kernels interpreted by JAX instead of launched through Triton; every launch
+On CPU the native path runs the very program it runs on CUDA (the launch's kernels over buffers, the memory
+plan, the write-back) with the Pallas kernels interpreted by JAX instead of launched through Triton; every launch
 here must leave the torch tensors byte-identical to the independent re-implementation of SGLang's torch
 references (``helpers/torch_reference.py``). The Triton launches themselves are exercised on CUDA
 (``test_native_graphs.py``, ``test_torch_engine.py``, ``test_native_triton.py``).
@@ -300,7 +300,7 @@ def test_a_default_native_path_that_cannot_build_falls_back_to_dlpack_once_with_
     ref = ours.clone()
     plan, kw = random_write_args(rng, ours)
 
-    def launch_args(w):  # the reference backend's write body has while loops: the native build refuses it
+    def launch_args(w):  # the reference backend's write body is glue, no kernels: the native build refuses it
         c = w.context(2)
         args = [TensorArg("canary_buf", c.canary_buf, True)]
         args += [TensorArg(f"plan.{f}", getattr(plan, f)) for f in plan.__dataclass_fields__]

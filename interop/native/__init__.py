@@ -1,5 +1,5 @@
-"""The native torch path of the SGLang launchers: the launch bodies as torch ops and Triton kernels, no JAX per
-launch, capturable in a torch CUDA graph (``interop/README.md``, "The native path").
+"""The native torch path of the SGLang launchers: the launch bodies' Pallas kernels as Triton kernels, no JAX
+per launch, capturable in a torch CUDA graph (``interop/README.md``, "The native path").
 
 * :mod:`interop.native.launch`: path choice (:func:`~interop.native.launch.resolve_path`), the traced program per
   launch shape, the write-back;

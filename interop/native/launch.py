@@ -1,17 +1,19 @@
-"""The native torch path of the launchers: trace once, then run torch ops and Triton kernels on torch's stream.
+"""The native torch path of the launchers: trace once, then run the launch's kernels as Triton kernels on torch's
+stream.
 
 :func:`run_native` has :func:`interop.runner.run_in_place`'s contract (same body factories, same in-place
 result) without JAX at launch time: the first launch of a (op, statics, shapes, dtypes, device, x64) traces the
 body with ``jax.make_jaxpr`` on abstract values and builds a :class:`~interop.native.program.Program`; every
-later launch runs that program on the caller's tensors: torch ops for the glue XLA would run, the Pallas kernels
-as Triton kernels compiled with the ``triton`` package that torch ships (:mod:`interop.native.triton_kernels`),
-all on ``torch.cuda.current_stream()``. No DLPack, no host sync: a torch CUDA graph captures a launch.
+later launch runs that program on the caller's tensors: the Pallas kernels as Triton kernels compiled with the
+``triton`` package that torch ships (:mod:`interop.native.triton_kernels`), on ``torch.cuda.current_stream()``, and
+nothing between them but the copies the memory plan needs. No DLPack, no host sync: a torch CUDA graph captures a
+launch.
 
 Which path a launcher takes (:func:`resolve_path`): the ``path`` keyword, else ``$CANARY_JAX_TORCH_PATH``, else
 ``"native"`` for the Pallas backend on CUDA tensors when triton is importable and ``"dlpack"`` otherwise.
 ``path="native"`` with ``backend="pallas"`` on CPU tensors runs the same program with the Pallas kernels
-interpreted by JAX (the CPU test vehicle). With ``backend="reference"`` a verify is all torch ops, while a write
-(serial ``while`` loops) is refused with ``NotNative``.
+interpreted by JAX (the CPU test vehicle). A body with work outside its kernels (``backend="reference"``, a plan
+launch the plan kernel does not take) is refused with ``NotNative``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from interop.buffers import TensorArg
 from interop.native import program, storage, triton_kernels, ttir_spec, ttir_text
 
 PATHS = ("native", "dlpack")
-"""Torch launch paths: ``native`` (torch ops + Triton kernels) and ``dlpack`` (a jitted JAX program)."""
+"""Torch launch paths: ``native`` (the launch's kernels as Triton kernels) and ``dlpack`` (a jitted JAX program)."""
 
 PATH_ENV = "CANARY_JAX_TORCH_PATH"
 """Environment variable naming the default torch launch path (case-insensitive)."""
@@ -43,7 +45,7 @@ def resolve_path(path: str | None, device: torch.device, backend: str = "pallas"
 
     Returns ``path`` if given, else ``$CANARY_JAX_TORCH_PATH`` if set and non-empty, else ``"native"`` for the
     Pallas backend on CUDA when :func:`interop.native.triton_kernels.triton_available`, and ``"dlpack"``
-    otherwise (the jnp reference's serial loops are ``while`` loops, which the native path refuses).
+    otherwise (the jnp reference is glue, not kernels, which the native path refuses).
 
     Raises:
       ValueError: a name not in :data:`PATHS` (from the argument or the environment).
@@ -211,6 +213,9 @@ def check_writable(args: Sequence[TensorArg]) -> None:
             )
 
 
+_REFUSALS = {"plan": " (the plan kernel takes no launch without request rows or with an empty table or pool)"}
+
+
 def _build(op, statics, body_factory, args: Sequence[TensorArg], device) -> _Launch:
     body = body_factory(statics)
     names = tuple(a.name for a in args)
@@ -227,7 +232,8 @@ def _build(op, statics, body_factory, args: Sequence[TensorArg], device) -> _Lau
         prog = program.build(closed, device=device, mutable=[a.mutable for a in args], kernel_for=_kernel_for(device))
     except program.NotNative as e:
         backend = statics[0]
-        raise type(e)(f"kv-canary: the {op} launch ({backend}) cannot take the native torch path: {e}") from e
+        why = _REFUSALS.get(op, "") if backend != "reference" else " (the reference backend has no kernels)"
+        raise type(e)(f"kv-canary: the {op} launch ({backend}) cannot take the native torch path{why}: {e}") from e
     return _Launch(prog, names, out_names)
 
 
@@ -264,7 +270,7 @@ def run_native(
     *,
     fallback: Callable | None = None,
 ) -> bool:
-    """Runs ``body_factory(statics)`` on ``args`` with torch ops and Triton kernels, writing the mutable
+    """Runs ``body_factory(statics)`` on ``args`` as its kernels (Triton kernels on CUDA), writing the mutable
     arguments back in place (the contract of :func:`interop.runner.run_in_place`). Returns whether it did
     (False: it took ``fallback``).
 
@@ -278,7 +284,7 @@ def run_native(
       ValueError / TypeError: device mix or overlapping mutable tensors (:func:`interop.buffers.
         check_device_and_aliasing`), an inference tensor as an output outside inference mode
         (:func:`check_writable`), or a dtype JAX would narrow; raised before anything runs.
-      interop.native.program.NotNative / interop.native.prims.UnsupportedPrimitive (or the lowering's / triton's
+      interop.native.program.NotNative (or the lowering's / triton's
         error): a body the native path cannot build, without ``fallback`` (first launch only; nothing has run).
     """
     device = buffers.check_device_and_aliasing(args)
