@@ -398,24 +398,24 @@ def test_launch_calls_run_with_the_compiled_kernels_arguments(specs, monkeypatch
     assert metas == [(spec.grid, 1234, ptrs)]
 
 
-def test_launch_unchecked_makes_the_same_call_as_launch(specs, monkeypatch):
-    """``launch_unchecked`` compiles on first use, then calls ``run`` exactly as ``launch`` does (hooks or not),
-    and checks nothing: a misaligned pointer ``launch`` refuses goes to ``run`` as is."""
+def test_launch_ptrs_makes_the_same_call_as_launch(specs, monkeypatch):
+    """``launch_ptrs`` compiles on first use, then calls ``run`` exactly as ``launch`` does (hooks or not), and
+    checks nothing: a misaligned pointer ``launch`` refuses goes to ``run`` as is."""
     spec = specs["verify_none"][1]
     kern = tk.TritonKernel(spec, torch.device("cuda", 0))
     compiles = []
     monkeypatch.setattr(kern, "compile", lambda: compiles.append(fake_compiled(kern, monkeypatch)))
     args = [torch.zeros(16, dtype=torch.int32) for _ in range(spec.num_inputs + spec.num_outputs)]
-    kern.launch_unchecked(args)
+    kern.launch_ptrs([t.data_ptr() for t in args])
     assert len(compiles) == 1
     calls, metas = compiles[0]
     kern.launch(args)
-    kern.launch_unchecked(args)
+    kern.launch_ptrs([t.data_ptr() for t in args])
     ptrs = tuple(t.data_ptr() for t in args)
     assert calls == [(*spec.grid, 1234, 0xF00, (4, 1, 16), None, None, None, *ptrs)] * 3 and not metas
     kern._runtime.launch_enter_hook.calls.append(print)
     kern.launch(args)
-    kern.launch_unchecked(args)
+    kern.launch_ptrs([t.data_ptr() for t in args])
     enter = kern._runtime.launch_enter_hook
     assert calls[3] == calls[4] == (*spec.grid, 1234, 0xF00, (4, 1, 16), "md", enter, None, *ptrs)
     assert metas == [(spec.grid, 1234, ptrs)] * 2
@@ -424,7 +424,7 @@ def test_launch_unchecked_makes_the_same_call_as_launch(specs, monkeypatch):
     bad[0] = torch.zeros(64, dtype=torch.uint8)[4:]  # 4 bytes past an aligned allocation
     with pytest.raises(ValueError, match="not aligned to 32"):
         kern.launch(bad)
-    kern.launch_unchecked(bad)
+    kern.launch_ptrs([t.data_ptr() for t in bad])
     assert calls[-1][-len(ptrs) :] == (bad[0].data_ptr(), *ptrs[1:])
 
 

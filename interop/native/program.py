@@ -147,7 +147,6 @@ class Program:
     body form, :func:`interop.native.launch.body_form`) and writes the mutable ones back in place."""
 
     avals_in: tuple  # per argument, (shape, torch storage dtype)
-    mutable: tuple[bool, ...]
     consts: list[torch.Tensor]  # buffer id num_inputs + k
     temps: list[tuple]  # buffer id num_inputs + len(consts) + k: (shape, torch dtype) of its first value
     steps: list[tuple]  # (kernel, operand buffers, result buffers, [(temp, source buffer) copies before it],
@@ -301,7 +300,6 @@ def build(closed: jcore.ClosedJaxpr, *, device: torch.device, mutable: Sequence[
                 writes[n] = (j, t)
     return Program(
         tuple(form(v.aval) for v in closed.jaxpr.invars),
-        tuple(mutable),
         consts,
         temps,
         steps,

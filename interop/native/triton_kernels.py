@@ -8,7 +8,7 @@ spec and cache names); this module compiles and launches it:
 
 1. :class:`TritonKernel` compiles a spec for its device (``triton.compile`` of the TTIR file, triton's own cache
    keeps the cubin) and launches it: ``launch(args)`` with one CUDA tensor per input, then one per output,
-   checked first; ``launch_unchecked(args)`` for callers that guarantee what ``launch`` checks.
+   checked first; ``launch_ptrs(ptrs)`` with raw data pointers for callers that guarantee what ``launch`` checks.
 2. :func:`compile_offline` compiles a spec for ``sm_<capability>`` without a GPU (ptxas ships in the triton
    wheel), so CPU tests prove that the TTIR our jax emits compiles with torch's triton.
 
@@ -315,35 +315,18 @@ class TritonKernel:
             the message names the kernel, the argument index and its pointer.
           TypeError: an argument that is not a tensor.
         """
-        ptrs = self._pointers(args)
-        if self._run is None:
-            self.compile()
-        if torch.cuda.current_device() != self._index:
-            with torch.cuda.device(self._index):
-                self._launch(ptrs)
-        else:
-            self._launch(ptrs)
+        self.launch_ptrs(self._pointers(args))
 
-    def launch_unchecked(self, args: Sequence[torch.Tensor]) -> None:
-        """:meth:`launch` without its per-argument checks, for callers that guarantee them (the checks are most
-        of a launch's host time).
+    def launch_ptrs(self, ptrs: Sequence[int]) -> None:
+        """:meth:`launch` with the data pointers given (operands, then results) and nothing checked: the native
+        program's launch (:class:`interop.native.program.Program` keeps its buffers contiguous, aligned as
+        :attr:`alignments` says and on the kernel's device, and allocates the results).
 
-        The same call into triton's launcher as ``launch(args)`` (first launch compiles, the kernel's device is
-        made current if it is not, the current stream, scratch allocator and launch hooks as ``launch``), with
-        ``args[i].data_ptr()`` as the pointers and nothing else looked at.
-
-        Contract, the caller's to keep (:meth:`launch` checks each of these; here none is): exactly
-        ``num_inputs + num_outputs`` torch tensors, inputs then outputs, each contiguous, on the kernel's
-        device, with ``data_ptr() % alignments[i] == 0``; shapes and dtypes as for :meth:`launch`. A broken
+        The same call into triton's launcher as ``launch`` (first launch compiles, the kernel's device is made
+        current if it is not, the current stream, scratch allocator and launch hooks as ``launch``). A broken
         contract is undefined behaviour: wrong bytes, a CUDA fault (which poisons the CUDA context), or an error
-        from triton's launcher, never one of :meth:`launch`'s messages. ``interop.native.launch``'s
-        ``compiled_pallas`` keeps it: it copies misaligned or non-contiguous operands and allocates the outputs.
+        from triton's launcher, never one of :meth:`launch`'s messages.
         """
-        self.launch_ptrs([t.data_ptr() for t in args])
-
-    def launch_ptrs(self, ptrs: list[int]) -> None:
-        """:meth:`launch_unchecked` with the data pointers given (operands, then results): the native program's
-        launch, whose buffers it keeps contiguous and aligned (:class:`interop.native.program.Program`)."""
         if self._run is None:
             self.compile()
         if torch.cuda.current_device() != self._index:
