@@ -137,10 +137,20 @@ def source_args(sources: Sequence[LaunchSource], mode: int) -> tuple[list[Tensor
     return args, tuple(s.meta for s in sources)
 
 
+def source_tensor_args(sources: Sequence[Any]) -> list[TensorArg]:
+    """:func:`source_args`' arguments of sources already checked with these very tensors (a launch whose replay
+    key passed the checks before, :data:`interop.sglang_launch.CHECKED`): each ``source.tensor`` as uint8."""
+    return [
+        TensorArg(f"real_kv_sources[{i}].tensor", s.tensor.view(torch.uint8), False, s.tensor)
+        for i, s in enumerate(sources)
+    ]
+
+
 def check_coverage(
     sources: Sequence[LaunchSource], mode: int, num_slots: int, *, op: str, name: str, hashed: Any
-) -> None:
-    """Every slot the launch hashes lies inside every source (:mod:`canary_jax.contract.coverage`).
+) -> bool:
+    """Every slot the launch hashes lies inside every source (:mod:`canary_jax.contract.coverage`); whether the
+    check read the launch's slots (then it depends on their values, and must run again at every launch).
 
     Nothing to check with mode NONE, no sources, or sources that cover the ``num_slots`` slots of the canary buffer.
     Otherwise, outside a CUDA-graph capture ``hashed()`` gives the ``(entries, slots)`` the launch hashes (read on
@@ -152,15 +162,16 @@ def check_coverage(
         canary buffer's slots.
     """
     if mode == int(constants.RealKvHashMode.NONE) or not sources:
-        return
+        return False
     covs = tuple(coverage.coverage(i, rows=int(s.u8.shape[0]), page_size=s.meta[0]) for i, s in enumerate(sources))
     if not coverage.short(covs, num_slots):
-        return
+        return False
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         coverage.check_whole_buffer(covs, num_slots, why=coverage.TRACED)
-        return
+        return False
     entries, slots = hashed()
     coverage.check_slots(covs, entries, slots, op=op, name=name)
+    return True
 
 
 def host_int64(t: torch.Tensor) -> np.ndarray:

@@ -49,6 +49,7 @@ which equal SGLang's torch references whenever those are well defined.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -60,8 +61,17 @@ from interop.arguments import TORCH_DTYPES, check, tensor
 from interop.native import replay
 from interop.runner import TensorArg
 from interop.sglang_launch import _SOURCE_VALUES as _SOURCE_VALUES
+from interop.sglang_launch import (
+    CHECKED,
+    _check_canary_buf,
+    _context_key,
+    _replay_key,
+    _run,
+    _sources,
+    _staged,
+    _statics,
+)
 from interop.sglang_launch import PLAN_BS_BLOCK_SIZE as PLAN_BS_BLOCK_SIZE
-from interop.sglang_launch import _check_canary_buf, _context_key, _replay_key, _run, _sources, _staged, _statics
 from interop.sglang_launch import _int as _int
 from interop.sglang_plan import launch_canary_plan_kernels
 from interop.sglang_types import (
@@ -133,6 +143,34 @@ def launch_canary_verify_kernel(
     key = verify_replay_key(context, plan, check_verify_expected_token, backend=backend, path=path)
     if replay.GRAPHS.replay(key):
         return
+    statics = CHECKED.get(key)
+    if statics is None:  # the key's first launch (or none): check everything
+        statics, ctx, pl, src_args, read_slots = _check_verify(context, plan, check_verify_expected_token, backend)
+        key = None if read_slots else key  # its checks read the slots: checked and launched eagerly every time
+        CHECKED.put(key, statics)
+    else:  # the same facts passed the checks: gather the tensors
+        ctx = dict(zip(arguments.CONTEXT_FIELDS, _CONTEXT_GET(context)))
+        pl = dict(zip(_VERIFY_PLAN_NAMES, _VERIFY_PLAN_GET(plan)))
+        src_args = arguments.source_tensor_args(_sources(context)) if statics[4] else []
+
+    def launch():  # bucket staging and the launch: what a launch graph captures
+        padded = padding.verify_plan(pl)
+        args = [TensorArg("canary_buf", ctx["canary_buf"])]
+        args += [TensorArg(n, t) for n, t in padded.items()]
+        args += [TensorArg(n, ctx[n], True) for n in arguments.CONTEXT_FIELDS[1:]]
+        args += src_args
+        return _run("verify", statics, kernels.verify_body_factory, args, path, key), _staged(pl, padded)
+
+    replay.GRAPHS.run(key, launch)
+
+
+_CONTEXT_GET = operator.attrgetter(*arguments.CONTEXT_FIELDS)
+_VERIFY_PLAN_NAMES = tuple("plan." + f for f in validation.VERIFY_PLAN_FIELDS)
+_VERIFY_PLAN_GET = operator.attrgetter(*validation.VERIFY_PLAN_FIELDS)
+
+
+def _check_verify(context: Any, plan: Any, check_verify_expected_token: Any, backend: str | None) -> tuple:
+    """A verify launch's checks: ``(statics, context tensors, plan tensors, source args, read_slots)``."""
     sources = _sources(context)
     validation.check_source_count(len(sources))
     ctx = arguments.tensors(context, arguments.CONTEXT_FIELDS)
@@ -147,7 +185,7 @@ def launch_canary_verify_kernel(
     src_args, meta = arguments.source_args(launch_sources, mode)
     arguments.check_devices({**named, **{a.name: a.tensor for a in src_args}}, "canary_buf")
     n = int(ctx["canary_buf"].shape[0])
-    arguments.check_coverage(
+    read_slots = arguments.check_coverage(
         launch_sources,
         mode,
         n,
@@ -163,16 +201,7 @@ def launch_canary_verify_kernel(
     platform = ctx["canary_buf"].device.type
     check = bool(check_verify_expected_token)
     statics = (backends.resolve_backend(backend, platform=platform), platform, tag, mode, meta, check)
-
-    def launch():  # bucket staging and the launch: what a launch graph captures
-        padded = padding.verify_plan(pl)
-        args = [TensorArg("canary_buf", ctx["canary_buf"])]
-        args += [TensorArg(n, t) for n, t in padded.items()]
-        args += [TensorArg(n, ctx[n], True) for n in arguments.CONTEXT_FIELDS[1:]]
-        args += src_args
-        return _run("verify", statics, kernels.verify_body_factory, args, path), _staged(pl, padded)
-
-    replay.GRAPHS.run(key, launch)
+    return statics, ctx, pl, src_args, read_slots
 
 
 # --- write -----------------------------------------------------------------------------------------------
@@ -199,7 +228,7 @@ def write_replay_key(
         lambda k: (
             _context_key(context, _WRITE_CONTEXT_FIELDS, k),
             replay.fields_sig(plan, validation.WRITE_PLAN_FIELDS, (), k),
-            replay.sig(tokens, k),
+            replay.tensors_sig(tokens, k),
             replay.value_sig(enable_write_input_assert),
         ),
     )
@@ -231,6 +260,42 @@ def launch_canary_write_kernel(
     key = write_replay_key(context, plan, tokens, enable_write_input_assert, backend=backend, path=path)
     if replay.GRAPHS.replay(key):
         return
+    statics = CHECKED.get(key)
+    if statics is None:  # the key's first launch (or none): check everything
+        checked = _check_write(context, plan, tokens, enable_write_input_assert, backend)
+        statics, ctx, pl, toks, src_args, read_slots = checked
+        key = None if read_slots else key  # its checks read the slots: checked and launched eagerly every time
+        CHECKED.put(key, statics)
+    else:  # the same facts passed the checks: gather the tensors
+        ctx = dict(zip(_WRITE_CONTEXT_FIELDS, _WRITE_CONTEXT_GET(context)))
+        pl = dict(zip(_WRITE_PLAN_NAMES, _WRITE_PLAN_GET(plan)))
+        toks = dict(zip(_TOKEN_NAMES, tokens if statics[5] else tokens[:3]))
+        src_args = arguments.source_tensor_args(_sources(context)) if statics[4] else []
+
+    def launch():  # bucket staging and the launch: what a launch graph captures
+        pl_p, toks_p = padding.write_inputs(pl, toks)
+        args = [TensorArg("canary_buf", ctx["canary_buf"], True)]
+        args += [TensorArg(n, t) for n, t in pl_p.items()]
+        args += [TensorArg(n, t) for n, t in toks_p.items()]
+        args += [TensorArg(n, ctx[n], True) for n in arguments.CONTEXT_FIELDS[1:]]
+        args += [TensorArg("enable_chain_position_assert", ctx["enable_chain_position_assert"])]
+        args += src_args
+        ran = _run("write", statics, kernels.write_body_factory, args, path, key)
+        return ran, _staged(pl, pl_p) + _staged(toks, toks_p)
+
+    replay.GRAPHS.run(key, launch)
+
+
+_WRITE_CONTEXT_GET = operator.attrgetter(*_WRITE_CONTEXT_FIELDS)
+_WRITE_PLAN_NAMES = tuple("plan." + f for f in validation.WRITE_PLAN_FIELDS)
+_WRITE_PLAN_GET = operator.attrgetter(*validation.WRITE_PLAN_FIELDS)
+_TOKEN_NAMES = ("input_ids", "positions", "out_cache_loc", "expected_input_tokens", "expected_input_positions")
+
+
+def _check_write(context: Any, plan: Any, tokens: tuple, enable_write_input_assert: Any, backend: str | None) -> tuple:
+    """A write launch's checks: ``(statics, context tensors, plan tensors, token tensors, source args,
+    read_slots)``; ``tokens`` as :func:`write_replay_key` takes them."""
+    input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions = tokens
     sources = _sources(context)
     validation.check_source_count(len(sources))
     ctx = arguments.tensors(context, _WRITE_CONTEXT_FIELDS)
@@ -261,7 +326,7 @@ def launch_canary_write_kernel(
     src_args, meta = arguments.source_args(launch_sources, mode)
     arguments.check_devices({**ctx, **pl, **toks, **{a.name: a.tensor for a in src_args}}, "canary_buf")
     n = int(ctx["canary_buf"].shape[0])
-    arguments.check_coverage(
+    read_slots = arguments.check_coverage(
         launch_sources,
         mode,
         n,
@@ -276,16 +341,4 @@ def launch_canary_write_kernel(
     )
     platform = ctx["canary_buf"].device.type
     statics = (backends.resolve_backend(backend, platform=platform), platform, tag, mode, meta, flag)
-
-    def launch():  # bucket staging and the launch: what a launch graph captures
-        pl_p, toks_p = padding.write_inputs(pl, toks)
-        args = [TensorArg("canary_buf", ctx["canary_buf"], True)]
-        args += [TensorArg(n, t) for n, t in pl_p.items()]
-        args += [TensorArg(n, t) for n, t in toks_p.items()]
-        args += [TensorArg(n, ctx[n], True) for n in arguments.CONTEXT_FIELDS[1:]]
-        args += [TensorArg("enable_chain_position_assert", ctx["enable_chain_position_assert"])]
-        args += src_args
-        ran = _run("write", statics, kernels.write_body_factory, args, path)
-        return ran, _staged(pl, pl_p) + _staged(toks, toks_p)
-
-    replay.GRAPHS.run(key, launch)
+    return statics, ctx, pl, toks, src_args, read_slots

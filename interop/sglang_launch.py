@@ -9,7 +9,6 @@ wrong kind (``real_kv_sources`` not a sequence, a non-int argument), ``ValueErro
 from __future__ import annotations
 
 import operator
-import os
 from typing import Any
 
 import jax
@@ -19,8 +18,8 @@ from canary_jax.contract import validation
 from canary_jax.ops import backends, buckets
 from interop import arguments, runner
 from interop.arguments import TORCH_DTYPES
+from interop.native import environ, replay
 from interop.native import launch as native
-from interop.native import replay
 from interop.sglang_types import MAX_REAL_KV_SOURCES
 
 PLAN_BS_BLOCK_SIZE = 4096  # SGLang's _PLAN_BS_BLOCK_SIZE (Triton offsets kernel, CUDA path only)
@@ -54,14 +53,21 @@ def _check_canary_buf(buf: torch.Tensor) -> None:
     validation.check_canary_buffer(arguments.facts(buf), u8=TORCH_DTYPES.u8)
 
 
-def _run(op: str, statics: Any, body_factory: Any, args: list, path: str | None) -> bool:
+CHECKED = replay.KeyMemo()
+"""Launch keys (:func:`_replay_key`) whose checks passed, with the statics the checks gave: a later launch of the
+key skips its checks (the key names every fact they read) and gathers its tensors unchecked."""
+
+
+def _run(op: str, statics: Any, body_factory: Any, args: list, path: str | None, key: Any = None) -> bool:
     """Runs a checked launch on the torch path ``path`` picks (:func:`interop.native.launch.resolve_path`);
-    whether it ran on the native path (a CUDA graph can then capture it)."""
+    whether it ran on the native path (a CUDA graph can then capture it). ``key``: the launch's replay key, None
+    where it has none (the native path then checks and looks up its program afresh)."""
     backend = statics[0]
     if native.resolve_path(path, args[0].tensor.device, backend) == "native":
         # a default (not asked for) native path falls back to DLPack where it cannot build
-        asked = path is not None or bool(os.environ.get(native.PATH_ENV))
-        return native.run_native(op, statics, body_factory, args, fallback=None if asked else runner.run_in_place)
+        asked = path is not None or bool(environ.get(native.PATH_ENV))
+        fallback = None if asked else runner.run_in_place
+        return native.run_native(op, statics, body_factory, args, fallback=fallback, key=key)
     runner.run_in_place(op, statics, body_factory, args)
     return False
 
@@ -98,7 +104,7 @@ def _replay_key(op: str, path: str | None, backend: str | None, first: Any, part
     if first.get_device() != torch.cuda.current_device():  # replay runs on the current device's stream: eager
         return None
     try:
-        env = (os.environ.get(native.PATH_ENV), os.environ.get(backends.BACKEND_ENV))
+        env = (environ.get(native.PATH_ENV), environ.get(backends.BACKEND_ENV))
         if not _native_for(op, path, backend, env, first.device):
             return None
         inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
@@ -110,16 +116,11 @@ def _replay_key(op: str, path: str | None, backend: str | None, first: Any, part
 
 
 def _context_key(context: Any, fields: tuple[str, ...], tkey: Any = replay.full_tensor_key) -> tuple:
+    """The key of a ``VerifyOrWriteContext``: its tensors ``fields``, enums and sources. A launch whose sources
+    do not cover the canary buffer reads its slots every launch (:func:`interop.arguments.check_coverage`); the
+    launcher then neither memoises its checks nor replays it."""
     # _sources' TypeError (not a sequence) means no key: the eager checks then raise it
-    srcs = _sources(context)
-    if srcs and _int(getattr(context, "real_kv_hash_mode", 0), "real_kv_hash_mode") != 0:
-        # a source shorter than the canary buffer is checked against the launch's slots, read every launch: eager
-        n = getattr(getattr(context, "canary_buf", None), "shape", (0,))[0]
-        for x in srcs:
-            t = getattr(x, "tensor", None)
-            if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] * _int(x.page_size, "page_size") < n:
-                raise replay.NotKeyable("real_kv_sources")
-    src = tuple([replay.fields_sig(x, ("tensor",), _SOURCE_VALUES, tkey) for x in srcs])
+    src = tuple([replay.fields_sig(x, ("tensor",), _SOURCE_VALUES, tkey) for x in _sources(context)])
     return (replay.fields_sig(context, fields, ("kernel_kind", "real_kv_hash_mode"), tkey), src)
 
 

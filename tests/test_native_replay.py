@@ -53,7 +53,22 @@ def test_the_lean_tensor_keys_name_what_each_torch_mode_needs():
     assert replay.tensor_key(False, True) is full  # with grad mode, requires_grad too
     assert full(torch.zeros(3, requires_grad=True))[-1] is True
     assert replay.sig((t, None, 3), lean) == (lean(t), None, 3)
-    assert replay.fields_sig(replay, ("GRAPHS_ENV",), (), lean)[1] == replay.GRAPHS_ENV
+    holder = type("Holder", (), {"t": t, "n": 7})()
+    assert replay.fields_sig(holder, ("t",), ("n",), lean)[1:] == (lean(t), (int, 7))
+
+
+def test_a_tensor_field_keys_only_torch_tensors():
+    """A tensor field holding anything but a torch tensor or None has no key (a DLPack capsule is imported afresh
+    every launch; a wrong type is refused by the checks, which must then run)."""
+    t = torch.zeros(3, dtype=torch.int64)
+    assert replay.tensors_sig((t, None)) == (replay.full_tensor_key(t), None)
+    for bad in (t.__dlpack__(), 3, "x", t.numpy()):
+        with pytest.raises(replay.NotKeyable):
+            replay.tensors_sig((bad,))
+        with pytest.raises(replay.NotKeyable):
+            replay.fields_sig(type("Plan", (), {"x": bad})(), ("x",))
+    with pytest.raises(replay.NotKeyable):
+        replay.sig(t.__dlpack__())  # hashable, but a capsule
 
 
 def test_fields_sig_marks_a_missing_field():
@@ -266,9 +281,9 @@ def test_staging_inside_a_callers_capture_outlives_the_callers_slice():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = padding.pad_rows(base[:5], 16, fill=7)
-    assert any(v is out for v in padding._PINNED.values())
+    assert any(v[0] is out for v in padding._PINNED.values())
     del out
     base[:5] = torch.arange(100, 105, device="cuda")
     graph.replay()
-    pinned = [v for v in padding._PINNED.values() if v.shape == (16,)]
+    pinned = [v[0] for v in padding._PINNED.values() if v[0].shape == (16,)]
     assert pinned[-1].tolist() == [100, 101, 102, 103, 104] + [7] * 11

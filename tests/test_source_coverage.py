@@ -192,13 +192,17 @@ def test_torch_slot_past_the_source_is_refused(path):
     assert_same_bytes(w.tensors(), before, path)
 
 
-def test_torch_launch_with_a_short_source_is_never_replayed():
-    """A launch with a short hashing source has no replay key (its slots are read every launch); mode NONE does."""
+def test_torch_launch_with_a_short_source_reads_its_slots_every_launch():
+    """A launch with a short hashing source reads its slots at every launch (so it is neither memoised nor replayed:
+    ``test_native_memo``); with mode NONE, or sources that cover the buffer, nothing is read."""
     w = torch_world()
-    with pytest.raises(replay.NotKeyable, match="real_kv_sources"):
-        sglang._context_key(w.context(TAIL), ("canary_buf",))
-    w.mode = 0
-    assert sglang._context_key(w.context(TAIL), ("canary_buf",)) is not None
+    plan, kw = torch_write_args([3], [7], [0])
+    src = sglang.arguments.check_sources(w.sources(), checked_type=sglang.RealKvSource)
+    hashed = lambda: (np.array([0]), np.array([3]))  # noqa: E731
+    assert sglang.arguments.check_coverage(src, 2, NUM_SLOTS, op="write", name="out_cache_loc", hashed=hashed)
+    assert not sglang.arguments.check_coverage(src, 0, NUM_SLOTS, op="write", name="out_cache_loc", hashed=hashed)
+    assert not sglang.arguments.check_coverage(src, 2, ROWS, op="write", name="out_cache_loc", hashed=hashed)
+    del plan, kw
 
 
 # --- inside jit: the whole-buffer rule ---------------------------------------------------------------------------

@@ -19,7 +19,6 @@ launch the plan kernel does not take) is refused with ``NotNative``.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Sequence
@@ -31,7 +30,7 @@ import torch
 
 from interop import buffers
 from interop.buffers import TensorArg
-from interop.native import program, storage, triton_kernels, ttir_spec, ttir_text
+from interop.native import environ, program, replay, storage, triton_kernels, ttir_spec, ttir_text
 
 PATHS = ("native", "dlpack")
 """Torch launch paths: ``native`` (the launch's kernels as Triton kernels) and ``dlpack`` (a jitted JAX program)."""
@@ -50,7 +49,7 @@ def resolve_path(path: str | None, device: torch.device, backend: str = "pallas"
     Raises:
       ValueError: a name not in :data:`PATHS` (from the argument or the environment).
     """
-    name = path if path is not None else (os.environ.get(PATH_ENV) or None)
+    name = path if path is not None else (environ.get(PATH_ENV) or None)
     if name is None:
         native = device.type == "cuda" and backend == "pallas" and triton_kernels.triton_available()
         return "native" if native else "dlpack"
@@ -59,14 +58,6 @@ def resolve_path(path: str | None, device: torch.device, backend: str = "pallas"
         src = "path" if path is not None else f"${PATH_ENV}"
         raise ValueError(f"kv-canary: {src} must be one of {PATHS}, got {name!r}")
     return low
-
-
-def body_form(t: torch.Tensor) -> torch.Tensor:
-    """The tensor as the launch body sees it, sharing its memory: int64 / uint64 as ``int32[*S, 2]`` word pairs
-    (the storage of the body's ``uint32[*S, 2]``), everything else as it is."""
-    if t.dtype in (torch.int64, torch.uint64):
-        return t.unsqueeze(-1).view(torch.int32)
-    return t
 
 
 _JAX_DTYPES = {
@@ -260,6 +251,13 @@ def _launch_for(op, statics, body_factory, args, device) -> _Launch:
 
 
 _FELL_BACK: dict[Hashable, str] = {}  # launch key -> why its native build failed (the path was not asked for)
+_READY = replay.KeyMemo()  # launcher replay key -> its _Launch (checked and built)
+
+
+def forget_checked() -> None:
+    """Forgets which launch keys passed :func:`run_native`'s checks (their programs stay built): the next launch
+    of each checks again (``benchmarks/native_bench.py`` measures what that costs)."""
+    _READY.clear()
 
 
 def run_native(
@@ -269,6 +267,7 @@ def run_native(
     args: Sequence[TensorArg],
     *,
     fallback: Callable | None = None,
+    key: Hashable | None = None,
 ) -> bool:
     """Runs ``body_factory(statics)`` on ``args`` as its kernels (Triton kernels on CUDA), writing the mutable
     arguments back in place (the contract of :func:`interop.runner.run_in_place`). Returns whether it did
@@ -280,6 +279,10 @@ def run_native(
     ``fallback(op, statics, body_factory, args)`` instead, with one ``RuntimeWarning`` naming the error, and
     so do later launches of that shape. The same checks run either way; only the path differs.
 
+    ``key``: the launcher's replay key (:mod:`interop.native.replay`), which names every tensor's address, shape,
+    strides and dtype, the torch modes and the bucket policy; a key that launched here before skips the device,
+    aliasing and writability checks and the program lookup (they would give the same answers). None: no memo.
+
     Raises:
       ValueError / TypeError: device mix or overlapping mutable tensors (:func:`interop.buffers.
         check_device_and_aliasing`), an inference tensor as an output outside inference mode
@@ -287,6 +290,10 @@ def run_native(
       interop.native.program.NotNative (or the lowering's / triton's
         error): a body the native path cannot build, without ``fallback`` (first launch only; nothing has run).
     """
+    ready = _READY.get(key)
+    if ready is not None:  # this key's checks passed and its program is built: launch it
+        ready.program([a.tensor for a in args])
+        return True
     device = buffers.check_device_and_aliasing(args)
     check_writable(args)
     if fallback is not None and _FELL_BACK:
@@ -309,5 +316,6 @@ def run_native(
         )
         fallback(op, statics, body_factory, args)
         return False
-    launch.program([body_form(a.tensor) for a in args])
+    launch.program([a.tensor for a in args])
+    _READY.put(key, launch)
     return True

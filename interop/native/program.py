@@ -143,8 +143,10 @@ class _Tracer:
 
 @dataclasses.dataclass
 class Program:
-    """A launch body as kernel launches over buffers: ``program(inputs)`` runs it on the launch's tensors (their
-    body form, :func:`interop.native.launch.body_form`) and writes the mutable ones back in place."""
+    """A launch body as kernel launches over buffers: ``program(inputs)`` runs it on the launch's tensors and
+    writes the mutable ones back in place. A tensor may come in any shape and dtype that holds its argument's
+    bytes (an ``int64[n]`` for the body's ``uint32[n, 2]``): kernels take data pointers, and every other use sees
+    a buffer through :func:`interop.native.storage.as_value`."""
 
     avals_in: tuple  # per argument, (shape, torch storage dtype)
     consts: list[torch.Tensor]  # buffer id num_inputs + k
@@ -198,7 +200,7 @@ class Program:
         staged_set = set(staged)
         for j, b in self.writes:
             if b != j or j in staged_set:
-                inputs[j].copy_(storage.as_value(bufs[b], *self.avals_in[j]))
+                inputs[j].copy_(storage.as_value(bufs[b], inputs[j].shape, inputs[j].dtype))
 
 
 def build(closed: jcore.ClosedJaxpr, *, device: torch.device, mutable: Sequence[bool], kernel_for: Callable) -> Program:

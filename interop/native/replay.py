@@ -30,14 +30,16 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import operator
-import os
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
+
+from interop.native import environ
 
 GRAPHS_ENV = "CANARY_JAX_NATIVE_GRAPHS"
 """Environment variable: how many launch graphs to keep (``0``: replay off)."""
@@ -55,7 +57,7 @@ def max_graphs() -> int:
     Raises:
       ValueError: not a non-negative integer, naming the variable.
     """
-    raw = os.environ.get(GRAPHS_ENV)
+    raw = environ.get(GRAPHS_ENV)
     if raw is None:
         return DEFAULT_MAX_GRAPHS
     return _parse_max_graphs(raw)
@@ -116,11 +118,31 @@ def sig(x: Any, tkey: Callable[[torch.Tensor], Hashable] = full_tensor_key) -> H
         return x
     if isinstance(x, (tuple, list)):
         return tuple([sig(v, tkey) for v in x])
+    if hasattr(x, "__dlpack__") or type(x).__name__ == "PyCapsule":  # imported per launch: not a fixed tensor
+        raise NotKeyable(type(x).__name__)
     try:
         hash(x)
     except TypeError:
         raise NotKeyable(type(x).__name__) from None
     return (type(x), x)
+
+
+def tensors_sig(xs: Iterable[Any], tkey: Callable[[torch.Tensor], Hashable] = full_tensor_key) -> tuple:
+    """The replay key of tensor arguments: each torch tensor by ``tkey``, None as None.
+
+    Raises:
+      NotKeyable: anything else (a DLPack object, which a launch imports afresh; a wrong type, which the checks
+        refuse).
+    """
+    out = []
+    for x in xs:
+        if isinstance(x, torch.Tensor):
+            out.append(tkey(x))
+        elif x is None:
+            out.append(None)
+        else:
+            raise NotKeyable(type(x).__name__)
+    return tuple(out)
 
 
 def value_sig(x: Any) -> Hashable:
@@ -145,8 +167,12 @@ def fields_sig(
     values: tuple[str, ...] = (),
     tkey: Callable[[torch.Tensor], Hashable] = full_tensor_key,
 ) -> tuple:
-    """:func:`sig` of ``obj``'s attributes ``fields`` (tensors by ``tkey``) and :func:`value_sig` of its attributes
-    ``values`` (a missing one keys as a marker; the checks will raise)."""
+    """:func:`tensors_sig` of ``obj``'s attributes ``fields`` (tensors by ``tkey``) and :func:`value_sig` of its
+    attributes ``values`` (a missing one keys as a marker; the checks will raise).
+
+    Raises:
+      NotKeyable: a field that is neither a torch tensor nor None, or a value :func:`value_sig` cannot key.
+    """
     try:
         got = _getter(fields, values)(obj)  # one C call for every attribute
         if len(fields) + len(values) == 1:  # attrgetter of one name returns the value itself
@@ -156,7 +182,7 @@ def fields_sig(
     n = len(fields)
     return (
         type(obj),
-        *[tkey(x) if x.__class__ is _TENSOR else sig(x, tkey) for x in got[:n]],
+        *[tkey(x) if x.__class__ is _TENSOR else x if x is _MISSING else tensors_sig((x,), tkey)[0] for x in got[:n]],
         *[value_sig(x) for x in got[n:]],
     )
 
@@ -181,12 +207,13 @@ def own_capture() -> bool:
 
 
 class _Entry:
-    __slots__ = ("graph", "keep", "replays")
+    __slots__ = ("graph", "keep", "replays", "used")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, keep: tuple):
         self.graph = graph
         self.keep = keep  # tensors the graph reads or writes that the caller does not own (staging buffers)
         self.replays = 0
+        self.used = 0  # the tick of its last replay (least recently used evicted first)
 
 
 _EAGER = -1  # a key's sighting count when it must stay eager (fell back, failed to capture, or thrashed)
@@ -197,12 +224,16 @@ holds, and capturing them again and again would cost more than it saves."""
 
 class LaunchGraphs:
     """Keys seen (capped at a few thousand, least recently seen forgotten first), and the graphs captured for
-    them (capped by :func:`max_graphs`, least recently used evicted first)."""
+    them (capped by :func:`max_graphs`, least recently used evicted first).
+
+    A replay costs one dict lookup of its key: the graphs are a plain dict whose entries carry the tick of their
+    last replay (no reordering, no lock on the replay path); eviction, at a capture, scans them."""
 
     def __init__(self):
-        self._graphs: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()
+        self._graphs: dict[Hashable, _Entry] = {}
         self._seen: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._tick = itertools.count(1)
         self.captures = 0
         self.replays = 0
 
@@ -219,18 +250,16 @@ class LaunchGraphs:
         ``$CANARY_JAX_NATIVE_GRAPHS=0`` it drops every graph and replays none."""
         if key is None or not self._graphs:
             return False
-        if max_graphs() == 0:  # replay was turned off since these were captured
-            self.clear()
-            return False
         entry = self._graphs.get(key)
         if entry is None:
             return False
+        if max_graphs() == 0:  # replay was turned off since these were captured
+            self.clear()
+            return False
         if torch.cuda.is_current_stream_capturing():  # the caller captures: record the eager launch instead
             return False
-        with self._lock:
-            if key in self._graphs:
-                self._graphs.move_to_end(key)
         entry.graph.replay()
+        entry.used = next(self._tick)
         entry.replays += 1
         self.replays += 1
         return True
@@ -300,15 +329,47 @@ class LaunchGraphs:
         """Keeps ``graph`` for ``key``, evicting the least recently used past ``limit``; an evicted key that
         replayed fewer than :data:`MIN_REPLAYS` times stays eager, the others start counting sightings again."""
         entry = _Entry(graph, keep)
+        entry.used = next(self._tick)
         evicted = []
         with self._lock:
             self._graphs[key] = entry
             self.captures += 1
             while len(self._graphs) > limit:
-                evicted.append(self._graphs.popitem(last=False))
+                old_key = min(self._graphs, key=lambda k: self._graphs[k].used)
+                evicted.append((old_key, self._graphs.pop(old_key)))
         for old_key, old in evicted:
             self._note(old_key, _EAGER if old.replays < MIN_REPLAYS else 0)
         return entry
+
+
+class KeyMemo:
+    """What the first launch of a key computed (its checks passed, its statics, its program), so that later
+    launches of the key skip that work: the key names everything it depended on. At most ``cap`` keys, the
+    oldest forgotten first; a None key is never stored."""
+
+    def __init__(self, cap: int = _MAX_SEEN):
+        self._d: dict[Hashable, Any] = {}
+        self._cap = cap
+
+    def get(self, key: Hashable | None) -> Any:
+        return None if key is None else self._d.get(key)
+
+    def put(self, key: Hashable | None, value: Any) -> None:
+        if key is None:
+            return
+        d = self._d
+        if key not in d and len(d) >= self._cap:
+            try:
+                d.pop(next(iter(d)), None)
+            except (RuntimeError, StopIteration):  # another thread changed it meanwhile: forget one next time
+                pass
+        d[key] = value
+
+    def clear(self) -> None:
+        self._d.clear()
+
+    def __len__(self) -> int:
+        return len(self._d)
 
 
 GRAPHS = LaunchGraphs()

@@ -1,0 +1,118 @@
+"""The launchers' memo of checked launches (issue #26: a launch with a key it has seen skips its checks).
+
+A launch key names every tensor's address, shape, strides and dtype and every scalar by value
+(:mod:`interop.native.replay`); a key whose checks passed is memoised (:data:`interop.sglang_launch.CHECKED`) and
+its program too (:func:`interop.native.launch.run_native`), so its later launches gather their tensors and launch.
+On the CPU the launchers give no key (no CUDA graph to replay), so these tests key CPU launches as a CUDA launch
+would be keyed, with replay off, and run the interpreted kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from helpers.interop_world import World, assert_same_bytes, random_verify_plan, random_write_args
+from interop import sglang
+from interop.native import launch as native
+from interop.native import replay
+
+TAIL = int(sglang.CanaryLaunchTag.TAIL_K_FULL)
+
+
+@pytest.fixture
+def keyed(monkeypatch):
+    """CPU launches keyed like CUDA ones; counts of the checks that ran, by op."""
+    monkeypatch.setenv(replay.GRAPHS_ENV, "0")  # replay off: every launch runs (checked or memoised)
+
+    def key(op, path, backend, first, parts):  # as sglang_launch._replay_key keys a CUDA launch: native only
+        return (op, path, parts(replay.full_tensor_key)) if path == "native" else None
+
+    monkeypatch.setattr(sglang, "_replay_key", key)
+    monkeypatch.setattr(sglang.CHECKED, "_d", {})
+    monkeypatch.setattr(native, "_READY", replay.KeyMemo())
+    ran = {"verify": 0, "write": 0}
+    for op in ran:
+        real = getattr(sglang, f"_check_{op}")
+
+        def spy(*a, _real=real, _op=op):
+            ran[_op] += 1
+            return _real(*a)
+
+        monkeypatch.setattr(sglang, f"_check_{op}", spy)
+    return ran
+
+
+def _world(mode: int = 2) -> World:
+    return World.make(random.Random(3), num_slots=64, ring=16, sources=((torch.uint8, 1, 16, 16, 0),), mode=mode)
+
+
+def _launch_write(w, plan, kw, path):
+    sglang.launch_canary_write_kernel(context=w.context(TAIL), plan=plan, backend="pallas", path=path, **kw)
+
+
+def _launch_verify(w, plan, path):
+    sglang.launch_canary_verify_kernel(
+        context=w.context(TAIL), plan=plan, check_verify_expected_token=True, backend="pallas", path=path
+    )
+
+
+def test_a_seen_key_skips_its_checks_and_gives_the_same_bytes(keyed):
+    rng = random.Random(5)
+    w = _world()
+    twin = w.clone()
+    plan, kw = random_write_args(rng, w)
+    vplan = random_verify_plan(rng, w)
+    for _ in range(3):  # the native launches, keyed; the DLPack twin unkeyed
+        _launch_write(w, plan, kw, "native")
+        _launch_write(twin, plan, kw, "dlpack")
+        _launch_verify(w, vplan, "native")
+        _launch_verify(twin, vplan, "dlpack")
+    assert keyed == {"write": 3 + 1, "verify": 3 + 1}  # every unkeyed DLPack launch, and the first native one
+    assert len(native._READY) == 2
+    assert_same_bytes(w.tensors(), twin.tensors(), "memoised native launches")
+    assert int(w.state.kernel_run_counters[TAIL]) == 6
+
+
+def test_another_tensor_in_a_field_is_checked_again(keyed):
+    rng = random.Random(6)
+    w = _world()
+    vplan = random_verify_plan(rng, w)
+    _launch_verify(w, vplan, "native")
+    before = {n: t.clone() for n, t in w.tensors().items()}
+    # the same tensors but one, of the wrong dtype
+    vplan = dataclasses.replace(vplan, verify_num_valid=vplan.verify_num_valid.to(torch.int64))
+    with pytest.raises(TypeError, match="verify_num_valid"):
+        _launch_verify(w, vplan, "native")
+    assert keyed["verify"] == 2
+    assert_same_bytes(w.tensors(), before, "a refused launch")
+
+
+def test_a_short_source_is_checked_at_every_launch(keyed):
+    """A launch whose sources do not cover the canary buffer reads its slots at every launch: a slot past the
+    source is refused at the second launch of the very same tensors, after a first that passed."""
+    w = World.make(random.Random(0), num_slots=16, ring=8, sources=((torch.uint8, 1, 16, 16, 0),), mode=2)
+    w.kv[0] = w.kv[0][:8].clone()  # 8 rows for 16 slots
+    plan = sglang.WritePlan(
+        write_offsets=torch.tensor([0, 1], dtype=torch.int64),
+        write_seed_slot_indices=torch.tensor([-1], dtype=torch.int64),
+        write_num_valid_reqs=torch.tensor([1], dtype=torch.int32),
+    )
+    kw = dict(
+        input_ids=torch.tensor([7], dtype=torch.int64),
+        positions=torch.tensor([0], dtype=torch.int64),
+        out_cache_loc=torch.tensor([3], dtype=torch.int64),
+        enable_write_input_assert=False,
+        expected_input_tokens=None,
+        expected_input_positions=None,
+    )
+    _launch_write(w, plan, kw, "native")
+    kw["out_cache_loc"].fill_(11)  # past the source's 8 rows; the same tensor, so the same key
+    before = {n: t.clone() for n, t in w.tensors().items()}
+    with pytest.raises(ValueError, match=r"write hashes slot 11 \(out_cache_loc\[0\]\)"):
+        _launch_write(w, plan, kw, "native")
+    assert keyed["write"] == 2 and len(sglang.CHECKED) == 0
+    assert_same_bytes(w.tensors(), before, "a refused launch")
