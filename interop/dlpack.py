@@ -337,7 +337,7 @@ class ImportCache:
 
     @staticmethod
     def key_for(t: torch.Tensor, extra: Hashable = None) -> Hashable:
-        return (str(t.device), t.data_ptr(), tuple(t.shape), str(t.dtype), extra)
+        return (t.get_device(), t.data_ptr(), t.shape, t.dtype, extra)  # device index: -1 on the CPU
 
     def ref(self, owner: Any) -> weakref.ref:
         """A weak reference to ``owner`` that evicts this cache's entries of ``owner`` when it dies."""

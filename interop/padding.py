@@ -12,7 +12,8 @@ ring, write index, counters) keep their shapes and are never copied. The padding
   grows; ``Cw -> Cwp`` (seed -1, last offset repeated); ``write_num_valid_reqs`` becomes ``min(n, Cw)``.
 
 The copies are staging tensors on the tensors' device, one per (caller tensor, bucket, role), kept while the
-caller's tensor lives and refilled on torch's current stream before every launch (torch ops, no compile). So a
+caller's tensor lives; their padded rows are filled once and their live rows refilled on torch's current stream
+before every launch (torch ops, no compile). So a
 steady-state launch imports nothing new, and a refill cannot overtake the previous launch: after a launch,
 torch's current stream waits for it (:mod:`interop.runner`). A staging tensor used inside a caller's own CUDA-graph
 capture is kept for the life of the process, since that graph may replay it after the caller's tensor is gone.
@@ -31,28 +32,32 @@ _STAGES = dlpack.ImportCache(max_entries=512)  # staging tensors, entries die wi
 _PINNED: dict = {}  # staging tensors a caller's CUDA graph captured: kept for the process (the graph may replay)
 
 
-def _stage(t: torch.Tensor, rows: int, role: str) -> torch.Tensor:
+def _stage(t: torch.Tensor, rows: int, role: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(staging tensor, its first len(t) rows, whether it is new)`` for ``t`` padded to ``rows`` in ``role``."""
     key = dlpack.ImportCache.key_for(t, (rows, role))
     # Inside a caller's own CUDA-graph capture the graph keeps this buffer's address, while the cache entry dies
     # with the caller's tensor object (graph runners pass a new slice each call): pin it. The launchers' own
     # graphs keep their staging buffers themselves (interop.native.replay).
     pin = t.is_cuda and torch.cuda.is_current_stream_capturing() and not replay.own_capture()
-    out = _PINNED.get(key) if pin else None
-    if out is None:
-        out = _STAGES.get(key)
-    if out is None:
+    hit = _PINNED.get(key) if pin else None
+    if hit is None:
+        hit = _STAGES.get(key)
+    fresh = hit is None
+    if fresh:
         out = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        _STAGES.put(key, out, (t,))
+        hit = (out, out[: t.shape[0]])
+        _STAGES.put(key, hit, (t,))
     if pin:
-        _PINNED[key] = out
-    return out
+        _PINNED[key] = hit
+    return (*hit, fresh)
 
 
 def pad_rows(
     t: torch.Tensor, rows: int, *, fill: int = 0, edge: bool = False, clamp: tuple[int, int] | None = None
 ) -> torch.Tensor:
     """``t`` (dim 0 of length ``n <= rows``) grown to ``rows`` rows in a staging tensor (``t`` itself if
-    ``n == rows`` and no clamp).
+    ``n == rows`` and no clamp). A staging tensor is only ever read by launches, so its ``fill`` rows are written
+    once, when it is made; its first ``n`` rows (and ``edge`` rows) are refilled at every call.
 
     Args:
       t: a 1-D (or more) tensor.
@@ -64,15 +69,15 @@ def pad_rows(
     n = int(t.shape[0])
     if n == rows and clamp is None:
         return t
-    out = _stage(t, rows, f"{fill}/{edge}/{clamp is not None}")
+    out, head, fresh = _stage(t, rows, f"{fill}/{edge}/{clamp is not None}")
     if clamp is None:
-        out[:n].copy_(t)
+        head.copy_(t)
     else:
-        torch.clamp(t, clamp[0], clamp[1], out=out[:n])
+        torch.clamp(t, clamp[0], clamp[1], out=head)
     if n < rows:
         if edge:
             out[n:].copy_(out[n - 1 : n].expand(rows - n, *t.shape[1:]))
-        else:
+        elif fresh:
             out[n:].fill_(fill)
     return out
 

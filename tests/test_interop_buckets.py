@@ -17,7 +17,7 @@ import torch
 from canary_jax.ops import buckets
 from helpers.interop_world import World, assert_same_bytes, random_verify_plan, random_write_args
 from helpers.torch_reference import ref_verify, ref_write
-from interop import dlpack, runner, sglang
+from interop import dlpack, padding, runner, sglang
 
 
 def _snapshot(w):
@@ -149,3 +149,19 @@ def test_int64_alignment_message_counts_int64_elements():
     with pytest.raises(ValueError) as e:
         dlpack.to_jax(base[off : off + 8], name="ids")
     assert f"storage offset {8 * off} bytes = {off} torch.int64 elements" in str(e.value)
+
+
+def test_staging_fills_its_padded_rows_once_and_its_live_rows_every_call():
+    """A staging tensor is reused for the same caller tensor: the live rows follow the caller's current values,
+    the fill rows stay the fill, an edge row follows the current last row (``interop.padding.pad_rows``)."""
+    t = torch.tensor([5, 6, 7], dtype=torch.int64)
+    a = padding.pad_rows(t, 8, fill=-1)
+    assert a.tolist() == [5, 6, 7] + [-1] * 5
+    t.copy_(torch.tensor([1, 2, 3]))
+    b = padding.pad_rows(t, 8, fill=-1)
+    assert b is a and b.tolist() == [1, 2, 3] + [-1] * 5
+    e = padding.pad_rows(t, 8, edge=True, clamp=(0, 2))
+    assert e is not a and e.tolist() == [1, 2, 2] + [2] * 5
+    t.copy_(torch.tensor([0, 1, 1]))
+    assert padding.pad_rows(t, 8, edge=True, clamp=(0, 2)).tolist() == [0, 1, 1] + [1] * 5
+    assert padding.pad_rows(t, 3) is t  # a bucket size already: no copy
