@@ -1,8 +1,9 @@
 """Where an eager (not replayed) native launch spends host time (issue #26): per launcher (verify tiny, write tiny,
 write full, plan), host time per launch before the sync (200 back-to-back launches, the CUDA graph replay off), then
 a cProfile of those launches (top functions by own time and by cumulative time). Usage:
-``python -m benchmarks.eager_profile [--top N] [--inference]`` on a GPU (``INTEROP_BENCH_DEVICE=cpu`` profiles the
-CPU dry run, where the kernels are interpreted)."""
+``python -m benchmarks.eager_profile [--top N] [--inference] [--unseen]`` on a GPU (``--unseen``: the memo of
+checked launches emptied before each launch, so every check runs, as for tensors a launcher has not seen;
+``INTEROP_BENCH_DEVICE=cpu`` profiles the CPU dry run, where the kernels are interpreted)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def main():
     ap.add_argument("--slots", type=int, default=1 << 16)
     ap.add_argument("--cap", type=int, default=2048)
     ap.add_argument("--inference", action="store_true")
+    ap.add_argument("--unseen", action="store_true")
     a = ap.parse_args()
     os.environ[replay.GRAPHS_ENV] = "0"
     os.environ[native.PATH_ENV] = "native"
@@ -55,6 +57,13 @@ def main():
         for name, (fn, stamp) in cases(s, a.cap).items():
             if stamp is not None:
                 stamp()
+            if a.unseen:
+
+                def fn(inner=fn):
+                    sglang.CHECKED.clear()
+                    native.forget_checked()
+                    inner()
+
             host, wall = host_and_wall(fn, n=200)
             print(f"== {name}: eager host {host:.1f} us/launch, wall {wall:.1f} us/launch", flush=True)
             prof = cProfile.Profile()

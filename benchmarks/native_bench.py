@@ -9,7 +9,9 @@ Per case and path:
 
 * ``host_us``: wall time of 200 back-to-back launches divided by 200, read *before* the device sync (what the
   launch costs the host thread; the GPU runs behind it), after 10 warm-up launches; ``native`` with the
-  launchers' own graph replay (:mod:`interop.native.replay`, the default), ``native_eager`` with it off;
+  launchers' own graph replay (:mod:`interop.native.replay`, the default), ``native_eager`` with it off (a
+  launch whose key was seen skips its checks), ``native_checked`` with it off and the memo of checked launches
+  emptied before each launch (what a launch with tensors it has not seen costs: every check runs);
 * ``wall_us``: the same 200 launches including the final sync (throughput);
 * ``device_us`` (native): a torch CUDA graph of 20 launches replayed, timed with CUDA events, divided by 20;
 * ``device_us`` (JAX): the launch's own jitted program (the DLPack path's, ``interop.runner.last_launch_program``)
@@ -156,11 +158,12 @@ def bench_cases(s: Setup, cap: int, results: list, log):
         try:
             if stamp is not None:
                 stamp()
-            for variant in ("native", "native_eager", "dlpack"):
-                path = variant.removesuffix("_eager")
+            for variant in ("native", "native_eager", "native_checked", "dlpack"):
+                path = variant.removesuffix("_eager").removesuffix("_checked")
                 # native: the launchers replay their own CUDA graph once a launch repeats; native_eager: replay
                 # off ($CANARY_JAX_NATIVE_GRAPHS=0), every launch runs its checks, staging and program
-                os.environ[replay.GRAPHS_ENV] = "0" if variant == "native_eager" else str(replay.DEFAULT_MAX_GRAPHS)
+                eager = variant in ("native_eager", "native_checked")
+                os.environ[replay.GRAPHS_ENV] = "0" if eager else str(replay.DEFAULT_MAX_GRAPHS)
                 replay.GRAPHS.clear()
                 if op == "verify":
 
@@ -178,9 +181,16 @@ def bench_cases(s: Setup, cap: int, results: list, log):
                     def fn(path=path, kw=obj):
                         sglang.launch_canary_plan_kernels(path=path, **kw)
 
+                if variant == "native_checked":
+
+                    def fn(inner=fn):
+                        sglang.CHECKED.clear()
+                        native.forget_checked()
+                        inner()
+
                 host, wall = host_and_wall(fn)
                 row[f"{variant}_host_us"], row[f"{variant}_wall_us"] = host, wall
-                if DEV != "cuda" or variant == "native_eager":  # CPU dry run: host times only
+                if DEV != "cuda" or eager:  # CPU dry run: host times only
                     continue
                 if path == "native":
                     row["native_device_us"], _ = graph_device_us(fn)
@@ -280,7 +290,7 @@ def main():
     bench_step(s, a.decode_bs, a.decode_ctx, results, log)
     with open(os.path.join(a.out, "native_bench.json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)
-    keys = ("native_host_us", "native_eager_host_us", "dlpack_host_us", "jax_launched_us")
+    keys = ("native_host_us", "native_eager_host_us", "native_checked_host_us", "dlpack_host_us", "jax_launched_us")
     keys += ("native_device_us", "jax_device_us")
     log("op       case  " + "  ".join(f"{k:>16}" for k in keys))
     for r in results:
