@@ -1,8 +1,8 @@
 """Where an eager (not replayed) native launch spends host time (issue #26): per launcher (verify tiny, write tiny,
 write full, plan), host time per launch before the sync (200 back-to-back launches, the CUDA graph replay off), then
 a cProfile of those launches (top functions by own time and by cumulative time). Usage:
-``python -m benchmarks.eager_profile [--top N] [--inference] [--unseen]`` on a GPU (``--unseen``: the memo of
-checked launches emptied before each launch, so every check runs, as for tensors a launcher has not seen;
+``python -m benchmarks.eager_profile [--top N] [--inference] [--unseen]`` on a GPU (``--unseen``: the memos of
+checked launches and layouts emptied before each launch, so every check runs, as for a launch shape not seen;
 ``INTEROP_BENCH_DEVICE=cpu`` profiles the CPU dry run, where the kernels are interpreted)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.interop_setup import Setup, sync
 from benchmarks.native_bench import host_and_wall, plan_args
-from interop import sglang
+from interop import sglang, sglang_launch
 from interop.native import launch as native
 from interop.native import replay
 
@@ -60,8 +60,7 @@ def main():
             if a.unseen:
 
                 def fn(inner=fn):
-                    sglang.CHECKED.clear()
-                    native.forget_checked()
+                    sglang_launch.forget_checked()
                     inner()
 
             host, wall = host_and_wall(fn, n=200)

@@ -10,8 +10,9 @@ Per case and path:
 * ``host_us``: wall time of 200 back-to-back launches divided by 200, read *before* the device sync (what the
   launch costs the host thread; the GPU runs behind it), after 10 warm-up launches; ``native`` with the
   launchers' own graph replay (:mod:`interop.native.replay`, the default), ``native_eager`` with it off (a
-  launch whose key was seen skips its checks), ``native_checked`` with it off and the memo of checked launches
-  emptied before each launch (what a launch with tensors it has not seen costs: every check runs);
+  launch whose key was seen skips its checks), ``native_checked`` with it off and the memo of checked launch keys
+  emptied before each launch, its layout memo kept (what fresh tensors of a layout already seen cost, a decode
+  step's token tensors without CUDA graphs; ``benchmarks/eager_profile.py --unseen`` empties both);
 * ``wall_us``: the same 200 launches including the final sync (throughput);
 * ``device_us`` (native): a torch CUDA graph of 20 launches replayed, timed with CUDA events, divided by 20;
 * ``device_us`` (JAX): the launch's own jitted program (the DLPack path's, ``interop.runner.last_launch_program``)
@@ -41,7 +42,7 @@ import torch
 
 from benchmarks import harness, interop_setup
 from benchmarks.interop_setup import DEV, Setup, sync
-from interop import runner, sglang
+from interop import runner, sglang, sglang_launch
 from interop.native import launch as native
 from interop.native import replay
 
@@ -184,8 +185,7 @@ def bench_cases(s: Setup, cap: int, results: list, log):
                 if variant == "native_checked":
 
                     def fn(inner=fn):
-                        sglang.CHECKED.clear()
-                        native.forget_checked()
+                        sglang_launch.forget_checked(layouts=False)
                         inner()
 
                 host, wall = host_and_wall(fn)

@@ -61,9 +61,10 @@ from interop.arguments import TORCH_DTYPES, check, tensor
 from interop.native import replay
 from interop.runner import TensorArg
 from interop.sglang_launch import _SOURCE_VALUES as _SOURCE_VALUES
+from interop.sglang_launch import PLAN_BS_BLOCK_SIZE as PLAN_BS_BLOCK_SIZE
 from interop.sglang_launch import (
-    CHECKED,
     _check_canary_buf,
+    _checked,
     _context_key,
     _replay_key,
     _run,
@@ -71,7 +72,6 @@ from interop.sglang_launch import (
     _staged,
     _statics,
 )
-from interop.sglang_launch import PLAN_BS_BLOCK_SIZE as PLAN_BS_BLOCK_SIZE
 from interop.sglang_launch import _int as _int
 from interop.sglang_plan import launch_canary_plan_kernels
 from interop.sglang_types import (
@@ -106,10 +106,16 @@ __all__ = [
 
 # --- verify ----------------------------------------------------------------------------------------------
 def verify_replay_key(
-    context: Any, plan: Any, check_verify_expected_token: Any, *, backend: str | None, path: str | None
+    context: Any,
+    plan: Any,
+    check_verify_expected_token: Any,
+    *,
+    backend: str | None,
+    path: str | None,
+    layout: bool = False,
 ) -> tuple | None:
-    """The replay key of a verify launch (:mod:`interop.native.replay`), None where replay does not apply (for
-    :func:`launch_canary_verify_kernel` and ``benchmarks/replay_profile.py``)."""
+    """The replay key of a verify launch (:mod:`interop.native.replay`; its layout key with ``layout``), None
+    where replay does not apply (for :func:`launch_canary_verify_kernel` and ``benchmarks/replay_profile.py``)."""
     return _replay_key(
         "verify",
         path,
@@ -120,6 +126,7 @@ def verify_replay_key(
             replay.fields_sig(plan, validation.VERIFY_PLAN_FIELDS, (), k),
             replay.value_sig(check_verify_expected_token),
         ),
+        layout,
     )
 
 
@@ -143,11 +150,13 @@ def launch_canary_verify_kernel(
     key = verify_replay_key(context, plan, check_verify_expected_token, backend=backend, path=path)
     if replay.GRAPHS.replay(key):
         return
-    statics = CHECKED.get(key)
-    if statics is None:  # the key's first launch (or none): check everything
-        statics, ctx, pl, src_args, read_slots = _check_verify(context, plan, check_verify_expected_token, backend)
-        key = None if read_slots else key  # its checks read the slots: checked and launched eagerly every time
-        CHECKED.put(key, statics)
+    statics, checked, key = _checked(
+        key,
+        lambda: verify_replay_key(context, plan, check_verify_expected_token, backend=backend, path=path, layout=True),
+        lambda: _check_verify(context, plan, check_verify_expected_token, backend),
+    )
+    if checked is not None:
+        _, ctx, pl, src_args, _ = checked
     else:  # the same facts passed the checks: gather the tensors
         ctx = dict(zip(arguments.CONTEXT_FIELDS, _CONTEXT_GET(context)))
         pl = dict(zip(_VERIFY_PLAN_NAMES, _VERIFY_PLAN_GET(plan)))
@@ -216,8 +225,10 @@ def write_replay_key(
     *,
     backend: str | None,
     path: str | None,
+    layout: bool = False,
 ) -> tuple | None:
-    """The replay key of a write launch (:mod:`interop.native.replay`), None where replay does not apply;
+    """The replay key of a write launch (:mod:`interop.native.replay`; its layout key with ``layout``), None
+    where replay does not apply;
     ``tokens`` = ``(input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)`` (for
     :func:`launch_canary_write_kernel` and ``benchmarks/replay_profile.py``)."""
     return _replay_key(
@@ -231,6 +242,7 @@ def write_replay_key(
             replay.tensors_sig(tokens, k),
             replay.value_sig(enable_write_input_assert),
         ),
+        layout,
     )
 
 
@@ -260,12 +272,15 @@ def launch_canary_write_kernel(
     key = write_replay_key(context, plan, tokens, enable_write_input_assert, backend=backend, path=path)
     if replay.GRAPHS.replay(key):
         return
-    statics = CHECKED.get(key)
-    if statics is None:  # the key's first launch (or none): check everything
-        checked = _check_write(context, plan, tokens, enable_write_input_assert, backend)
-        statics, ctx, pl, toks, src_args, read_slots = checked
-        key = None if read_slots else key  # its checks read the slots: checked and launched eagerly every time
-        CHECKED.put(key, statics)
+    statics, checked, key = _checked(
+        key,
+        lambda: write_replay_key(
+            context, plan, tokens, enable_write_input_assert, backend=backend, path=path, layout=True
+        ),
+        lambda: _check_write(context, plan, tokens, enable_write_input_assert, backend),
+    )
+    if checked is not None:
+        _, ctx, pl, toks, src_args, _ = checked
     else:  # the same facts passed the checks: gather the tensors
         ctx = dict(zip(_WRITE_CONTEXT_FIELDS, _WRITE_CONTEXT_GET(context)))
         pl = dict(zip(_WRITE_PLAN_NAMES, _WRITE_PLAN_GET(plan)))

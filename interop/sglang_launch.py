@@ -9,6 +9,7 @@ wrong kind (``real_kv_sources`` not a sequence, a non-int argument), ``ValueErro
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -57,6 +58,43 @@ CHECKED = replay.KeyMemo()
 """Launch keys (:func:`_replay_key`) whose checks passed, with the statics the checks gave: a later launch of the
 key skips its checks (the key names every fact they read) and gathers its tensors unchecked."""
 
+LAYOUTS = replay.KeyMemo()
+"""The same for layout keys (``_replay_key(..., layout=True)``: no addresses), so a launch on new tensors of a
+layout already checked (a prefill's fresh token tensors) skips the argument checks too; the native path still
+checks its addresses (aliasing, alignment; :func:`interop.native.launch.run_native`)."""
+
+
+def forget_checked(*, layouts: bool = True) -> None:
+    """Forgets the launch keys whose checks passed (and, with ``layouts``, the layout keys), the native path's
+    included: the next launch of each checks again. For benchmarks (what a launch on tensors the launchers have not
+    seen costs: ``benchmarks/native_bench.py``, ``benchmarks/eager_profile.py``) and tests."""
+    CHECKED.clear()
+    if layouts:
+        LAYOUTS.clear()
+    native.forget_checked()
+
+
+def _checked(key: Any, layout_key: Callable[[], Any], check: Callable[[], tuple]) -> tuple[Any, tuple | None, Any]:
+    """A launch's statics, from :data:`CHECKED` for ``key``, else from :data:`LAYOUTS` for ``layout_key()``, else
+    from ``check()`` (``(statics, ..., read_slots)``: the launcher's checks). Returns ``(statics, checked, key)``:
+    ``checked`` is ``check()``'s tuple where it ran (the checked tensors), None where the launcher gathers its
+    tensors unchecked; ``key`` is None where the checks read the launch's slots (checked and eager every launch).
+    """
+    statics = CHECKED.get(key)
+    if statics is not None:
+        return statics, None, key
+    lkey = layout_key() if key is not None else None
+    statics = LAYOUTS.get(lkey)
+    checked = None
+    if statics is None:
+        checked = check()
+        statics = checked[0]
+        if checked[-1]:  # the checks read the slots: nothing memoised, nothing replayed
+            return statics, checked, None
+        LAYOUTS.put(lkey, statics)
+    CHECKED.put(key, statics)
+    return statics, checked, key
+
 
 def _run(op: str, statics: Any, body_factory: Any, args: list, path: str | None, key: Any = None) -> bool:
     """Runs a checked launch on the torch path ``path`` picks (:func:`interop.native.launch.resolve_path`);
@@ -93,12 +131,15 @@ def _native_for(op: str, path: str | None, backend: str | None, env: tuple, devi
     return hit
 
 
-def _replay_key(op: str, path: str | None, backend: str | None, first: Any, parts: Any) -> tuple | None:
+def _replay_key(
+    op: str, path: str | None, backend: str | None, first: Any, parts: Any, layout: bool = False
+) -> tuple | None:
     """The launch's replay key (:mod:`interop.native.replay`), or None where replay does not apply: not CUDA
     tensors, not the native path, an argument the key cannot name, or a bad name (the checks will raise).
     ``parts(tkey)`` gives the launch's arguments already keyed, tensors by ``tkey``
-    (:func:`interop.native.replay.tensor_key` for this launch's torch modes, which the key names); it is called
-    only where replay applies."""
+    (:func:`interop.native.replay.tensor_key` for this launch's torch modes, which the key names; with
+    ``layout``, :func:`interop.native.replay.layout_key`: the launch's layout key, for :data:`LAYOUTS`); it is
+    called only where replay applies."""
     if not isinstance(first, torch.Tensor) or not first.is_cuda:
         return None
     if first.get_device() != torch.cuda.current_device():  # replay runs on the current device's stream: eager
@@ -110,7 +151,8 @@ def _replay_key(op: str, path: str | None, backend: str | None, first: Any, part
         inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
         # the process-wide bucket policy decides the staging copies a graph captures
         modes = (bool(jax.config.jax_enable_x64), inference, grad, buckets.default_buckets())
-        return (op, path, backend, env, modes, parts(replay.tensor_key(inference, grad)))
+        tkey = (replay.layout_key if layout else replay.tensor_key)(inference, grad)
+        return (op, path, backend, env, modes, parts(tkey))
     except (ValueError, TypeError, replay.NotKeyable):
         return None
 

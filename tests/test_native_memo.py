@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers.interop_world import World, assert_same_bytes, random_verify_plan, random_write_args
-from interop import sglang
+from interop import sglang, sglang_launch
 from interop.native import launch as native
 from interop.native import replay
 
@@ -28,11 +28,14 @@ def keyed(monkeypatch):
     """CPU launches keyed like CUDA ones; counts of the checks that ran, by op."""
     monkeypatch.setenv(replay.GRAPHS_ENV, "0")  # replay off: every launch runs (checked or memoised)
 
-    def key(op, path, backend, first, parts):  # as sglang_launch._replay_key keys a CUDA launch: native only
-        return (op, path, parts(replay.full_tensor_key)) if path == "native" else None
+    def key(op, path, backend, first, parts, layout=False):  # as _replay_key keys a CUDA launch: native only
+        if path != "native":
+            return None
+        return (op, path, layout, parts(replay.layout_key(False, True) if layout else replay.full_tensor_key))
 
     monkeypatch.setattr(sglang, "_replay_key", key)
-    monkeypatch.setattr(sglang.CHECKED, "_d", {})
+    monkeypatch.setattr(sglang_launch.CHECKED, "_d", {})
+    monkeypatch.setattr(sglang_launch.LAYOUTS, "_d", {})
     monkeypatch.setattr(native, "_READY", replay.KeyMemo())
     ran = {"verify": 0, "write": 0}
     for op in ran:
@@ -114,5 +117,29 @@ def test_a_short_source_is_checked_at_every_launch(keyed):
     before = {n: t.clone() for n, t in w.tensors().items()}
     with pytest.raises(ValueError, match=r"write hashes slot 11 \(out_cache_loc\[0\]\)"):
         _launch_write(w, plan, kw, "native")
-    assert keyed["write"] == 2 and len(sglang.CHECKED) == 0
+    assert keyed["write"] == 2 and len(sglang_launch.CHECKED) == len(sglang_launch.LAYOUTS) == 0
+    assert_same_bytes(w.tensors(), before, "a refused launch")
+
+
+def test_fresh_tensors_of_a_checked_layout_skip_the_checks_but_not_the_address_checks(keyed):
+    """New tensors with the layout of a launch already checked (a decode step's fresh plan tensors) skip the
+    launcher's checks; what depends on addresses still runs: a plan tensor inside the violation ring is refused."""
+    rng = random.Random(8)
+    w = _world()
+    twin = w.clone()
+    vplan = random_verify_plan(rng, w, cap=16)  # a bucket size: the launch reads the plan's own tensors
+    _launch_verify(w, vplan, "native")
+    _launch_verify(twin, vplan, "dlpack")
+    fresh = dataclasses.replace(vplan, **{f: getattr(vplan, f).clone() for f in ("verify_slot_indices", "enable")})
+    _launch_verify(w, fresh, "native")
+    _launch_verify(twin, fresh, "dlpack")
+    assert keyed["verify"] == 1 + 2  # the first native launch, and both DLPack ones
+    assert_same_bytes(w.tensors(), twin.tensors(), "a fresh plan of a checked layout")
+    cap = vplan.verify_slot_indices.shape[0]
+    inside = w.state.violation_ring.view(-1)[:cap]  # same shape, strides and dtype: the layout key matches
+    bad = dataclasses.replace(vplan, verify_slot_indices=inside)
+    before = {n: t.clone() for n, t in w.tensors().items()}
+    with pytest.raises(ValueError, match="violation_ring overlaps plan.verify_slot_indices"):
+        _launch_verify(w, bad, "native")
+    assert keyed["verify"] == 3
     assert_same_bytes(w.tensors(), before, "a refused launch")

@@ -105,6 +105,28 @@ def tensor_key(inference_mode: bool, grad_mode: bool) -> Callable[[torch.Tensor]
     return _key_no_grad if not grad_mode else full_tensor_key
 
 
+def _layout_full(x: torch.Tensor) -> Hashable:
+    return (x.shape, x.stride(), x.dtype, x.get_device(), x.is_inference(), x.requires_grad)
+
+
+def _layout_inference(x: torch.Tensor) -> Hashable:
+    return (x.shape, x.stride(), x.dtype, x.get_device())
+
+
+def _layout_no_grad(x: torch.Tensor) -> Hashable:
+    return (x.shape, x.stride(), x.dtype, x.get_device(), x.is_inference())
+
+
+def layout_key(inference_mode: bool, grad_mode: bool) -> Callable[[torch.Tensor], Hashable]:
+    """:func:`tensor_key` without the address, with the device index: the key of what a launch's argument checks
+    read of a tensor (shape, strides, dtype, device; ``is_inference()`` and ``requires_grad`` as
+    :func:`tensor_key` names them), so that tensors of a layout already checked skip the checks. The checks that
+    read addresses (aliasing, alignment) are not memoised by it."""
+    if inference_mode:
+        return _layout_inference
+    return _layout_no_grad if not grad_mode else _layout_full
+
+
 def sig(x: Any, tkey: Callable[[torch.Tensor], Hashable] = full_tensor_key) -> Hashable:
     """The replay key of one launcher argument: a tensor by ``tkey`` (its memory and layout), a sequence item by
     item, a scalar by value.
