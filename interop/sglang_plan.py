@@ -20,7 +20,7 @@ from interop import arguments, kernels
 from interop.arguments import TORCH_DTYPES, check, tensor
 from interop.native import replay
 from interop.runner import TensorArg
-from interop.sglang_launch import CHECKED, PLAN_BS_BLOCK_SIZE, _int, _replay_key, _run
+from interop.sglang_launch import PLAN_BS_BLOCK_SIZE, _checked, _int, _replay_key, _run
 
 
 # --- plan ------------------------------------------------------------------------------------------------
@@ -52,66 +52,59 @@ def launch_canary_plan_kernels(
         path's checks and messages, CPU tensors the reference's) and the interop's; nothing runs.
     """
     del backend
-    key = _replay_key(
-        "plan",
-        path,
-        None,
-        getattr(verify_plan_out, "verify_slot_indices", None),
-        lambda k: (
-            replay.fields_sig(verify_plan_out, validation.VERIFY_PLAN_FIELDS, (), k),
-            replay.fields_sig(write_plan_out, validation.WRITE_PLAN_FIELDS, (), k),
-            replay.tensors_sig(
-                (
-                    req_pool_indices,
-                    prefix_lens,
-                    extend_seq_lens,
-                    req_to_token,
-                    full_to_swa_index_mapping,
-                    req_to_verify_expected_tokens,
-                    req_to_verify_expected_tokens_valid_lens,
-                ),
-                k,
-            ),
-            replay.value_sig(swa_window_size),
-            replay.value_sig(verify_capacity),
-            replay.value_sig(kv_token_id_vs_position_offset),
-        ),
+    scalars = (swa_window_size, verify_capacity, kv_token_id_vs_position_offset)
+    raw = (
+        req_pool_indices,
+        prefix_lens,
+        extend_seq_lens,
+        req_to_token,
+        full_to_swa_index_mapping,
+        req_to_verify_expected_tokens,
+        # SGLang reads the valid lengths only with the pool
+        req_to_verify_expected_tokens_valid_lens if req_to_verify_expected_tokens is not None else None,
     )
+
+    def key_of(layout: bool = False):
+        return _replay_key(
+            "plan",
+            path,
+            None,
+            getattr(verify_plan_out, "verify_slot_indices", None),
+            lambda k: (
+                replay.fields_sig(verify_plan_out, validation.VERIFY_PLAN_FIELDS, (), k),
+                replay.fields_sig(write_plan_out, validation.WRITE_PLAN_FIELDS, (), k),
+                replay.tensors_sig(raw, k),
+                *[replay.value_sig(x) for x in scalars],
+            ),
+            layout,
+        )
+
+    key = key_of()
     if replay.GRAPHS.replay(key):
         return
-    ins_raw = {
-        "req_pool_indices": req_pool_indices,
-        "prefix_lens": prefix_lens,
-        "extend_seq_lens": extend_seq_lens,
-        "req_to_token": req_to_token,
-        "full_to_swa_index_mapping": full_to_swa_index_mapping,
-        "req_to_verify_expected_tokens": req_to_verify_expected_tokens,
-        # SGLang reads the valid lengths only with the pool
-        "req_to_verify_expected_tokens_valid_lens": (
-            req_to_verify_expected_tokens_valid_lens if req_to_verify_expected_tokens is not None else None
-        ),
-    }
-    statics = CHECKED.get(key)
-    if statics is None:  # the key's first launch (or none): check everything
-        vp = arguments.tensors(verify_plan_out, validation.VERIFY_PLAN_FIELDS, "verify_plan_out.")
-        wp = arguments.tensors(write_plan_out, validation.WRITE_PLAN_FIELDS, "write_plan_out.")
-        ins = {n: tensor(x, n) for n, x in ins_raw.items() if x is not None or n in _REQUIRED}
-        _check_plan(vp, wp, ins, swa_window_size, verify_capacity)
-        offset = _int(kv_token_id_vs_position_offset, "kv_token_id_vs_position_offset")
-        platform = vp["verify_plan_out.verify_slot_indices"].device.type  # the plan kernel compiled on CUDA only
-        has_lut, has_pool = full_to_swa_index_mapping is not None, req_to_verify_expected_tokens is not None
-        statics = ("pallas", platform, int(swa_window_size), offset, has_lut, has_pool)
-        CHECKED.put(key, statics)
+    statics, checked, key = _checked(
+        key, lambda: key_of(layout=True), lambda: _check_plan(verify_plan_out, write_plan_out, raw, *scalars)
+    )
+    if checked is not None:
+        _, vp, wp, ins, _ = checked
     else:  # the same facts passed the checks: gather the tensors
         vp = dict(zip(_VP_NAMES, _VP_GET(verify_plan_out)))
         wp = dict(zip(_WP_NAMES, _WP_GET(write_plan_out)))
-        ins = {n: x for n, x in ins_raw.items() if x is not None}
+        ins = {n: x for n, x in zip(_INPUTS, raw) if x is not None}
     args = [TensorArg(n, t) for n, t in ins.items()]
     args += [TensorArg(n, t, True) for n, t in {**vp, **wp}.items()]
     replay.GRAPHS.run(key, lambda: (_run("plan", statics, kernels.plan_body_factory, args, path, key), ()))
 
 
-_REQUIRED = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token")
+_INPUTS = (
+    "req_pool_indices",
+    "prefix_lens",
+    "extend_seq_lens",
+    "req_to_token",
+    "full_to_swa_index_mapping",
+    "req_to_verify_expected_tokens",
+    "req_to_verify_expected_tokens_valid_lens",
+)
 _VP_NAMES = tuple("verify_plan_out." + f for f in validation.VERIFY_PLAN_FIELDS)
 _VP_GET = operator.attrgetter(*validation.VERIFY_PLAN_FIELDS)
 _WP_NAMES = tuple("write_plan_out." + f for f in validation.WRITE_PLAN_FIELDS)
@@ -119,13 +112,18 @@ _WP_GET = operator.attrgetter(*validation.WRITE_PLAN_FIELDS)
 
 
 def _check_plan(
-    vp: dict[str, torch.Tensor],
-    wp: dict[str, torch.Tensor],
-    ins: dict[str, torch.Tensor],
+    verify_plan_out: Any,
+    write_plan_out: Any,
+    raw: tuple,
     swa_window_size: Any,
     verify_capacity: Any,
-) -> None:
-    """A plan launch's checks on its tensors (the plan outputs ``vp`` / ``wp``, the inputs ``ins``)."""
+    kv_token_id_vs_position_offset: Any,
+) -> tuple:
+    """A plan launch's checks: ``(statics, verify plan tensors, write plan tensors, input tensors, False)`` (a plan
+    launch reads no slots on the host); ``raw``: the inputs in :data:`_INPUTS` order."""
+    vp = arguments.tensors(verify_plan_out, validation.VERIFY_PLAN_FIELDS, "verify_plan_out.")
+    wp = arguments.tensors(write_plan_out, validation.WRITE_PLAN_FIELDS, "write_plan_out.")
+    ins = {n: tensor(x, n) for n, x in zip(_INPUTS, raw) if x is not None or n in _INPUTS[:4]}
     has_lut = "full_to_swa_index_mapping" in ins
     has_pool = "req_to_verify_expected_tokens" in ins
     on_cuda = vp["verify_plan_out.verify_slot_indices"].device.type == "cuda"
@@ -166,3 +164,7 @@ def _check_plan(
         max_bs=PLAN_BS_BLOCK_SIZE,
     )
     arguments.check_devices({**vp, **wp, **ins}, "verify_plan_out.verify_slot_indices")
+    offset = _int(kv_token_id_vs_position_offset, "kv_token_id_vs_position_offset")
+    platform = vp["verify_plan_out.verify_slot_indices"].device.type  # the plan kernel compiled on CUDA only
+    statics = ("pallas", platform, int(swa_window_size), offset, has_lut, has_pool)
+    return statics, vp, wp, ins, False
