@@ -158,7 +158,9 @@ def tensors_sig(xs: Iterable[Any], tkey: Callable[[torch.Tensor], Hashable] = fu
     """
     out = []
     for x in xs:
-        if isinstance(x, torch.Tensor):
+        if x.__class__ is _TENSOR and tkey is _key_inference:
+            out.append((x.data_ptr(), x.shape, x.stride(), x.dtype))
+        elif isinstance(x, torch.Tensor):
             out.append(tkey(x))
         elif x is None:
             out.append(None)
@@ -202,11 +204,25 @@ def fields_sig(
     except AttributeError:
         got = tuple(getattr(obj, f, _MISSING) for f in (*fields, *values))
     n = len(fields)
+    if tkey is _key_inference:  # the serving mode, inlined: a call per tensor costs as much as its key
+        ts = [
+            (x.data_ptr(), x.shape, x.stride(), x.dtype) if x.__class__ is _TENSOR else _field_key(x, tkey)
+            for x in got[:n]
+        ]
+    else:
+        ts = [tkey(x) if x.__class__ is _TENSOR else _field_key(x, tkey) for x in got[:n]]
     return (
-        type(obj),
-        *[tkey(x) if x.__class__ is _TENSOR else x if x is _MISSING else tensors_sig((x,), tkey)[0] for x in got[:n]],
-        *[value_sig(x) for x in got[n:]],
+        obj.__class__,
+        *ts,
+        *[(x.__class__, x) if x.__class__ in _PLAIN else value_sig(x) for x in got[n:]],
     )
+
+
+def _field_key(x: Any, tkey: Callable[[torch.Tensor], Hashable]) -> Hashable:
+    return x if x is _MISSING else tensors_sig((x,), tkey)[0]
+
+
+_PLAIN = frozenset({int, bool, float, str})
 
 
 _TENSOR = torch.Tensor
