@@ -13,7 +13,7 @@ ring, write index, counters) keep their shapes and are never copied. The padding
 
 The copies are staging tensors on the tensors' device, one per (caller tensor, bucket, role), kept while the
 caller's tensor lives; their padded rows are filled once and their live rows refilled on torch's current stream
-before every launch (torch ops, no compile). So a
+before every launch (torch ops, no compile: the plain row copies of a launch in one ``torch._foreach_copy_``). So a
 steady-state launch imports nothing new, and a refill cannot overtake the previous launch: after a launch,
 torch's current stream waits for it (:mod:`interop.runner`). A staging tensor used inside a caller's own CUDA-graph
 capture is kept for the life of the process, since that graph may replay it after the caller's tensor is gone.
@@ -52,6 +52,45 @@ def _stage(t: torch.Tensor, rows: int, role: str) -> tuple[torch.Tensor, torch.T
     return (*hit, fresh)
 
 
+class _Refill:
+    """The staging refills of one launch, issued together: every plain row copy in one ``torch._foreach_copy_``
+    (one kernel on CUDA for tensors of one dtype), then the clamps, then the edge rows (which read the rows
+    above them)."""
+
+    def __init__(self):
+        self.dst: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []
+        self.edges: list[tuple[torch.Tensor, int, int]] = []
+
+    def pad(
+        self, t: torch.Tensor, rows: int, *, fill: int = 0, edge: bool = False, clamp: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """:func:`pad_rows`' staging tensor, its refill queued until :meth:`run`."""
+        n = int(t.shape[0])
+        if n == rows and clamp is None:
+            return t
+        out, head, fresh = _stage(t, rows, f"{fill}/{edge}/{clamp is not None}")
+        if clamp is None:
+            self.dst.append(head)
+            self.src.append(t)
+        else:
+            torch.clamp(t, clamp[0], clamp[1], out=head)
+        if n < rows:
+            if edge:
+                self.edges.append((out, n, rows))
+            elif fresh:
+                out[n:].fill_(fill)
+        return out
+
+    def run(self) -> None:
+        if len(self.dst) == 1:
+            self.dst[0].copy_(self.src[0])
+        elif self.dst:
+            torch._foreach_copy_(self.dst, self.src)
+        for out, n, rows in self.edges:
+            out[n:].copy_(out[n - 1 : n].expand(rows - n, *out.shape[1:]))
+
+
 def pad_rows(
     t: torch.Tensor, rows: int, *, fill: int = 0, edge: bool = False, clamp: tuple[int, int] | None = None
 ) -> torch.Tensor:
@@ -66,24 +105,14 @@ def pad_rows(
       edge: repeat the last row (after the clamp) instead (``n >= 1``).
       clamp: ``(lo, hi)``: the first ``n`` rows are ``t`` clamped into ``[lo, hi]``.
     """
-    n = int(t.shape[0])
-    if n == rows and clamp is None:
-        return t
-    out, head, fresh = _stage(t, rows, f"{fill}/{edge}/{clamp is not None}")
-    if clamp is None:
-        head.copy_(t)
-    else:
-        torch.clamp(t, clamp[0], clamp[1], out=head)
-    if n < rows:
-        if edge:
-            out[n:].copy_(out[n - 1 : n].expand(rows - n, *t.shape[1:]))
-        elif fresh:
-            out[n:].fill_(fill)
+    refill = _Refill()
+    out = refill.pad(t, rows, fill=fill, edge=edge, clamp=clamp)
+    refill.run()
     return out
 
 
-def _min(t: torch.Tensor, cap: int) -> torch.Tensor:
-    return pad_rows(t, int(t.shape[0]), clamp=(ints.INT32_MIN, cap))
+def _min(refill: _Refill, t: torch.Tensor, cap: int) -> torch.Tensor:
+    return refill.pad(t, int(t.shape[0]), clamp=(ints.INT32_MIN, cap))
 
 
 def verify_plan(pl: dict[str, torch.Tensor], buckets: Buckets | None = None) -> dict[str, torch.Tensor]:
@@ -92,14 +121,17 @@ def verify_plan(pl: dict[str, torch.Tensor], buckets: Buckets | None = None) -> 
     cp = bucket_size(c, buckets)
     if cp == c:
         return pl
-    return {
-        "plan.verify_slot_indices": pad_rows(pl["plan.verify_slot_indices"], cp),
-        "plan.verify_expected_tokens": pad_rows(pl["plan.verify_expected_tokens"], cp, fill=-1),
-        "plan.verify_expected_positions": pad_rows(pl["plan.verify_expected_positions"], cp),
-        "plan.verify_prev_slot_indices": pad_rows(pl["plan.verify_prev_slot_indices"], cp),
-        "plan.verify_num_valid": _min(pl["plan.verify_num_valid"], c),
+    refill = _Refill()
+    out = {
+        "plan.verify_slot_indices": refill.pad(pl["plan.verify_slot_indices"], cp),
+        "plan.verify_expected_tokens": refill.pad(pl["plan.verify_expected_tokens"], cp, fill=-1),
+        "plan.verify_expected_positions": refill.pad(pl["plan.verify_expected_positions"], cp),
+        "plan.verify_prev_slot_indices": refill.pad(pl["plan.verify_prev_slot_indices"], cp),
+        "plan.verify_num_valid": _min(refill, pl["plan.verify_num_valid"], c),
         "plan.enable": pl["plan.enable"],
     }
+    refill.run()
+    return out
 
 
 _TOKEN_FILLS = {"out_cache_loc": -1}  # a padded token's slot: skipped (it belongs to no request anyway)
@@ -113,13 +145,17 @@ def write_inputs(
     tp = bucket_size(t, buckets)
     cw = int(pl["plan.write_seed_slot_indices"].shape[0])
     cwp = bucket_size(cw, buckets)
-    if tp != t:
-        toks = {n: pad_rows(x, tp, fill=_TOKEN_FILLS.get(n, 0)) for n, x in toks.items()}
     if tp == t and cwp == cw:
         return pl, toks
+    refill = _Refill()
+    if tp != t:
+        toks = {n: refill.pad(x, tp, fill=_TOKEN_FILLS.get(n, 0)) for n, x in toks.items()}
     pl = {
-        "plan.write_offsets": pad_rows(pl["plan.write_offsets"], cwp + 1, edge=True, clamp=(0, t) if tp != t else None),
-        "plan.write_seed_slot_indices": pad_rows(pl["plan.write_seed_slot_indices"], cwp, fill=-1),
-        "plan.write_num_valid_reqs": _min(pl["plan.write_num_valid_reqs"], cw),
+        "plan.write_offsets": refill.pad(
+            pl["plan.write_offsets"], cwp + 1, edge=True, clamp=(0, t) if tp != t else None
+        ),
+        "plan.write_seed_slot_indices": refill.pad(pl["plan.write_seed_slot_indices"], cwp, fill=-1),
+        "plan.write_num_valid_reqs": _min(refill, pl["plan.write_num_valid_reqs"], cw),
     }
+    refill.run()
     return pl, toks
