@@ -344,19 +344,26 @@ class ImportCache:
         return weakref.ref(owner, self._on_death)
 
     def get(self, key: Hashable) -> Any:
-        with self._lock:
-            entry = self._d.get(key)
-            if entry is None:
-                self.misses += 1
-                return None
+        # a hit takes no lock (dict reads and move_to_end are atomic under the GIL): launches look up every call
+        entry = self._d.get(key)
+        if entry is not None:
             arr, refs = entry
-            if (isinstance(arr, jax.Array) and arr.is_deleted()) or any(r() is None for r in refs):
-                self._drop(key)
-                self.misses += 1
-                return None
-            self._d.move_to_end(key)
-            self.hits += 1
-            return arr
+            live = True
+            for r in refs:
+                if r() is None:
+                    live = False
+            if live and not (arr.__class__ is not tuple and isinstance(arr, jax.Array) and arr.is_deleted()):
+                try:
+                    self._d.move_to_end(key)
+                except KeyError:  # dropped meanwhile by another thread: still a valid value for this call
+                    pass
+                self.hits += 1
+                return arr
+            with self._lock:
+                if self._d.get(key) is entry:  # not replaced by another thread meanwhile
+                    self._drop(key)
+        self.misses += 1
+        return None
 
     def put(self, key: Hashable, arr: Any, owners: Iterable[Any]) -> None:
         """Stores ``arr`` under ``key``; ``owners`` are tensors or weak references made by :meth:`ref`."""
