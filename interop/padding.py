@@ -34,7 +34,8 @@ _PINNED: dict = {}  # staging tensors a caller's CUDA graph captured: kept for t
 
 def _stage(t: torch.Tensor, rows: int, role: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """``(staging tensor, its first len(t) rows, whether it is new)`` for ``t`` padded to ``rows`` in ``role``."""
-    key = dlpack.ImportCache.key_for(t, (rows, role))
+    # a staging tensor made in inference mode is an inference tensor, which torch will not refill outside it
+    key = dlpack.ImportCache.key_for(t, (rows, role, torch.is_inference_mode_enabled()))
     # Inside a caller's own CUDA-graph capture the graph keeps this buffer's address, while the cache entry dies
     # with the caller's tensor object (graph runners pass a new slice each call): pin it. The launchers' own
     # graphs keep their staging buffers themselves (interop.native.replay).

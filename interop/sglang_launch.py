@@ -123,11 +123,11 @@ def _native_for(op: str, path: str | None, backend: str | None, env: tuple, devi
             b = backends.resolve_backend(backend, platform="cuda") if op != "plan" else "pallas"
             hit = native.resolve_path(path, device, b) == "native"
         except (ValueError, TypeError) as e:
-            hit = e
+            hit = (type(e), str(e))  # not the exception: its traceback would keep this launch's tensors alive
         if len(_RESOLVED) < 256:
             _RESOLVED[k] = hit
-    if isinstance(hit, Exception):
-        raise hit
+    if isinstance(hit, tuple):
+        raise hit[0](hit[1])
     return hit
 
 
@@ -153,7 +153,7 @@ def _replay_key(
         modes = (bool(jax.config.jax_enable_x64), inference, grad, buckets.default_buckets())
         tkey = (replay.layout_key if layout else replay.tensor_key)(inference, grad)
         return (op, path, backend, env, modes, parts(tkey))
-    except (ValueError, TypeError, replay.NotKeyable):
+    except (ValueError, TypeError, RuntimeError, replay.NotKeyable):  # RuntimeError: a tensor without storage
         return None
 
 

@@ -123,7 +123,8 @@ def test_a_short_source_is_checked_at_every_launch(keyed):
 
 def test_fresh_tensors_of_a_checked_layout_skip_the_checks_but_not_the_address_checks(keyed):
     """New tensors with the layout of a launch already checked (a decode step's fresh plan tensors) skip the
-    launcher's checks; what depends on addresses still runs: a plan tensor inside the violation ring is refused."""
+    launcher's checks; what depends on addresses still runs: a plan tensor inside the violation ring is refused
+    (where the launch reads the plan's own tensors: a padded plan is read from its staging copy, on both paths)."""
     rng = random.Random(8)
     w = _world()
     twin = w.clone()
@@ -143,3 +144,26 @@ def test_fresh_tensors_of_a_checked_layout_skip_the_checks_but_not_the_address_c
         _launch_verify(w, bad, "native")
     assert keyed["verify"] == 3
     assert_same_bytes(w.tensors(), before, "a refused launch")
+
+
+def test_a_bad_path_name_is_cached_as_its_message_not_its_exception():
+    """A cached exception would be raised again and again, its traceback growing and keeping every raising
+    launch's tensors alive; the resolution caches the message and raises a fresh error each time."""
+    for _ in range(2):
+        with pytest.raises(ValueError, match="path must be one of"):
+            sglang_launch._native_for("verify", "bogus", "pallas", (None, None), torch.device("cpu"))
+    assert not any(isinstance(v, BaseException) for v in sglang_launch._RESOLVED.values())
+
+
+def test_staging_made_in_inference_mode_is_not_refilled_outside_it():
+    """A padded launch inside ``torch.inference_mode()`` and then outside it, on the same ordinary tensors: each
+    mode has its own staging tensors (torch refuses to refill an inference tensor outside inference mode)."""
+    rng = random.Random(9)
+    w = _world()
+    twin = w.clone()
+    vplan = random_verify_plan(rng, w, cap=9)  # padded to 16
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            _launch_verify(w, vplan, "native")
+            _launch_verify(twin, vplan, "dlpack")
+    assert_same_bytes(w.tensors(), twin.tensors(), "inference mode, then outside it")
