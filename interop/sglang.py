@@ -71,6 +71,8 @@ from interop.sglang_launch import (
     _sources,
     _staged,
     _statics,
+    stable,
+    stable_context,
 )
 from interop.sglang_launch import _int as _int
 from interop.sglang_plan import launch_canary_plan_kernels
@@ -147,6 +149,8 @@ def launch_canary_verify_kernel(
     Raises:
       ValueError / TypeError: SGLang's errors and the interop's (see the module docstring); nothing runs.
     """
+    context = stable_context(context, arguments.CONTEXT_FIELDS)  # read once: keyed, checked and launched alike
+    plan = stable(plan, validation.VERIFY_PLAN_FIELDS)
     key = verify_replay_key(context, plan, check_verify_expected_token, backend=backend, path=path)
     if replay.GRAPHS.replay(key):
         return
@@ -269,6 +273,8 @@ def launch_canary_write_kernel(
       ValueError / TypeError: SGLang's errors and the interop's (see the module docstring); nothing runs.
     """
     tokens = (input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)
+    context = stable_context(context, _WRITE_CONTEXT_FIELDS)  # read once: keyed, checked and launched alike
+    plan = stable(plan, validation.WRITE_PLAN_FIELDS)
     key = write_replay_key(context, plan, tokens, enable_write_input_assert, backend=backend, path=path)
     if replay.GRAPHS.replay(key):
         return

@@ -9,6 +9,7 @@ wrong kind (``real_kv_sources`` not a sequence, a non-int argument), ``ValueErro
 from __future__ import annotations
 
 import operator
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 
 from canary_jax.contract import validation
 from canary_jax.ops import backends, buckets
-from interop import arguments, runner
+from interop import arguments, runner, sglang_types
 from interop.arguments import TORCH_DTYPES
 from interop.native import environ, replay
 from interop.native import launch as native
@@ -40,6 +41,40 @@ def _sources(context: Any) -> tuple:
             f"got {type(sources).__name__}"
         )
     return tuple(sources)
+
+
+_SOURCE_VALUES = ("page_size", "num_bytes_per_token", "read_bytes")
+_STABLE = (
+    sglang_types.VerifyOrWriteContext,
+    sglang_types.VerifyPlan,
+    sglang_types.WritePlan,
+    sglang_types.RealKvSource,
+)
+_UNSET = object()
+
+
+def stable(obj: Any, names: tuple[str, ...]) -> Any:
+    """``obj`` read once: ``obj`` itself where its attributes cannot change (this module's frozen launch objects),
+    else a ``SimpleNamespace`` of its attributes ``names`` as they are now (a missing one stays missing).
+
+    A launch keys, checks and launches the same values: an object whose attributes change between two reads (a
+    property, another thread reassigning a field) must not have one value keyed and checked and another launched.
+    """
+    if obj.__class__ in _STABLE:
+        return obj
+    return types.SimpleNamespace(**{n: v for n in names if (v := getattr(obj, n, _UNSET)) is not _UNSET})
+
+
+def stable_context(context: Any, fields: tuple[str, ...]) -> Any:
+    """:func:`stable` of a ``VerifyOrWriteContext`` (its tensors ``fields``, enums and sources, each source read once
+    too)."""
+    if context.__class__ in _STABLE:
+        return context
+    ctx = stable(context, (*fields, "kernel_kind", "real_kv_hash_mode", "real_kv_sources"))
+    raw = getattr(ctx, "real_kv_sources", None)
+    if isinstance(raw, (tuple, list)):
+        ctx.real_kv_sources = tuple(stable(x, ("tensor", *_SOURCE_VALUES)) for x in raw)
+    return ctx
 
 
 def _int(x: Any, name: str) -> int:
@@ -164,9 +199,6 @@ def _context_key(context: Any, fields: tuple[str, ...], tkey: Any = replay.full_
     # _sources' TypeError (not a sequence) means no key: the eager checks then raise it
     src = tuple([replay.fields_sig(x, ("tensor",), _SOURCE_VALUES, tkey) for x in _sources(context)])
     return (replay.fields_sig(context, fields, ("kernel_kind", "real_kv_hash_mode"), tkey), src)
-
-
-_SOURCE_VALUES = ("page_size", "num_bytes_per_token", "read_bytes")
 
 
 def _staged(before: dict, after: dict) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ from interop import arguments, kernels
 from interop.arguments import TORCH_DTYPES, check, tensor
 from interop.native import replay
 from interop.runner import TensorArg
-from interop.sglang_launch import PLAN_BS_BLOCK_SIZE, _checked, _int, _replay_key, _run
+from interop.sglang_launch import PLAN_BS_BLOCK_SIZE, _checked, _int, _replay_key, _run, stable
 
 
 # --- plan ------------------------------------------------------------------------------------------------
@@ -52,6 +52,8 @@ def launch_canary_plan_kernels(
         path's checks and messages, CPU tensors the reference's) and the interop's; nothing runs.
     """
     del backend
+    verify_plan_out = stable(verify_plan_out, validation.VERIFY_PLAN_FIELDS)  # read once: keyed, checked, launched
+    write_plan_out = stable(write_plan_out, validation.WRITE_PLAN_FIELDS)
     scalars = (swa_window_size, verify_capacity, kv_token_id_vs_position_offset)
     raw = (
         req_pool_indices,

@@ -167,3 +167,38 @@ def test_staging_made_in_inference_mode_is_not_refilled_outside_it():
             _launch_verify(w, vplan, "native")
             _launch_verify(twin, vplan, "dlpack")
     assert_same_bytes(w.tensors(), twin.tensors(), "inference mode, then outside it")
+
+
+def test_an_object_is_read_once_so_what_is_keyed_is_what_is_launched(keyed):
+    """A duck-typed context whose ``violation_ring`` flips between the int64 ring and a uint8 view of it on every
+    read: each launch keys, checks and launches one read, so the uint8 one is refused every time, never launched
+    under the int64 one's key (as a second read after the key would)."""
+    rng = random.Random(10)
+    w = _world()
+    vplan = random_verify_plan(rng, w)
+    inner = w.context(TAIL)
+
+    class Flip:
+        reads = 0
+
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        @property
+        def violation_ring(self):
+            Flip.reads += 1
+            ring = inner.violation_ring
+            return ring if Flip.reads % 2 else ring.view(torch.uint8)
+
+    before = {n: t.clone() for n, t in w.tensors().items()}
+    launched = 0
+    for _ in range(4):
+        try:
+            sglang.launch_canary_verify_kernel(
+                context=Flip(), plan=vplan, check_verify_expected_token=True, backend="pallas", path="native"
+            )
+            launched += 1
+        except TypeError as e:
+            assert "violation_ring must have dtype torch.int64" in str(e)
+    assert Flip.reads == 4 and launched == 2  # one read per launch; the int64 reads ran, the uint8 ones were refused
+    assert int(w.state.kernel_run_counters[TAIL]) == int(before["kernel_run_counters"][TAIL]) + 2
