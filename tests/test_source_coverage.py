@@ -27,7 +27,6 @@ from helpers import oracle
 from helpers.interop_world import World, assert_same_bytes
 from helpers.torch_reference import ref_verify, ref_write
 from interop import sglang
-from interop.native import replay
 
 NUM_SLOTS, ROWS, NBPT = 16, 8, 16  # the issue's call: 16-slot canary buffer, a source of 8 rows x page_size 1
 KV = np.array([[(r * 37 + c * 11 + 5) % 256 for c in range(NBPT)] for r in range(ROWS)], np.uint8)
@@ -196,13 +195,11 @@ def test_torch_launch_with_a_short_source_reads_its_slots_every_launch():
     """A launch with a short hashing source reads its slots at every launch (so it is neither memoised nor replayed:
     ``test_native_memo``); with mode NONE, or sources that cover the buffer, nothing is read."""
     w = torch_world()
-    plan, kw = torch_write_args([3], [7], [0])
     src = sglang.arguments.check_sources(w.sources(), checked_type=sglang.RealKvSource)
     hashed = lambda: (np.array([0]), np.array([3]))  # noqa: E731
     assert sglang.arguments.check_coverage(src, 2, NUM_SLOTS, op="write", name="out_cache_loc", hashed=hashed)
     assert not sglang.arguments.check_coverage(src, 0, NUM_SLOTS, op="write", name="out_cache_loc", hashed=hashed)
     assert not sglang.arguments.check_coverage(src, 2, ROWS, op="write", name="out_cache_loc", hashed=hashed)
-    del plan, kw
 
 
 # --- inside jit: the whole-buffer rule ---------------------------------------------------------------------------
