@@ -8,7 +8,9 @@ the checks only a torch launch has (DLPack capsules, one device per launch).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -17,7 +19,35 @@ import torch
 from canary_jax.contract import constants, coverage, validation
 from interop import dlpack
 from interop.buffers import TensorArg
-from interop.dlpack import facts
+
+_MEMO = threading.local()
+
+
+@contextlib.contextmanager
+def facts_once() -> Iterator[None]:
+    """Within: :func:`facts` of a tensor object is computed once (a launch's checks read each tensor's facts two or
+    three times). The memo holds the tensors until the block ends, so no object id is reused meanwhile."""
+    if getattr(_MEMO, "facts", None) is not None:  # nested: the outer block owns the memo
+        yield
+        return
+    _MEMO.facts = {}
+    try:
+        yield
+    finally:
+        _MEMO.facts = None
+
+
+def facts(t: torch.Tensor) -> validation.ArrayFacts:
+    """:func:`interop.dlpack.facts` (shape, dtype name, itemsize, byte strides, contiguity), memoised per tensor
+    inside :func:`facts_once`."""
+    memo = getattr(_MEMO, "facts", None)
+    if memo is None:
+        return dlpack.facts(t)
+    hit = memo.get(id(t))
+    if hit is None:
+        hit = memo[id(t)] = (t, dlpack.facts(t))
+    return hit[1]
+
 
 TORCH_DTYPES = validation.DtypeNames(u8="torch.uint8", i32="torch.int32", i64="torch.int64", int64_pairs=False)
 """SGLang's tensors as torch holds them: int64 as ``torch.int64``."""

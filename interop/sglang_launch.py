@@ -122,7 +122,8 @@ def _checked(key: Any, layout_key: Callable[[], Any], check: Callable[[], tuple]
     statics = LAYOUTS.get(lkey)
     checked = None
     if statics is None:
-        checked = check()
+        with arguments.facts_once():
+            checked = check()
         statics = checked[0]
         if checked[-1]:  # the checks read the slots: nothing memoised, nothing replayed
             return statics, checked, None
