@@ -51,26 +51,42 @@ _STABLE = (
     sglang_types.RealKvSource,
 )
 _UNSET = object()
+_SNAPSHOT_TYPES: dict[type, type] = {}
+
+
+def _snapshot(obj: Any, names: tuple[str, ...]) -> Any:
+    """The attributes ``names`` of ``obj`` as they are now (a missing one stays missing), in a ``SimpleNamespace``
+    subclass named after ``obj``'s class, so a missing attribute's ``AttributeError`` names the caller's class as
+    before, and keys tell the classes apart."""
+    cls = obj.__class__
+    snap = _SNAPSHOT_TYPES.get(cls)
+    if snap is None:
+        snap = _SNAPSHOT_TYPES.setdefault(cls, type(cls.__name__, (types.SimpleNamespace,), {"__slots__": ()}))
+    return snap(**{n: v for n in names if (v := getattr(obj, n, _UNSET)) is not _UNSET})
 
 
 def stable(obj: Any, names: tuple[str, ...]) -> Any:
     """``obj`` read once: ``obj`` itself where its attributes cannot change (this module's frozen launch objects),
-    else a ``SimpleNamespace`` of its attributes ``names`` as they are now (a missing one stays missing).
+    else a snapshot of its attributes ``names`` as they are now (:func:`_snapshot`).
 
     A launch keys, checks and launches the same values: an object whose attributes change between two reads (a
     property, another thread reassigning a field) must not have one value keyed and checked and another launched.
     """
     if obj.__class__ in _STABLE:
         return obj
-    return types.SimpleNamespace(**{n: v for n in names if (v := getattr(obj, n, _UNSET)) is not _UNSET})
+    return _snapshot(obj, names)
 
 
 def stable_context(context: Any, fields: tuple[str, ...]) -> Any:
     """:func:`stable` of a ``VerifyOrWriteContext`` (its tensors ``fields``, enums and sources, each source read once
-    too)."""
-    if context.__class__ in _STABLE:
+    too): a frozen context passes as it is only with a tuple of frozen ``RealKvSource`` (it does not check what its
+    ``real_kv_sources`` holds)."""
+    raw = getattr(context, "real_kv_sources", None)
+    if context.__class__ in _STABLE and (
+        raw is None or (raw.__class__ is tuple and all(x.__class__ is sglang_types.RealKvSource for x in raw))
+    ):
         return context
-    ctx = stable(context, (*fields, "kernel_kind", "real_kv_hash_mode", "real_kv_sources"))
+    ctx = _snapshot(context, (*fields, "kernel_kind", "real_kv_hash_mode", "real_kv_sources"))
     raw = getattr(ctx, "real_kv_sources", None)
     if isinstance(raw, (tuple, list)):
         ctx.real_kv_sources = tuple(stable(x, ("tensor", *_SOURCE_VALUES)) for x in raw)

@@ -224,3 +224,41 @@ def test_a_launch_computes_each_tensors_facts_once(monkeypatch):
     _launch_write(w, plan, kw, "dlpack")
     ids = [id(t) for t in seen]  # seen holds the tensors: no id is reused
     assert len(ids) == len(set(ids)) >= 12
+
+
+def test_duck_sources_in_a_frozen_context_are_read_once_too(keyed):
+    """This package's frozen context does not check what its ``real_kv_sources`` holds: duck-typed sources inside
+    it are read once per launch too (a source tensor that shrinks on some read is refused, never launched)."""
+    rng = random.Random(12)
+    w = _world()
+    vplan = random_verify_plan(rng, w, cap=16)
+    good = w.kv[0]
+    reads = []
+
+    class Src:
+        page_size, num_bytes_per_token, read_bytes = w.source_meta[0]
+
+        @property
+        def tensor(self):
+            reads.append(1)
+            return good if len(reads) % 3 else good[:1]  # every third read: one row for 64 slots
+
+    ctx = dataclasses.replace(w.context(TAIL), real_kv_sources=(Src(),))
+    for _ in range(6):
+        try:
+            sglang.launch_canary_verify_kernel(
+                context=ctx, plan=vplan, check_verify_expected_token=True, backend="pallas", path="native"
+            )
+        except ValueError as e:  # the short read: refused by the checks, by name
+            assert "real_kv_sources[0]" in str(e)
+    assert len(reads) == 6  # one read per launch
+
+
+def test_a_snapshot_names_the_callers_class_in_its_errors():
+    class Ctx:
+        pass
+
+    snap = sglang_launch.stable(Ctx(), ("kernel_kind",))
+    with pytest.raises(AttributeError, match="'Ctx' object has no attribute 'kernel_kind'"):
+        getattr(snap, "kernel_kind")  # noqa: B009
+    assert sglang_launch.stable(Ctx(), ()).__class__ is snap.__class__  # one snapshot class per caller class
