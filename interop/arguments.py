@@ -163,17 +163,14 @@ def source_args(sources: Sequence[LaunchSource], mode: int) -> tuple[list[Tensor
         return [], ()
     for s in sources:
         validation.check_source_row_width(int(s.u8.shape[1]), page_size=s.meta[0], num_bytes_per_token=s.meta[1])
-    args = [TensorArg(f"real_kv_sources[{i}].tensor", s.u8, False, s.owner) for i, s in enumerate(sources)]
-    return args, tuple(s.meta for s in sources)
+    return source_tensor_args([s.owner for s in sources]), tuple(s.meta for s in sources)
 
 
-def source_tensor_args(sources: Sequence[Any]) -> list[TensorArg]:
-    """:func:`source_args`' arguments of sources already checked with these very tensors (a launch whose replay
-    key passed the checks before, :data:`interop.sglang_launch.CHECKED`): each ``source.tensor`` as uint8."""
-    return [
-        TensorArg(f"real_kv_sources[{i}].tensor", s.tensor.view(torch.uint8), False, s.tensor)
-        for i, s in enumerate(sources)
-    ]
+def source_tensor_args(tensors: Sequence[torch.Tensor]) -> list[TensorArg]:
+    """The launch arguments of the sources' tensors, already checked (by :func:`source_args`, or by an earlier
+    launch of the same key, :data:`interop.sglang_launch.CHECKED`): each as its uint8 view, owned by the caller's
+    tensor."""
+    return [TensorArg(f"real_kv_sources[{i}].tensor", t.view(torch.uint8), False, t) for i, t in enumerate(tensors)]
 
 
 def check_coverage(

@@ -164,7 +164,7 @@ def launch_canary_verify_kernel(
     else:  # the same facts passed the checks: gather the tensors
         ctx = dict(zip(arguments.CONTEXT_FIELDS, _CONTEXT_GET(context)))
         pl = dict(zip(_VERIFY_PLAN_NAMES, _VERIFY_PLAN_GET(plan)))
-        src_args = arguments.source_tensor_args(_sources(context)) if statics[4] else []
+        src_args = arguments.source_tensor_args([s.tensor for s in _sources(context)]) if statics[4] else []
 
     def launch():  # bucket staging and the launch: what a launch graph captures
         padded = padding.verify_plan(pl)
@@ -291,7 +291,7 @@ def launch_canary_write_kernel(
         ctx = dict(zip(_WRITE_CONTEXT_FIELDS, _WRITE_CONTEXT_GET(context)))
         pl = dict(zip(_WRITE_PLAN_NAMES, _WRITE_PLAN_GET(plan)))
         toks = dict(zip(_TOKEN_NAMES, tokens if statics[5] else tokens[:3]))
-        src_args = arguments.source_tensor_args(_sources(context)) if statics[4] else []
+        src_args = arguments.source_tensor_args([s.tensor for s in _sources(context)]) if statics[4] else []
 
     def launch():  # bucket staging and the launch: what a launch graph captures
         pl_p, toks_p = padding.write_inputs(pl, toks)

@@ -157,8 +157,9 @@ def tensors_sig(xs: Iterable[Any], tkey: Callable[[torch.Tensor], Hashable] = fu
         refuse).
     """
     out = []
+    inline = tkey is _key_inference  # _key_inference's key, without a call per tensor
     for x in xs:
-        if x.__class__ is _TENSOR and tkey is _key_inference:
+        if inline and x.__class__ is _TENSOR:
             out.append((x.data_ptr(), x.shape, x.stride(), x.dtype))
         elif isinstance(x, torch.Tensor):
             out.append(tkey(x))
