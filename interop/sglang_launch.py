@@ -82,15 +82,20 @@ def stable_context(context: Any, fields: tuple[str, ...]) -> Any:
     too): a frozen context passes as it is only with a tuple of frozen ``RealKvSource`` (it does not check what its
     ``real_kv_sources`` holds)."""
     raw = getattr(context, "real_kv_sources", None)
-    if context.__class__ in _STABLE and (
-        raw is None or (raw.__class__ is tuple and all(x.__class__ is sglang_types.RealKvSource for x in raw))
-    ):
+    if context.__class__ in _STABLE and (raw is None or (raw.__class__ is tuple and _frozen_sources(raw))):
         return context
     ctx = _snapshot(context, (*fields, "kernel_kind", "real_kv_hash_mode", "real_kv_sources"))
     raw = getattr(ctx, "real_kv_sources", None)
     if isinstance(raw, (tuple, list)):
         ctx.real_kv_sources = tuple(stable(x, ("tensor", *_SOURCE_VALUES)) for x in raw)
     return ctx
+
+
+def _frozen_sources(raw: tuple) -> bool:
+    for x in raw:  # a loop, not all(generator): this runs at every launch
+        if x.__class__ is not sglang_types.RealKvSource:
+            return False
+    return True
 
 
 def _int(x: Any, name: str) -> int:
@@ -117,9 +122,11 @@ checks its addresses (aliasing, alignment; :func:`interop.native.launch.run_nati
 
 def forget_checked(*, layouts: bool = True) -> None:
     """Forgets the launch keys whose checks passed (and, with ``layouts``, the layout keys), the native path's
-    included: the next launch of each checks again. For benchmarks (what a launch on tensors the launchers have not
-    seen costs: ``benchmarks/native_bench.py``, ``benchmarks/eager_profile.py``) and tests."""
+    included, and the keys by address (:data:`KEYS`): the next launch of each keys and checks again. For
+    benchmarks (what a launch on tensors the launchers have not seen costs: ``benchmarks/native_bench.py``,
+    ``benchmarks/eager_profile.py``) and tests."""
     CHECKED.clear()
+    KEYS.clear()
     if layouts:
         LAYOUTS.clear()
     native.forget_checked()
@@ -183,15 +190,14 @@ def _native_for(op: str, path: str | None, backend: str | None, env: tuple, devi
     return hit
 
 
-def _replay_key(
-    op: str, path: str | None, backend: str | None, first: Any, parts: Any, layout: bool = False
-) -> tuple | None:
-    """The launch's replay key (:mod:`interop.native.replay`), or None where replay does not apply: not CUDA
-    tensors, not the native path, an argument the key cannot name, or a bad name (the checks will raise).
-    ``parts(tkey)`` gives the launch's arguments already keyed, tensors by ``tkey``
-    (:func:`interop.native.replay.tensor_key` for this launch's torch modes, which the key names; with
-    ``layout``, :func:`interop.native.replay.layout_key`: the launch's layout key, for :data:`LAYOUTS`); it is
-    called only where replay applies."""
+KEYS = replay.GuardedKeys()
+"""Launch keys by address (:class:`interop.native.keys.GuardedKeys`): a launch seen before gets its key from its
+tensors' addresses and one guard call on their layouts."""
+
+
+def _replay_key(op: str, path: str | None, backend: str | None, first: Any, parts: Any, layout: bool = False) -> Any:
+    """The launch's replay key (:func:`launch_key`), or None where replay does not apply: not CUDA tensors, not
+    the native path, an argument the key cannot name, or a bad name (the checks will raise)."""
     if not isinstance(first, torch.Tensor) or not first.is_cuda:
         return None
     if first.get_device() != torch.cuda.current_device():  # replay runs on the current device's stream: eager
@@ -200,11 +206,29 @@ def _replay_key(
         env = (environ.get(native.PATH_ENV), environ.get(backends.BACKEND_ENV))
         if not _native_for(op, path, backend, env, first.device):
             return None
+    except (ValueError, TypeError):
+        return None
+    return launch_key(op, path, backend, env, parts, layout)
+
+
+def launch_key(op: str, path: str | None, backend: str | None, env: tuple, parts: Any, layout: bool = False) -> Any:
+    """The key of a launch (:mod:`interop.native.replay`) of ``op`` on the named path and backend, in environment
+    ``env`` and the current torch modes, x64 and bucket policy; None where an argument cannot be keyed.
+
+    ``parts(tkey)`` gives the launch's arguments keyed by ``tkey``: a :class:`interop.native.keys.Collector` takes
+    them flat, each tensor keyed by its address, the rest of its key (:func:`interop.native.replay.tensor_key` for
+    this launch's torch modes, which the key names) coming from :data:`KEYS`; with ``layout``,
+    :func:`interop.native.replay.layout_key` keys each tensor: the launch's layout key, for :data:`LAYOUTS`."""
+    try:
         inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
         # the process-wide bucket policy decides the staging copies a graph captures
         modes = (bool(jax.config.jax_enable_x64), inference, grad, buckets.default_buckets())
-        tkey = (replay.layout_key if layout else replay.tensor_key)(inference, grad)
-        return (op, path, backend, env, modes, parts(tkey))
+        if layout:
+            return (op, path, backend, env, modes, parts(replay.layout_key(inference, grad)))
+        args = replay.Collector()
+        rest = parts(args)  # the arguments the collector does not take (flags passed as values)
+        flat, tensors = args.fast()  # each tensor by its address alone
+        return KEYS.key((op, path, backend, env, modes, rest, flat), tensors, replay.tensor_key(inference, grad))
     except (ValueError, TypeError, RuntimeError, replay.NotKeyable):  # RuntimeError: a tensor without storage
         return None
 

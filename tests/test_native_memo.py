@@ -31,9 +31,10 @@ def keyed(monkeypatch):
     def key(op, path, backend, first, parts, layout=False):  # as _replay_key keys a CUDA launch: native only
         if path != "native":
             return None
-        return (op, path, layout, parts(replay.layout_key(False, True) if layout else replay.full_tensor_key))
+        return sglang_launch.launch_key(op, path, backend, (), parts, layout)
 
     monkeypatch.setattr(sglang, "_replay_key", key)
+    monkeypatch.setattr(sglang_launch, "KEYS", replay.GuardedKeys())
     monkeypatch.setattr(sglang_launch.CHECKED, "_d", {})
     monkeypatch.setattr(sglang_launch.LAYOUTS, "_d", {})
     monkeypatch.setattr(native, "_READY", replay.KeyMemo())

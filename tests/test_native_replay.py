@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from interop import sglang
-from interop.native import replay, triton_kernels
+from interop.native import keys, replay, triton_kernels
 
 
 def test_max_graphs_reads_the_environment(monkeypatch):
@@ -76,8 +76,8 @@ def test_fields_sig_marks_a_missing_field():
         canary_buf = torch.zeros(2, 32, dtype=torch.uint8)
 
     a = replay.fields_sig(Ctx(), ("canary_buf", "violation_ring"))
-    assert a[0] is Ctx and a[2] == replay._MISSING
-    assert replay.fields_sig(Ctx(), ("violation_ring",)) == (Ctx, replay._MISSING)  # one name, missing
+    assert a[0] is Ctx and a[2] == keys._MISSING
+    assert replay.fields_sig(Ctx(), ("violation_ring",)) == (Ctx, keys._MISSING)  # one name, missing
 
 
 def test_no_key_for_cpu_tensors_or_the_dlpack_path():

@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-import operator
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterable
@@ -40,6 +39,19 @@ from typing import Any
 import torch
 
 from interop.native import environ
+from interop.native.keys import (  # noqa: F401 - the key pieces, re-exported where the launchers and tests take them
+    Collector,
+    GuardedKeys,
+    KeyMemo,
+    NotKeyable,
+    fields_sig,
+    full_tensor_key,
+    layout_key,
+    sig,
+    tensor_key,
+    tensors_sig,
+    value_sig,
+)
 
 GRAPHS_ENV = "CANARY_JAX_NATIVE_GRAPHS"
 """Environment variable: how many launch graphs to keep (``0``: replay off)."""
@@ -74,167 +86,6 @@ def _parse_max_graphs(raw: str) -> int:  # memoised: replay reads the variable o
     if n < 0:
         raise ValueError(f"kv-canary: ${GRAPHS_ENV} must be a non-negative integer (0 turns replay off), got {raw!r}")
     return n
-
-
-class NotKeyable(Exception):
-    """An argument the replay key cannot name (not a torch tensor, an unhashable field): launch eagerly."""
-
-
-def full_tensor_key(x: torch.Tensor) -> Hashable:
-    """A tensor's key in any mode: its memory (address and device), layout, dtype, and the two properties that
-    decide whether torch lets the launch update it in place (inference tensor, requires grad)."""
-    return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.get_device(), x.is_inference(), x.requires_grad)
-
-
-def _key_inference(x: torch.Tensor) -> Hashable:
-    return (x.data_ptr(), x.shape, x.stride(), x.dtype)
-
-
-def _key_no_grad(x: torch.Tensor) -> Hashable:
-    return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.is_inference())
-
-
-def tensor_key(inference_mode: bool, grad_mode: bool) -> Callable[[torch.Tensor], Hashable]:
-    """The cheapest tensor key for launches in these torch modes (which the launch key names): the address,
-    shape, strides and dtype always; ``is_inference()`` only outside inference mode (where
-    :func:`interop.native.launch.check_writable` refuses an inference tensor it would update), ``requires_grad``
-    only with grad mode on. No device: CUDA's unified addressing gives every device's and the host's memory
-    distinct addresses in one process, and the launch key names the canary buffer's device."""
-    if inference_mode:
-        return _key_inference
-    return _key_no_grad if not grad_mode else full_tensor_key
-
-
-def _layout_full(x: torch.Tensor) -> Hashable:
-    return (x.shape, x.stride(), x.dtype, x.get_device(), x.is_inference(), x.requires_grad)
-
-
-def _layout_inference(x: torch.Tensor) -> Hashable:
-    return (x.shape, x.stride(), x.dtype, x.get_device())
-
-
-def _layout_no_grad(x: torch.Tensor) -> Hashable:
-    return (x.shape, x.stride(), x.dtype, x.get_device(), x.is_inference())
-
-
-def layout_key(inference_mode: bool, grad_mode: bool) -> Callable[[torch.Tensor], Hashable]:
-    """:func:`tensor_key` without the address, with the device index: the key of what a launch's argument checks
-    read of a tensor (shape, strides, dtype, device; ``is_inference()`` and ``requires_grad`` as
-    :func:`tensor_key` names them), so that tensors of a layout already checked skip the checks. The checks that
-    read addresses (aliasing, alignment) are not memoised by it."""
-    if inference_mode:
-        return _layout_inference
-    return _layout_no_grad if not grad_mode else _layout_full
-
-
-def sig(x: Any, tkey: Callable[[torch.Tensor], Hashable] = full_tensor_key) -> Hashable:
-    """The replay key of one launcher argument: a tensor by ``tkey`` (its memory and layout), a sequence item by
-    item, a scalar by value.
-
-    Raises:
-      NotKeyable: anything else (a DLPack object, an unhashable value).
-    """
-    if isinstance(x, torch.Tensor):
-        return tkey(x)
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    if isinstance(x, (tuple, list)):
-        return tuple([sig(v, tkey) for v in x])
-    if hasattr(x, "__dlpack__") or type(x).__name__ == "PyCapsule":  # imported per launch: not a fixed tensor
-        raise NotKeyable(type(x).__name__)
-    try:
-        hash(x)
-    except TypeError:
-        raise NotKeyable(type(x).__name__) from None
-    return (type(x), x)
-
-
-def tensors_sig(xs: Iterable[Any], tkey: Callable[[torch.Tensor], Hashable] = full_tensor_key) -> tuple:
-    """The replay key of tensor arguments: each torch tensor by ``tkey``, None as None.
-
-    Raises:
-      NotKeyable: anything else (a DLPack object, which a launch imports afresh; a wrong type, which the checks
-        refuse).
-    """
-    out = []
-    inline = tkey is _key_inference  # _key_inference's key, without a call per tensor
-    for x in xs:
-        if inline and x.__class__ is _TENSOR:
-            out.append((x.data_ptr(), x.shape, x.stride(), x.dtype))
-        elif isinstance(x, torch.Tensor):
-            out.append(tkey(x))
-        elif x is None:
-            out.append(None)
-        else:
-            raise NotKeyable(type(x).__name__)
-    return tuple(out)
-
-
-def value_sig(x: Any) -> Hashable:
-    """The replay key of an argument the launch reads as a Python value (a flag, a size, an enum): by value.
-
-    Raises:
-      NotKeyable: a tensor (a 0-d tensor passed as a scalar is read at every eager launch; a graph would keep the
-        value it saw at capture), or anything :func:`sig` cannot key.
-    """
-    if isinstance(x, (int, float, str)):  # enums of these too (a tensor is none of them)
-        return (x.__class__, x)
-    if isinstance(x, torch.Tensor):
-        raise NotKeyable("a tensor passed as a scalar")
-    if x is None or isinstance(x, (tuple, list)):
-        return sig(x)
-    return (type(x), sig(x))  # by type too: 8 and 8.0 are equal keys, but the checks take only the int
-
-
-def fields_sig(
-    obj: Any,
-    fields: tuple[str, ...],
-    values: tuple[str, ...] = (),
-    tkey: Callable[[torch.Tensor], Hashable] = full_tensor_key,
-) -> tuple:
-    """:func:`tensors_sig` of ``obj``'s attributes ``fields`` (tensors by ``tkey``) and :func:`value_sig` of its
-    attributes ``values`` (a missing one keys as a marker; the checks will raise).
-
-    Raises:
-      NotKeyable: a field that is neither a torch tensor nor None, or a value :func:`value_sig` cannot key.
-    """
-    try:
-        got = _getter(fields, values)(obj)  # one C call for every attribute
-        if len(fields) + len(values) == 1:  # attrgetter of one name returns the value itself
-            got = (got,)
-    except AttributeError:
-        got = tuple(getattr(obj, f, _MISSING) for f in (*fields, *values))
-    n = len(fields)
-    if tkey is _key_inference:  # the serving mode, inlined: a call per tensor costs as much as its key
-        ts = [
-            (x.data_ptr(), x.shape, x.stride(), x.dtype) if x.__class__ is _TENSOR else _field_key(x, tkey)
-            for x in got[:n]
-        ]
-    else:
-        ts = [tkey(x) if x.__class__ is _TENSOR else _field_key(x, tkey) for x in got[:n]]
-    return (
-        obj.__class__,
-        *ts,
-        *[(x.__class__, x) if x.__class__ in _PLAIN else value_sig(x) for x in got[n:]],
-    )
-
-
-def _field_key(x: Any, tkey: Callable[[torch.Tensor], Hashable]) -> Hashable:
-    return x if x is _MISSING else tensors_sig((x,), tkey)[0]
-
-
-_PLAIN = frozenset({int, bool, float, str})
-
-
-_TENSOR = torch.Tensor
-
-
-@functools.cache
-def _getter(fields: tuple[str, ...], values: tuple[str, ...]) -> Callable[[Any], Any]:
-    return operator.attrgetter(*fields, *values)
-
-
-_MISSING = ("<missing>",)
 
 
 _OWN = threading.local()
@@ -379,36 +230,6 @@ class LaunchGraphs:
         for old_key, old in evicted:
             self._note(old_key, _EAGER if old.replays < MIN_REPLAYS else 0)
         return entry
-
-
-class KeyMemo:
-    """What the first launch of a key computed (its checks passed, its statics, its program), so that later
-    launches of the key skip that work: the key names everything it depended on. At most ``cap`` keys, the
-    oldest forgotten first; a None key is never stored."""
-
-    def __init__(self, cap: int = _MAX_SEEN):
-        self._d: dict[Hashable, Any] = {}
-        self._cap = cap
-
-    def get(self, key: Hashable | None) -> Any:
-        return None if key is None else self._d.get(key)
-
-    def put(self, key: Hashable | None, value: Any) -> None:
-        if key is None:
-            return
-        d = self._d
-        if key not in d and len(d) >= self._cap:
-            try:
-                d.pop(next(iter(d)), None)
-            except (RuntimeError, StopIteration):  # another thread changed it meanwhile: forget one next time
-                pass
-        d[key] = value
-
-    def clear(self) -> None:
-        self._d.clear()
-
-    def __len__(self) -> int:
-        return len(self._d)
 
 
 GRAPHS = LaunchGraphs()

@@ -1,0 +1,153 @@
+"""Launch keys by address (issue #26: a replayed launch's host time is mostly its key).
+
+:func:`interop.sglang_launch.launch_key` collects a launch's arguments flat (:class:`interop.native.keys.Collector`)
+and gets the full key of a launch it has seen from the tensors' addresses, once torch's tensor guard has checked
+their layouts (:class:`interop.native.keys.GuardedKeys`). These tests pin that the key is the full key either way:
+equal where every tensor's address, shape, strides, dtype (and the mode's flags) and every value are equal, and
+different where any of them differs, with and without the guard.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+
+import pytest
+import torch
+
+from interop import sglang_launch
+from interop.native import keys, replay
+
+FIELDS = ("a", "b", "c")
+VALUES = ("n",)
+
+
+class Obj(types.SimpleNamespace):
+    pass
+
+
+class Kind(enum.IntEnum):
+    ONE = 1
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(sglang_launch, "KEYS", keys.GuardedKeys())
+    return sglang_launch
+
+
+def _key(obj, flag=False, extra=()):
+    def parts(k):
+        return (replay.fields_sig(obj, FIELDS, VALUES, k), replay.tensors_sig(extra, k), replay.value_sig(flag))
+
+    return sglang_launch.launch_key("verify", "native", None, (), parts)
+
+
+def _obj(**kw):
+    t = dict(a=torch.zeros(16, dtype=torch.int64), b=torch.zeros(4, 8, dtype=torch.uint8), c=None, n=3)
+    t.update(kw)
+    return Obj(**t)
+
+
+def _full(obj, flag=False, extra=()):
+    """The key computed in full: every tensor by tensor_key, in the collector's order (fields, then extra)."""
+    tk = replay.tensor_key(torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+    ts = [x for x in (obj.a, obj.b, obj.c, *extra) if isinstance(x, torch.Tensor)]
+    return tuple(tk(t) for t in ts)
+
+
+def test_a_seen_launch_gets_the_same_key_from_its_addresses(fresh):
+    o = _obj()
+    k1 = _key(o)
+    assert isinstance(k1, keys.LaunchKey) and fresh.KEYS.guarded == 0
+    assert k1.parts[1] == _full(o)  # the full key: each tensor's address, shape, strides, dtype and flags
+    k2 = _key(o)
+    assert k2 is k1 and fresh.KEYS.guarded == 1  # one guard call, no key built
+    assert _key(Obj(**vars(o))) is k1  # another object of the same class, same tensors and values
+
+
+def test_a_layout_change_at_the_same_address_is_another_key(fresh):
+    o = _obj()
+    k = _key(o)
+    for b in (
+        o.b.view(8, 4),  # shape
+        o.b.view(torch.int8),  # dtype
+        o.b.as_strided((4, 8), (1, 4)),  # strides
+        o.b[:2],  # shape, same first byte
+    ):
+        assert b.data_ptr() == o.b.data_ptr()
+        k2 = _key(_obj(a=o.a, b=b))
+        assert k2 != k and k2.parts[1] == _full(_obj(a=o.a, b=b))
+    assert _key(o) == k  # and back
+
+
+def test_addresses_values_and_flags_are_named(fresh):
+    o = _obj()
+    k = _key(o)
+    assert _key(_obj(a=o.a.clone(), b=o.b)) != k
+    assert _key(_obj(a=o.a, b=o.b, c=o.a)) != k  # None vs a tensor
+    assert _key(_obj(a=o.a, b=o.b, n=4)) != k
+    assert _key(_obj(a=o.a, b=o.b, n=3.0)) != k  # equal values of another type
+    assert _key(_obj(a=o.a, b=o.b, n=Kind.ONE)) != _key(_obj(a=o.a, b=o.b, n=1))  # an enum by its class
+    assert _key(o, flag=True) != k
+    assert _key(o, extra=(o.a,)) != k
+    assert _key(Obj(a=o.a, b=o.b, n=3)) != k  # a missing field keys as a marker (the checks will raise)
+    assert _key(o) == k
+
+
+def test_torch_modes_and_tensor_flags_are_named(fresh):
+    o = _obj(a=torch.zeros(16, requires_grad=True))
+    k = _key(o)
+    assert _key(_obj(a=o.a.detach(), b=o.b)) != k  # requires_grad, same address and layout
+    with torch.no_grad():
+        assert _key(o) != k
+    with torch.inference_mode():
+        ki = _key(o)
+        assert ki != k and _key(o) is ki
+        inf = _obj(a=torch.zeros(16), b=torch.zeros(4, 8, dtype=torch.uint8))
+        assert _key(inf) is _key(inf)
+    assert _key(o) == k
+
+
+def test_what_cannot_be_keyed_gives_no_key(fresh):
+    o = _obj()
+    assert _key(_obj(a=o.a, b=o.b, n=torch.tensor(3))) is None  # a 0-d tensor as a value: read every launch
+    assert _key(_obj(a=[1, 2], b=o.b)) is None  # not a tensor
+    assert _key(_obj(a=o.a, b=o.b, n=[1])) is None  # unhashable
+
+
+def test_without_torch_s_guard_every_key_is_built_in_full(fresh, monkeypatch):
+    o = _obj()
+    guarded = _key(o)
+    monkeypatch.setattr(sglang_launch, "KEYS", keys.GuardedKeys())
+    monkeypatch.setattr(keys, "_tensor_guard", lambda tensors: None)
+    k1, k2 = _key(o), _key(o)
+    assert k1 == k2 == guarded and k1 is not k2 and sglang_launch.KEYS.guarded == 0
+    assert _key(_obj(a=o.a, b=o.b.view(8, 4))) != k1
+
+
+def test_torch_s_guard_is_there():
+    """The guard this module relies on for speed exists in the torch we pin (a new torch without it would make
+    every key a full one: the same keys, slower)."""
+    t = torch.zeros(3)
+    g = keys._tensor_guard([t])
+    assert g is not None and g.check(t) and not g.check(torch.zeros(4)) and not g.check(torch.zeros(3).int())
+
+
+def test_launch_key_hashes_once_and_compares_by_parts():
+    a, b = keys.LaunchKey((1, (2, 3))), keys.LaunchKey((1, (2, 3)))
+    assert a == b and hash(a) == hash(b) == hash((1, (2, 3)))
+    assert a != keys.LaunchKey((1, (2, 4))) and a != (1, (2, 3))
+    assert {a: 1}[b] == 1
+
+
+def test_keys_keep_no_tensor_alive(fresh):
+    import gc
+    import weakref
+
+    o = _obj()
+    refs = [weakref.ref(o.a), weakref.ref(o.b)]
+    assert _key(o) is not None and _key(o) is not None
+    del o
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
