@@ -12,7 +12,7 @@ BASE=${BASE:-./_baseline}
 step 01_tests "${CAP1:-240}" python3 -m pytest -o addopts= -q -p no:cacheprovider -rf -x \
   tests/test_interop_cuda.py::test_cuda_native_path_random_launches_match_sglang_reference tests/test_native_graphs.py \
   tests/test_native_replay.py tests/test_native_plan.py::test_cuda_plan_is_the_triton_kernel_and_matches tests/test_native_path.py \
-  tests/test_native_memo.py tests/test_torch_engine.py::test_engine_clean_run_and_detects_corruption_cuda \
+  tests/test_native_memo.py tests/test_native_keys.py tests/test_torch_engine.py::test_engine_clean_run_and_detects_corruption_cuda \
   tests/test_torch_engine_vllm.py::test_engine_cuda
 step 02_native_bench "${CAP2:-170}" python3 -m benchmarks.native_bench --out "$OUT/native"
 [ -d "$BASE" ] && step 03_native_bench_base "${CAP3:-170}" bash -c "cd '$BASE' && python3 -m benchmarks.native_bench \
