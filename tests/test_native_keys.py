@@ -61,9 +61,9 @@ def test_a_seen_launch_gets_the_same_key_from_its_addresses(fresh):
     k1 = _key(o)
     assert isinstance(k1, keys.LaunchKey) and fresh.KEYS.guarded == 0
     assert k1.parts[1] == _full(o)  # the full key: each tensor's address, shape, strides, dtype and flags
-    k2 = _key(o)
-    assert k2 is k1 and fresh.KEYS.guarded == 1  # one guard call, no key built
-    assert _key(Obj(**vars(o))) is k1  # another object of the same class, same tensors and values
+    assert _key(o) is k1 and fresh.KEYS.guarded == 0  # the second sighting, compared in full, builds the guard
+    assert _key(o) is k1 and fresh.KEYS.guarded == 1  # then: one guard call, no key built
+    assert _key(Obj(**vars(o))) is k1 and fresh.KEYS.guarded == 2  # another object, same tensors and values
 
 
 def test_a_layout_change_at_the_same_address_is_another_key(fresh):
@@ -76,9 +76,13 @@ def test_a_layout_change_at_the_same_address_is_another_key(fresh):
         o.b[:2],  # shape, same first byte
     ):
         assert b.data_ptr() == o.b.data_ptr()
-        k2 = _key(_obj(a=o.a, b=b))
-        assert k2 != k and k2.parts[1] == _full(_obj(a=o.a, b=b))
-    assert _key(o) == k  # and back
+        for _ in range(3):  # seen three times: the guard of o's layouts is built and passes
+            assert _key(o) == k
+        n = fresh.KEYS.guarded
+        assert n >= 1
+        k2 = _key(_obj(a=o.a, b=b))  # the same addresses: the guard refuses, the key is built in full
+        assert k2 != k and k2.parts[1] == _full(_obj(a=o.a, b=b)) and fresh.KEYS.guarded == n
+        assert _key(_obj(a=o.a, b=b)) is k2  # compared in full at its second sighting
 
 
 def test_addresses_values_and_flags_are_named(fresh):
@@ -121,8 +125,8 @@ def test_without_torch_s_guard_every_key_is_built_in_full(fresh, monkeypatch):
     guarded = _key(o)
     monkeypatch.setattr(sglang_launch, "KEYS", keys.GuardedKeys())
     monkeypatch.setattr(keys, "_tensor_guard", lambda tensors: None)
-    k1, k2 = _key(o), _key(o)
-    assert k1 == k2 == guarded and k1 is not k2 and sglang_launch.KEYS.guarded == 0
+    k1, k2, k3 = _key(o), _key(o), _key(o)
+    assert k1 == guarded and k3 is k2 is k1 and sglang_launch.KEYS.guarded == 0  # compared in full each time
     assert _key(_obj(a=o.a, b=o.b.view(8, 4))) != k1
 
 

@@ -310,12 +310,22 @@ class LaunchKey:
 def _tensor_guard(tensors: list[torch.Tensor]) -> Any:
     """torch's C++ guard of these tensors' layouts (shape, strides, dtype, device, requires grad, dispatch keys,
     Python type; not their addresses), or None where this torch has none or cannot build one."""
-    try:
-        from torch._C._dynamo.guards import TensorGuards
-
-        return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-    except Exception:  # noqa: BLE001 - a private API: without it, keys are computed in full
+    global _GUARD_TYPE
+    if _GUARD_TYPE is None:
+        try:
+            from torch._C._dynamo.guards import TensorGuards as _GUARD_TYPE
+        except ImportError:  # a private API: without it, keys are computed in full
+            _GUARD_TYPE = False
+    if _GUARD_TYPE is False:
         return None
+    try:
+        return _GUARD_TYPE(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    except Exception:  # noqa: BLE001 - a signature this torch does not take, a tensor it cannot guard
+        return None
+
+
+_GUARD_TYPE: Any = None  # torch's TensorGuards class once looked up, False where torch has none
+_PENDING = object()  # a key seen once: its guard is built at its second sighting
 
 
 class GuardedKeys:
@@ -323,8 +333,9 @@ class GuardedKeys:
     rest of its arguments (``fast``: the key with each tensor by :class:`Collector`), once one guard call has
     checked that its tensors' layouts are the ones the full key was built from. ``key(fast, tensors, tkey)``
     returns the :class:`LaunchKey` of ``(fast, (tkey(t) for t in tensors))``, which a miss (a new address, a
-    changed layout) computes in full and remembers; a hit returns the same object. At most :data:`MAX_KEYS` keys,
-    the oldest forgotten first.
+    changed layout) computes in full and remembers; a hit returns the same object. The guard is built at a key's
+    second sighting, so launches on fresh tensors every time (a prefill's) pay for no guard. At most
+    :data:`MAX_KEYS` keys, the oldest forgotten first.
     """
 
     def __init__(self):
@@ -333,16 +344,27 @@ class GuardedKeys:
 
     def key(self, fast: Hashable, tensors: list[torch.Tensor], tkey: Callable[[torch.Tensor], Hashable]) -> LaunchKey:
         hit = self._memo.get(fast)
-        if hit is not None and hit[0] is not None:
-            try:
-                ok = hit[0].check(*tensors)
-            except Exception:  # noqa: BLE001 - a tensor the guard cannot read: key it in full
-                ok = False
-            if ok:
-                self.guarded += 1
-                return hit[1]
-        full = LaunchKey((fast, tuple([tkey(t) for t in tensors])))
-        self._memo.put(fast, (_tensor_guard(tensors), full))
+        parts = None
+        if hit is not None:
+            guard, known = hit
+            if guard is not None and guard is not _PENDING:
+                try:
+                    ok = guard.check(*tensors)
+                except Exception:  # noqa: BLE001 - a tensor the guard cannot read: key it in full
+                    ok = False
+                if ok:
+                    self.guarded += 1
+                    return known
+            else:  # seen once (or no guard in this torch): compare in full
+                parts = (fast, tuple([tkey(t) for t in tensors]))
+                if known.parts == parts:
+                    if guard is _PENDING:  # seen twice: worth a guard
+                        self._memo.put(fast, (_tensor_guard(tensors), known))
+                    return known
+        if parts is None:
+            parts = (fast, tuple([tkey(t) for t in tensors]))
+        full = LaunchKey(parts)  # first seen (launches on fresh tensors every time never build a guard)
+        self._memo.put(fast, (_PENDING, full))
         return full
 
     def clear(self) -> None:
