@@ -43,9 +43,9 @@ def import_cache() -> dlpack.ImportCache:
     return _CACHE
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True, eq=False)  # not frozen: a frozen dataclass costs 3x to build, a dozen a launch
 class TensorArg:
-    """One torch argument of a launch.
+    """One torch argument of a launch (read-only by convention).
 
     Fields:
       name: argument name (error messages and the body's dict key).
