@@ -95,6 +95,8 @@ def test_addresses_values_and_flags_are_named(fresh):
     assert _key(_obj(a=o.a, b=o.b, n=Kind.ONE)) != _key(_obj(a=o.a, b=o.b, n=1))  # an enum by its class
     assert _key(o, flag=True) != k
     assert _key(o, extra=(o.a,)) != k
+    assert _key(o, extra=(o.a, None)) != _key(o, extra=(None, o.a))  # where an optional tensor is left None
+    assert _key(o, extra=(None, o.a)) == _key(o, extra=(None, o.a)) != _key(o, extra=(o.a,))
     assert _key(Obj(a=o.a, b=o.b, n=3)) != k  # a missing field keys as a marker (the checks will raise)
     assert _key(o) == k
 

@@ -108,7 +108,12 @@ def tensors_sig(xs: Iterable[Any], tkey: Callable[[torch.Tensor], Hashable] = fu
         refuse).
     """
     if tkey.__class__ is Collector:
-        tkey.items.extend(xs)
+        items = tkey.items
+        for x in xs:  # an optional tensor left None is common (a write's expected tokens): no item, a marker
+            if x is None:
+                tkey.classes.append((None, len(items)))  # where it was: (None, t) and (t, None) differ
+            else:
+                items.append(x)
         return None
     out = []
     inline = tkey is _key_inference  # _key_inference's key, without a call per tensor
@@ -187,8 +192,8 @@ class Collector:
     __slots__ = ("items", "classes", "values")
 
     def __init__(self):
-        self.items: list = []  # tensor fields in order: tensors, None, missing markers
-        self.classes: list[type] = []
+        self.items: list = []  # tensor fields in order: tensors (and a field's None or missing marker)
+        self.classes: list = []  # objects' classes, and (None, position in items) of a tensor argument left None
         self.values: list = []
 
     def __call__(self, x: torch.Tensor) -> None:  # as a plain tkey (sig): the tensor is collected
