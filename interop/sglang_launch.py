@@ -190,6 +190,7 @@ def _native_for(op: str, path: str | None, backend: str | None, env: tuple, devi
     return hit
 
 
+_IS_INFERENCE = torch.Tensor.is_inference
 KEYS = replay.GuardedKeys()
 """Launch keys by address (:class:`interop.native.keys.GuardedKeys`): a launch seen before gets its key from its
 tensors' addresses and one guard call on their layouts."""
@@ -228,6 +229,8 @@ def launch_key(op: str, path: str | None, backend: str | None, env: tuple, parts
         args = replay.Collector()
         rest = parts(args)  # the arguments the collector does not take (flags passed as values)
         flat, tensors = args.fast()  # each tensor by its address alone
+        if not inference:  # the guard reads inference-ness from dispatch keys, which a thread may exclude: name it
+            flat = (flat, tuple(map(_IS_INFERENCE, tensors)))
         return KEYS.key((op, path, backend, env, modes, rest, flat), tensors, replay.tensor_key(inference, grad))
     except (ValueError, TypeError, RuntimeError, replay.NotKeyable):  # RuntimeError: a tensor without storage
         return None

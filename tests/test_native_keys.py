@@ -119,7 +119,38 @@ def test_what_cannot_be_keyed_gives_no_key(fresh):
     o = _obj()
     assert _key(_obj(a=o.a, b=o.b, n=torch.tensor(3))) is None  # a 0-d tensor as a value: read every launch
     assert _key(_obj(a=[1, 2], b=o.b)) is None  # not a tensor
-    assert _key(_obj(a=o.a, b=o.b, n=[1])) is None  # unhashable
+    assert _key(_obj(a=o.a, b=o.b, n={})) is None  # unhashable
+
+
+def test_a_tensor_in_a_value_is_keyed_not_kept(fresh):
+    import gc
+    import weakref
+
+    t = torch.zeros(3)
+    r = weakref.ref(t)
+    o = _obj(n=(t,))
+    assert _key(o) is not None
+    del o, t
+    gc.collect()
+    assert r() is None
+
+
+def test_an_inference_tensor_at_a_normal_one_s_address_is_another_key(fresh):
+    """Outside inference mode the key names each tensor's inference-ness (the launch checks that it may update
+    it), even where the thread has autograd's dispatch keys switched off and the guard could not tell."""
+    import numpy as np
+
+    arr = np.zeros(16, dtype=np.int64)
+    normal = torch.from_numpy(arr)
+    with torch.inference_mode():
+        inf = torch.from_numpy(arr)  # the same memory
+    assert inf.data_ptr() == normal.data_ptr()
+    o = _obj()
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        for _ in range(3):
+            k = _key(_obj(a=normal, b=o.b))
+        k2 = _key(_obj(a=inf, b=o.b))
+    assert k2 != k and k2.parts[1] == _full(_obj(a=inf, b=o.b))
 
 
 def test_without_torch_s_guard_every_key_is_built_in_full(fresh, monkeypatch):

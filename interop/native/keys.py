@@ -222,7 +222,7 @@ class Collector:
         vals = tuple(self.values)
         types = tuple(map(type, vals))
         if not _VALUE_TYPES.issuperset(types) and not _learn_value_types(types):  # beyond ints, floats, str
-            types = tuple([value_sig(x) for x in vals])
+            return (tuple(self.classes), ptrs, tuple([value_sig(x) for x in vals])), tensors  # no raw objects
         return (tuple(self.classes), ptrs, types, vals), tensors
 
 
