@@ -32,14 +32,19 @@ _STAGES = dlpack.ImportCache(max_entries=512)  # staging tensors, entries die wi
 _PINNED: dict = {}  # staging tensors a caller's CUDA graph captured: kept for the process (the graph may replay)
 
 
-def _stage(t: torch.Tensor, rows: int, role: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """``(staging tensor, its first len(t) rows, whether it is new)`` for ``t`` padded to ``rows`` in ``role``."""
+def _pinned(t: torch.Tensor) -> bool:
+    """Whether staging for ``t`` happens inside a caller's own CUDA-graph capture: the graph keeps the buffer's
+    address, while the cache entry dies with the caller's tensor object (graph runners pass a new slice each call),
+    so the buffer is pinned. The launchers' own graphs keep their staging buffers themselves
+    (:mod:`interop.native.replay`)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing() and not replay.own_capture()
+
+
+def _stage(t: torch.Tensor, rows: int, role: str, pin: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(staging tensor, its first len(t) rows, whether it is new)`` for ``t`` padded to ``rows`` in ``role``;
+    ``pin``: :func:`_pinned`."""
     # a staging tensor made in inference mode is an inference tensor, which torch will not refill outside it
     key = dlpack.ImportCache.key_for(t, (rows, role, torch.is_inference_mode_enabled()))
-    # Inside a caller's own CUDA-graph capture the graph keeps this buffer's address, while the cache entry dies
-    # with the caller's tensor object (graph runners pass a new slice each call): pin it. The launchers' own
-    # graphs keep their staging buffers themselves (interop.native.replay).
-    pin = t.is_cuda and torch.cuda.is_current_stream_capturing() and not replay.own_capture()
     hit = _PINNED.get(key) if pin else None
     if hit is None:
         hit = _STAGES.get(key)
@@ -62,6 +67,7 @@ class _Refill:
         self.dst: list[torch.Tensor] = []
         self.src: list[torch.Tensor] = []
         self.edges: list[tuple[torch.Tensor, int, int]] = []
+        self.pin: bool | None = None  # _pinned, asked once per launch (its tensors share a device)
 
     def pad(
         self, t: torch.Tensor, rows: int, *, fill: int = 0, edge: bool = False, clamp: tuple[int, int] | None = None
@@ -70,7 +76,9 @@ class _Refill:
         n = int(t.shape[0])
         if n == rows and clamp is None:
             return t
-        out, head, fresh = _stage(t, rows, f"{fill}/{edge}/{clamp is not None}")
+        if self.pin is None:
+            self.pin = _pinned(t)
+        out, head, fresh = _stage(t, rows, f"{fill}/{edge}/{clamp is not None}", self.pin)
         if clamp is None:
             self.dst.append(head)
             self.src.append(t)
