@@ -45,7 +45,7 @@ def import_cache() -> dlpack.ImportCache:
 
 @dataclasses.dataclass(slots=True, eq=False)  # not frozen: a frozen dataclass costs 3x to build, a dozen a launch
 class TensorArg:
-    """One torch argument of a launch (read-only by convention).
+    """One torch argument of a launch (read-only by convention; compared and hashed by identity).
 
     Fields:
       name: argument name (error messages and the body's dict key).

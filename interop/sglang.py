@@ -115,7 +115,7 @@ def verify_replay_key(
     backend: str | None,
     path: str | None,
     layout: bool = False,
-) -> tuple | None:
+) -> Any:
     """The replay key of a verify launch (:mod:`interop.native.replay`; its layout key with ``layout``), None
     where replay does not apply (for :func:`launch_canary_verify_kernel` and ``benchmarks/replay_profile.py``)."""
     return _replay_key(
@@ -230,7 +230,7 @@ def write_replay_key(
     backend: str | None,
     path: str | None,
     layout: bool = False,
-) -> tuple | None:
+) -> Any:
     """The replay key of a write launch (:mod:`interop.native.replay`; its layout key with ``layout``), None
     where replay does not apply;
     ``tokens`` = ``(input_ids, positions, out_cache_loc, expected_input_tokens, expected_input_positions)`` (for

@@ -188,3 +188,26 @@ def test_keys_keep_no_tensor_alive(fresh):
     del o
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+def test_one_tensor_in_two_arguments_is_guarded_too(fresh):
+    """torch's guard refuses one tensor object passed twice; the key guards each object once, so such a launch
+    still gets its key from its addresses (and another layout in either place is still another key)."""
+    o = _obj()
+    k = _key(o, extra=(o.a,))
+    assert _key(o, extra=(o.a,)) is k  # the second sighting builds the guard
+    n = fresh.KEYS.guarded
+    assert _key(o, extra=(o.a,)) is k and fresh.KEYS.guarded == n + 1
+    assert _key(o, extra=(o.a.view(4, 4),)) != k
+
+
+def test_a_guard_that_refuses_its_own_layouts_leaves_the_key_compared_in_full(fresh, monkeypatch):
+    class Refuses:
+        def check(self, *tensors):
+            return False
+
+    monkeypatch.setattr(keys, "_tensor_guard", lambda tensors: Refuses())
+    o = _obj()
+    k = _key(o)
+    assert _key(o) is k and _key(o) is k and _key(o) is k and fresh.KEYS.guarded == 0
+    assert _key(_obj(a=o.a, b=o.b.view(8, 4))) != k

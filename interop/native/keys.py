@@ -105,7 +105,7 @@ def tensors_sig(xs: Iterable[Any], tkey: Callable[[torch.Tensor], Hashable] = fu
 
     Raises:
       NotKeyable: anything else (a DLPack object, which a launch imports afresh; a wrong type, which the checks
-        refuse).
+        refuse); with a :class:`Collector`, from its :meth:`Collector.fast` instead.
     """
     if tkey.__class__ is Collector:
         items = tkey.items
@@ -330,6 +330,13 @@ def _tensor_guard(tensors: list[torch.Tensor]) -> Any:
 
 
 _GUARD_TYPE: Any = None  # torch's TensorGuards class once looked up, False where torch has none
+
+
+def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` with each object once, in order (a launch may pass one tensor as two arguments)."""
+    return list({id(t): t for t in tensors}.values())
+
+
 _PENDING = object()  # a key seen once: its guard is built at its second sighting
 
 
@@ -339,7 +346,8 @@ class GuardedKeys:
     checked that its tensors' layouts are the ones the full key was built from. ``key(fast, tensors, tkey)``
     returns the :class:`LaunchKey` of ``(fast, (tkey(t) for t in tensors))``, which a miss (a new address, a
     changed layout) computes in full and remembers; a hit returns the same object. The guard is built at a key's
-    second sighting, so launches on fresh tensors every time (a prefill's) pay for no guard. At most
+    second sighting, so launches on fresh tensors every time (a prefill's) pay for no guard; a guard that refuses
+    the layouts it was built from leaves its key compared in full (the same object still returned). At most
     :data:`MAX_KEYS` keys, the oldest forgotten first.
     """
 
@@ -349,27 +357,28 @@ class GuardedKeys:
 
     def key(self, fast: Hashable, tensors: list[torch.Tensor], tkey: Callable[[torch.Tensor], Hashable]) -> LaunchKey:
         hit = self._memo.get(fast)
-        parts = None
-        if hit is not None:
-            guard, known = hit
+        if hit is None:
+            parts = (fast, tuple([tkey(t) for t in tensors]))
+        else:
+            guard, known, dedupe = hit
             if guard is not None and guard is not _PENDING:
                 try:
-                    ok = guard.check(*tensors)
+                    ok = guard.check(*(_unique(tensors) if dedupe else tensors))
                 except Exception:  # noqa: BLE001 - a tensor the guard cannot read: key it in full
                     ok = False
                 if ok:
                     self.guarded += 1
                     return known
-            else:  # seen once (or no guard in this torch): compare in full
-                parts = (fast, tuple([tkey(t) for t in tensors]))
-                if known.parts == parts:
-                    if guard is _PENDING:  # seen twice: worth a guard
-                        self._memo.put(fast, (_tensor_guard(tensors), known))
-                    return known
-        if parts is None:
             parts = (fast, tuple([tkey(t) for t in tensors]))
+            if known.parts == parts:
+                if guard is _PENDING:  # seen twice: worth a guard (one argument per tensor object: torch's
+                    uniq = _unique(tensors)  # guard refuses the same object in two places)
+                    self._memo.put(fast, (_tensor_guard(uniq), known, len(uniq) < len(tensors)))
+                elif guard is not None:  # it refused the layouts it was built from: compare in full from now on
+                    self._memo.put(fast, (None, known, False))
+                return known
         full = LaunchKey(parts)  # first seen (launches on fresh tensors every time never build a guard)
-        self._memo.put(fast, (_PENDING, full))
+        self._memo.put(fast, (_PENDING, full, False))
         return full
 
     def clear(self) -> None:
