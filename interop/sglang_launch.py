@@ -190,6 +190,9 @@ def _native_for(op: str, path: str | None, backend: str | None, env: tuple, devi
     return hit
 
 
+# What leaves a launch without a key, so that it runs eagerly and its checks raise what is wrong (RuntimeError: a
+# tensor without storage).
+_NO_KEY = (ValueError, TypeError, RuntimeError, replay.NotKeyable)
 _IS_INFERENCE = torch.Tensor.is_inference
 KEYS = replay.GuardedKeys()
 """Launch keys by address (:class:`interop.native.keys.GuardedKeys`): a launch seen before gets its key from its
@@ -207,7 +210,7 @@ def _replay_key(op: str, path: str | None, backend: str | None, first: Any, part
         env = (environ.get(native.PATH_ENV), environ.get(backends.BACKEND_ENV))
         if not _native_for(op, path, backend, env, first.device):
             return None
-    except (ValueError, TypeError):
+    except _NO_KEY:
         return None
     return launch_key(op, path, backend, env, parts, layout)
 
@@ -232,7 +235,7 @@ def launch_key(op: str, path: str | None, backend: str | None, env: tuple, parts
         if not inference:  # the guard reads inference-ness from dispatch keys, which a thread may exclude: name it
             flat = (flat, tuple(map(_IS_INFERENCE, tensors)))
         return KEYS.key((op, path, backend, env, modes, rest, flat), tensors, replay.tensor_key(inference, grad))
-    except (ValueError, TypeError, RuntimeError, replay.NotKeyable):  # RuntimeError: a tensor without storage
+    except _NO_KEY:
         return None
 
 

@@ -236,7 +236,7 @@ def _learn_value_types(types: tuple[type, ...]) -> bool:
     """Whether every class of ``types`` keys by value (an int, float or str, or a subclass such as an enum, as
     :func:`value_sig` keys them), remembering the new ones."""
     new = [t for t in types if t not in _VALUE_TYPES]
-    if not all(issubclass(t, (int, float, str)) and not issubclass(t, torch.Tensor) for t in new):
+    if not all(issubclass(t, (int, float, str)) for t in new):  # (no class is both one of these and a tensor)
         return False
     if len(_VALUE_TYPES) < 256:
         _VALUE_TYPES.update(new)
