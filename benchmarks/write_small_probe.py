@@ -1,14 +1,12 @@
 #!/usr/bin/env python3
 """Offline sm_90 compile of ``canary_phase`` and ``canary_write_fused`` with the small write body
-(:mod:`pallas_kernels.write_small`) and without it (``write_small_max_tokens=0``), and with ``--grid`` of the grid
-write ``canary_write_grid`` (:mod:`pallas_kernels.write_grid`) of a 4096 x 1 decode step at 32 and 16 programs:
-compile seconds, PTX size, global loads / stores and barriers (:func:`benchmarks.ptx_inspect.ptx_static`), the
-atomic instructions, and ptxas's registers and spills.
+(:mod:`pallas_kernels.write_small`) and without it (``write_small_max_tokens=0``): compile seconds, PTX size,
+global loads / stores and barriers (:func:`benchmarks.ptx_inspect.ptx_static`), and ptxas's registers and spills.
 No GPU: the Triton IR is lowered here and compiled by the ``triton`` package's compiler and ptxas
 (``interop.native.triton_kernels``), each kernel in fresh caches so the time is a real compile.
 
 Run with a python that has ``triton`` (the lowering and compile both run in it):
-  python -m benchmarks.write_small_probe [--grid] [--json PATH]
+  python -m benchmarks.write_small_probe [--json PATH]
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -67,12 +64,11 @@ def _eqn(kernel: str, tokens: int, reqs: int, source: bool, config: PallasConfig
     else:
 
         def run(c):
-            from pallas_kernels import calls, write, write_grid
+            from pallas_kernels import calls, write
 
             pro = calls.prologue(c, config, False)
             flat = write.flat_operands(tok, tok, tok, tok, tok, assert_inputs=True)
-            launch = write_grid.write_grid if kernel == "canary_write_grid" else write_fused.write_fused
-            return launch(pro, wplan, flat, assert_inputs=True, interpret=False, config=config)
+            return write_fused.write_fused(pro, wplan, flat, assert_inputs=True, interpret=False, config=config)
 
     eqns = [e for e in jax.make_jaxpr(run)(ctx).jaxpr.eqns if e.primitive.name == "pallas_call"]
     assert [e.params["name"] for e in eqns] == [kernel], [e.params["name"] for e in eqns]
@@ -96,13 +92,12 @@ def _ptxas(ptx: str) -> dict:
     return parse_ptxas(out.stdout + out.stderr)
 
 
-def measure(kernel: str, tokens: int, reqs: int, source: bool, small: bool, programs: int = 32) -> dict:
-    """One kernel compiled for sm_90 in fresh caches: seconds, PTX counts, atomics, registers (``programs``: the
-    grid write's ``write_grid_programs``; no GPU here, so no multiprocessor cap)."""
+def measure(kernel: str, tokens: int, reqs: int, source: bool, small: bool) -> dict:
+    """One kernel compiled for sm_90 in fresh caches: seconds, PTX counts, registers."""
     from interop.native import triton_kernels as tk
     from interop.native import triton_ttir as tt
 
-    config = PallasConfig(write_small_max_tokens=128 if small else 0, write_grid_programs=programs)
+    config = PallasConfig(write_small_max_tokens=128 if small else 0)
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as tcache:
         os.environ[tt.CACHE_ENV], os.environ["TRITON_CACHE_DIR"] = cache, tcache
         tt.clear_memo()
@@ -116,10 +111,8 @@ def measure(kernel: str, tokens: int, reqs: int, source: bool, small: bool, prog
         reqs=reqs,
         source=source,
         small=small,
-        **({"programs": programs} if kernel == "canary_write_grid" else {}),
         compile_s=round(seconds, 2),
         **{k: static[k] for k in ("ptx_lines", "ld_global", "st_global", "bar_sync")},
-        atomics=sorted(set(re.findall(r"\batom\.[\w.]+", ptx))),
         **_ptxas(ptx),
     )
 
@@ -127,23 +120,15 @@ def measure(kernel: str, tokens: int, reqs: int, source: bool, small: bool, prog
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--grid", action="store_true", help="the grid write of a 4096 x 1 decode step instead")
     args = ap.parse_args()
     rows = []
-    if args.grid:
-        cases = [("canary_write_grid", 4096, 4096, False, False, p) for p in (32, 16)]
-    else:
-        cases = [
-            (kernel, tokens, reqs, source, small, 32)
-            for kernel in ("canary_phase", "canary_write_fused")
-            for tokens, reqs in ((1, 1), (128, 128))
-            for source in (False, True)
-            for small in (False, True)
-        ]
-    for case in cases:
-        row = measure(*case)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    for kernel in ("canary_phase", "canary_write_fused"):
+        for tokens, reqs in ((1, 1), (128, 128)):
+            for source in (False, True):
+                for small in (False, True):
+                    row = measure(kernel, tokens, reqs, source, small)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -68,16 +68,6 @@ class PallasConfig:
         143.7 against 103.7 us at batch 128, where the TAIL phase's one program hashes 128 winners' real KV
         (``benchmarks/results/2026-12-07_h100_small_write.md``); 2 to 32 tokens are not measured.
       write_fused_num_warps: warps of the fused program (power of 2).
-      write_grid_max_tokens: a launch too large for the one program, of at most this many tokens, without a
-        long-request role and on a log with a launch ticket, runs as one kernel of a few programs that meet at
-        grid barriers (:mod:`pallas_kernels.write_grid`), instead of five launches; 0 = never. The same bytes.
-        4096 by default (a decode step of 4096 one-token requests).
-      write_grid_max_hashed: the same bound for launches with real-KV sources, whose fingerprints the grid's
-        programs then compute besides their chains; 0 (the default) = never: not measured against the multi-launch
-        write, whose fingerprints run on programs of their own beside the chains.
-      write_grid_programs: most programs of that kernel (one per ``write_block`` entries below it); compiled, also at
-        most the GPU's multiprocessor count, since a grid barrier needs every program resident at once.
-      write_grid_num_warps: warps per program of that kernel (power of 2).
       phase_one_launch: a HEAD / TAIL phase (verify, then write: :func:`canary_jax.verify_then_write`) whose write
         takes the one program (``write_fused_max_tokens`` / ``write_fused_max_hashed``), on a log with a launch
         ticket, runs as one kernel, ``canary_phase`` (:mod:`pallas_kernels.phase`): the last verify program to
@@ -119,10 +109,6 @@ class PallasConfig:
     write_fused_max_hashed: int = 128
     write_small_max_tokens: int = 32
     write_fused_num_warps: int = 16
-    write_grid_max_tokens: int = 4096
-    write_grid_max_hashed: int = 0
-    write_grid_programs: int = 32
-    write_grid_num_warps: int = 4
     phase_one_launch: bool = True
     phase_num_warps: int = 8
     gather: str = "pair"
@@ -149,7 +135,6 @@ class PallasConfig:
             "write_long_chunk",
             "write_source_tile_words",
             "write_fused_num_warps",
-            "write_grid_num_warps",
             "phase_num_warps",
             "plan_block",
             "plan_num_warps",
@@ -165,23 +150,11 @@ class PallasConfig:
         for name in ("source_tile_words", "write_source_tile_words"):
             if getattr(self, name) < 2:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be at least 2, got {getattr(self, name)!r}")
-        for name in (
-            "verify_max_programs",
-            "write_max_programs",
-            "write_long_threshold",
-            "write_grid_programs",
-            "plan_max_programs",
-        ):
+        for name in ("verify_max_programs", "write_max_programs", "write_long_threshold", "plan_max_programs"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a positive int, got {v!r}")
-        for name in (
-            "write_fused_max_tokens",
-            "write_fused_max_hashed",
-            "write_small_max_tokens",
-            "write_grid_max_tokens",
-            "write_grid_max_hashed",
-        ):
+        for name in ("write_fused_max_tokens", "write_fused_max_hashed", "write_small_max_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"kv-canary: PallasConfig.{name} must be a non-negative int, got {v!r}")

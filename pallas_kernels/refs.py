@@ -65,19 +65,12 @@ def load_window(ref, start: jax.Array, n: int, *, interpret: bool) -> jax.Array:
     return pltriton.load(ref.at[idx], mask=mask, other=0)
 
 
-def words_view(ref, x: jax.Array) -> jax.Array:
-    """Words loaded from ``ref`` as uint32: a float32 ref holds the canary words' bits (the one-launch grid write
-    views them so for its slot claim, :func:`atomic_max_word`), moved bit for bit, never computed with."""
-    return jax.lax.bitcast_convert_type(x, U32) if jnp.dtype(ref.dtype) == jnp.dtype(jnp.float32) else x
-
-
 def load_word(ref, row: jax.Array, col, mask: jax.Array) -> jax.Array:
-    """``ref[row, col]`` of a 2-D uint32 ref (or its float32 view, :func:`words_view`; ``col`` static int or int32
-    vector), masked, other 0."""
+    """``ref[row, col]`` of a 2-D uint32 ref (``col`` static int or int32 vector), masked, other 0."""
     row = jnp.where(mask, row, 0)
     if not isinstance(col, int):
         col = jnp.where(mask, jnp.broadcast_to(col, row.shape), 0)
-    return words_view(ref, pltriton.load(ref.at[row, col], mask=mask, other=0))
+    return pltriton.load(ref.at[row, col], mask=mask, other=0)
 
 
 def load_words(ref, row: jax.Array, col, n: int, mask: jax.Array, mode: str) -> list[jax.Array]:
@@ -103,7 +96,7 @@ def load_words(ref, row: jax.Array, col, n: int, mask: jax.Array, mode: str) -> 
             cols = (col_m + base)[:, None] + iota(width)[None, :]
         rows = jnp.broadcast_to(row_m[:, None], (b, width))
         m2 = jnp.broadcast_to(mask[:, None], (b, width))
-        x = words_view(ref, pltriton.load(ref.at[rows, cols], mask=m2, other=0))  # u32[B, width]
+        x = pltriton.load(ref.at[rows, cols], mask=m2, other=0)  # u32[B, width]
         if width == 2:
             out.extend(unstack(x, axis=1))
         else:
@@ -197,8 +190,6 @@ def store_word(ref, row: jax.Array, col: int, value: jax.Array, mask: jax.Array)
     """Masked ``ref[row, col] = value``. Masked-out lanes point one past the end: Triton skips them, and the
     interpreter's scatter drops them instead of writing back a stale value over a live lane's store."""
     row = jnp.where(mask, row, ref.shape[0])
-    if jnp.dtype(ref.dtype) == jnp.dtype(jnp.float32):  # the words' float32 view (words_view): the bits as they are
-        value = jax.lax.bitcast_convert_type(value.astype(U32), jnp.float32)
     pltriton.store(ref.at[row, col], value, mask=mask)
 
 

@@ -20,10 +20,6 @@ admits long requests, see 1b) and one XLA memset (the flag words); between them 
 4. ``canary_write_store`` (:mod:`pallas_kernels.write_commit`): winners store their records, violation rows go
    to ``write_index + exclusive prefix``, program 0 bumps ``write_index`` and the counters.
 
-A launch too large for the one program of :mod:`pallas_kernels.write_fused` (more than 128 tokens) and at most
-``PallasConfig.write_grid_max_tokens`` (4096) tokens, without the long role and on a log with a launch ticket, runs
-these passes as one kernel of a few programs that meet at grid barriers instead (:mod:`pallas_kernels.write_grid`).
-
 Entries talk across launches through a flag word each (:mod:`pallas_kernels.write_flags`). The canary buffer,
 ring, write index and counters alias their outputs (``input_output_aliases``); the public
 :func:`canary_jax.write` donates them, so a launch costs time in the number of entries, not the pool size.
@@ -49,7 +45,6 @@ from pallas_kernels.write_chain import write_chain_kernel
 from pallas_kernels.write_claim import claim_slots
 from pallas_kernels.write_commit import write_commit_kernel
 from pallas_kernels.write_fused import write_fused
-from pallas_kernels.write_grid import takes_grid, write_grid
 from pallas_kernels.write_long import write_long_kernel
 from pallas_kernels.write_won import write_won_kernel
 
@@ -123,10 +118,6 @@ def _write_pallas(
     if takes_fused(num_tokens, cw, has_rkv, config):
         # A small launch (a decode step): every pass in one program, one kernel (pallas_kernels.write_fused).
         words, new_log = write_fused(pro, plan, flat, assert_inputs=assert_inputs, interpret=interpret, config=config)
-        return context.replace(canary_buf=layout.canary_bytes(words), log=new_log), None
-    if takes_grid(num_tokens, cw, has_rkv, log.launch_ticket is not None, config):
-        # A decode step too large for one program: the passes in one kernel, grid barriers between them.
-        words, new_log = write_grid(pro, plan, flat, assert_inputs=assert_inputs, interpret=interpret, config=config)
         return context.replace(canary_buf=layout.canary_bytes(words), log=new_log), None
     # A step's chain reuse (canary_jax.ops.chain_hints) pays only for long requests' chains: only a launch with the
     # long role makes or takes a hint (a decode launch's one-step chains cost less than carrying one).

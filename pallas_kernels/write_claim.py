@@ -55,12 +55,10 @@ def write_claim_kernel(
     num_tokens,
     block,
     interpret,
-    pid=None,
-    programs=None,
 ):
     """``claim word[slot] = max(., i + 1)`` for every written entry ``i``, blocks of ``block`` entries over a
-    persistent grid (``pid`` / ``programs`` as :func:`pallas_kernels.refs.for_each_block`'s). Entries that do not
-    write touch nothing (masked; their slot reads 0, see :func:`pallas_kernels.write_flags.load_flagged`)."""
+    persistent grid. Entries that do not write touch nothing (masked; their slot reads 0, see
+    :func:`pallas_kernels.write_flags.load_flagged`)."""
     del words_in_ref
 
     def block_body(b):
@@ -71,7 +69,7 @@ def write_claim_kernel(
         else:
             refs.atomic_max_word(words_ref, s, CLAIM_WORD, i + 1, written)
 
-    refs.for_each_block(refs.cdiv(num_tokens, block), block_body, pid=pid, programs=programs)
+    refs.for_each_block(refs.cdiv(num_tokens, block), block_body)
 
 
 def claim_slots(words, loc, flags, *, num_tokens: int, block: int, grid, compiler_params, interpret: bool):

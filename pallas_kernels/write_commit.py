@@ -37,12 +37,10 @@ def write_commit_kernel(
     gather,
     assert_inputs,
     pid=None,
-    programs=None,
 ):
     """Winners store their records; blocks with violations scatter their rows; program 0 moves the write index
     and bumps the counters. ``pid``: this program's id in the pass (None: the grid's), for a kernel that runs the
-    pass in some of its programs; ``programs``: how many (None: the grid's with ``pid`` None, else 1, the one
-    program of :mod:`pallas_kernels.phase` and :mod:`pallas_kernels.write_fused`)."""
+    pass in one of its programs (:mod:`pallas_kernels.phase`)."""
     rkv_ref = more_refs[0] if has_rkv else None
     words_ref, ring_ref, wi_ref, slot_counters_ref, kernel_counters_ref = more_refs[len(more_refs) - 5 :]
     num_blocks = refs.cdiv(num_tokens, block)
@@ -103,6 +101,4 @@ def write_commit_kernel(
             for k, v in enumerate(ch_cols):
                 refs.store_word(ring_ref, d_ch, k, v, keep_ch)
 
-    if programs is None and pid is not None:
-        programs = 1
-    refs.for_each_block(num_blocks, block_body, pid=pid, programs=programs)
+    refs.for_each_block(num_blocks, block_body, pid=pid, programs=None if pid is None else 1)

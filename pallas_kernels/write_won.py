@@ -37,11 +37,7 @@ def write_won_kernel(
     gather,
     hasher,
     has_long,
-    pid=None,
-    programs=None,
 ):
-    """Winners and per-block counts over blocks of ``block`` entries, a persistent grid (``pid`` / ``programs``:
-    this program's id and the pass's programs, None for the grid's; :func:`pallas_kernels.refs.for_each_block`)."""
     del flags_in_ref, prev_in_ref, chain_exp_in_ref
 
     def block_body(b):
@@ -83,4 +79,4 @@ def write_won_kernel(
         counts_ref[b, 0] = jnp.sum(rows, dtype=jnp.int32)
         counts_ref[b, 1] = jnp.sum(written.astype(jnp.int32), dtype=jnp.int32)
 
-    refs.for_each_block(refs.cdiv(num_tokens, block), block_body, pid=pid, programs=programs)
+    refs.for_each_block(refs.cdiv(num_tokens, block), block_body)

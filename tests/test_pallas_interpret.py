@@ -24,9 +24,7 @@ class PallasBackendTest(
     BACKEND = "pallas"
     VERIFY_IMPL = staticmethod(backends.implementation("verify", "pallas"))
     WRITE_IMPL = staticmethod(backends.implementation("write", "pallas"))
-    CONFIG = dataclasses.replace(
-        DEFAULT_CONFIG, write_fused_max_tokens=0, write_fused_max_hashed=0, write_grid_max_tokens=0
-    )
+    CONFIG = dataclasses.replace(DEFAULT_CONFIG, write_fused_max_tokens=0, write_fused_max_hashed=0)
 
 
 if __name__ == "__main__":

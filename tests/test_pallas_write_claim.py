@@ -33,13 +33,11 @@ from pallas_kernels.write_flags import CLAIM_WORD, WriteFlag
 from tests.helpers.jaxpr_walk import traced_eqns
 
 N_SLOTS = 64
-MULTI = PallasConfig(write_fused_max_tokens=0, write_fused_max_hashed=0, write_grid_max_tokens=0)
+MULTI = PallasConfig(write_fused_max_tokens=0, write_fused_max_hashed=0)
 LONG = PallasConfig(write_fused_max_tokens=0, write_fused_max_hashed=0, write_long_threshold=2, write_long_chunk=4)
 # Blocks of 8 entries over 2 programs: program 0 claims blocks 0, 2, 4 before program 1 claims blocks 1, 3
 # (interpreted, programs run one after another), so later entries claim before earlier ones.
-SMALL_BLOCKS = dict(
-    write_fused_max_tokens=0, write_fused_max_hashed=0, write_grid_max_tokens=0, write_block=8, write_max_programs=2
-)
+SMALL_BLOCKS = dict(write_fused_max_tokens=0, write_fused_max_hashed=0, write_block=8, write_max_programs=2)
 VIEWS = {"reshape", "bitcast_convert_type"}
 AFTER_CHAINS = ["canary_write_claim", "canary_write_won", "canary_write_store"]  # the launches after the chains
 

@@ -23,9 +23,7 @@ from pallas_kernels.write import write_pallas
 from tests.helpers.jaxpr_walk import traced_eqns
 
 FUSED = PallasConfig(write_fused_max_tokens=512, write_fused_max_hashed=256)
-MULTI = PallasConfig(
-    write_fused_max_tokens=0, write_fused_max_hashed=0, write_grid_max_tokens=0
-)  # the multi-launch write
+MULTI = PallasConfig(write_fused_max_tokens=0, write_fused_max_hashed=0)  # the multi-launch write
 N_SLOTS = 64
 # Every launch below has this request capacity and token count (counts padded with the plan's capacity, token
 # arrays with a tail past the offsets that no request claims): one compiled program per config and assert
