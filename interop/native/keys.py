@@ -187,7 +187,14 @@ class Collector:
     """A ``tkey`` that collects a launch's arguments flat, in launch order, instead of keying them one by one:
     :func:`fields_sig` and :func:`tensors_sig` given a collector add to it and return None. :meth:`fast` is then
     the launch's key with each tensor by its address alone (a few C loops over all of them), the first half of a
-    guarded key (:class:`GuardedKeys`), whose guard checks the tensors' layouts."""
+    guarded key (:class:`GuardedKeys`), whose guard checks the tensors' layouts.
+
+    A tensor argument left None is a position marker in ``classes`` (:func:`tensors_sig` looks at each argument
+    anyway); a None tensor attribute of a launch object stays in ``items`` and :meth:`fast` keys it as None in its
+    fallback loop, where the one C loop over ``items`` fails. Scanning each object's fields for None first would
+    give one encoding but costs every launch: ``None in fields`` calls torch's ``__eq__`` per tensor, and even an
+    identity scan (``map(operator.is_not, ...)``) adds a pass per object (three per write launch), where the
+    common all-tensor path now pays nothing."""
 
     __slots__ = ("items", "classes", "values")
 
