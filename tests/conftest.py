@@ -1,10 +1,12 @@
 """Test-session settings shared by every test module."""
 
 import os
-import re
 import shutil
 
 import jaxlib.version
+
+# canary_jax's version parsing and floor (importing it starts no backend: XLA reads XLA_FLAGS at the first device use)
+from canary_jax._compat.jax_version import JAX_FLOOR, _release
 
 # Without a GPU, XLA:CPU compiles the suite's programs at LLVM optimisation level 0. Most of the suite's time is
 # compiling interpreted Pallas kernels, which run a few times each: on the 2-core CI machine the step-safety Pallas
@@ -16,10 +18,9 @@ import jaxlib.version
 # each) their backend compile took 10.4 to 11.8 s instead of 14.3 to 14.4 s, and the whole suite (2 workers, 2
 # cores) 15:05 instead of 22:03 to 22:25, 28 CPU minutes instead of 42. jaxlib 0.12 has no such flag (XLA
 # aborts on a flag it does not know), so it is added only where it was run: jaxlib 0.8.3, 0.9.2 and 0.10.2.
-# The version is the imported jaxlib's (importing jaxlib.version starts no backend: XLA reads XLA_FLAGS later).
+# The version is the imported jaxlib's, not package metadata (which a stale dist-info can shadow).
 _CPU_FLAGS = ["--xla_backend_optimization_level=0"]
-_JAXLIB = tuple(int(p) for p in re.findall(r"\d+", jaxlib.version.__version__)[:3])
-if (0, 8, 3) <= _JAXLIB < (0, 11):
+if JAX_FLOOR <= _release(jaxlib.version.__version__) < (0, 11):
     _CPU_FLAGS.append("--xla_cpu_use_fusion_emitters=false")
 if shutil.which("nvidia-smi") is None:
     _flags = os.environ.get("XLA_FLAGS", "")
